@@ -1,0 +1,1 @@
+"""moerun: fast inference for Mixture-of-Experts language models."""

@@ -1,0 +1,60 @@
+"""Public MoE entry points: ``route`` and ``fused_moe``, dispatched to the torch reference or Triton kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moerun.ops.moe_reference import fused_moe_reference, route_reference
+
+BACKENDS = ("torch", "triton")
+
+
+def _pick_backend(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; expected one of {BACKENDS} or None")
+    if backend == "triton" and not triton_available():
+        raise ValueError("MoE backend 'triton' needs the triton package, which is not installed")
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("MoE backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    return backend
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def route(
+    router_logits: torch.Tensor, k: int, renormalize: bool, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax + top-k (+ renormalise) over router_logits [T, E] -> (weights [T, k] float32, ids [T, k] int32)."""
+    if not 1 <= k <= router_logits.shape[-1]:
+        raise ValueError(f"k must be in [1, {router_logits.shape[-1]}], got {k}")
+    if _pick_backend(backend, router_logits.device) == "torch":
+        return route_reference(router_logits, k, renormalize)
+    from moerun.kernels.router import route_triton
+
+    return route_triton(router_logits, k, renormalize)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
+    if _pick_backend(backend, hidden.device) == "torch":
+        return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
+    from moerun.kernels.fused_moe import fused_moe_triton
+
+    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,56 @@
+"""Plain PyTorch reference for routing and the experts of an MoE layer.
+
+Dimensions: T tokens, H hidden size, E experts, k experts per token, I expert intermediate size.
+These functions define what the fast paths must compute; tests compare the kernels against them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_reference(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in float32 over the experts, top-k, optional renormalisation to sum 1."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    topk_weights, topk_ids = torch.topk(probs, k, dim=-1)  # [T, k]
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids.to(torch.int32)
+
+
+def fused_moe_reference(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+
+    hidden [T, H], w13 [E, 2I, H] (gate rows first), w2 [E, H, I], topk_weights [T, k], topk_ids [T, k].
+    Each expert's GEMMs run in the dtype of the weights; the weighted sum over the k slots accumulates in
+    float32 and the result is cast to the dtype of ``hidden``.
+    """
+    T, H = hidden.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    out = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)  # [T, H]
+    flat_ids = topk_ids.reshape(-1).long()  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # slots sorted by expert
+    counts = torch.bincount(flat_ids, minlength=E).tolist()
+    k = topk_ids.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start : start + n]  # [n] flat (token, slot) indices
+        start += n
+        tokens = slots // k
+        x = hidden[tokens].to(w13.dtype)  # [n, H]
+        gate_up = x @ w13[e].t()  # [n, 2I]
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
+        y = act @ w2[e].t()  # [n, H]
+        weight = topk_weights.reshape(-1)[slots].float().unsqueeze(1)  # [n, 1]
+        out.index_add_(0, tokens, y.float() * weight)
+    return out.to(hidden.dtype)

@@ -250,3 +250,26 @@ def _rope_from_hf(cfg: dict[str, Any], max_pos: int, source: str) -> RopeConfig:
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: device, dtype, context and batch limits, MoE backend."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int = 8192
+    moe_backend: str | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.moe_backend not in (None, "torch", "triton"):
+            raise ValueError(f"moe_backend must be 'torch', 'triton' or None, got {self.moe_backend!r}")

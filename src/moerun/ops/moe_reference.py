@@ -34,23 +34,22 @@ def fused_moe_reference(
     """
     T, H = hidden.shape
     E, two_i, _ = w13.shape
-    inter = two_i // 2
-    out = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)  # [T, H]
-    flat_ids = topk_ids.reshape(-1).long()  # [T*k]
-    order = torch.argsort(flat_ids, stable=True)  # slots sorted by expert
-    counts = torch.bincount(flat_ids, minlength=E).tolist()
     k = topk_ids.shape[1]
+    inter = two_i // 2
+    flat_ids = topk_ids.reshape(-1).long()  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs sorted by expert
+    counts = torch.bincount(flat_ids, minlength=E).tolist()
+    per_slot = torch.empty(T * k, H, dtype=torch.float32, device=hidden.device)  # [T*k, H]
+    weights = topk_weights.reshape(-1).float()  # [T*k]
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         slots = order[start : start + n]  # [n] flat (token, slot) indices
         start += n
-        tokens = slots // k
-        x = hidden[tokens].to(w13.dtype)  # [n, H]
+        x = hidden[slots // k].to(w13.dtype)  # [n, H]
         gate_up = x @ w13[e].t()  # [n, 2I]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
         y = act @ w2[e].t()  # [n, H]
-        weight = topk_weights.reshape(-1)[slots].float().unsqueeze(1)  # [n, 1]
-        out.index_add_(0, tokens, y.float() * weight)
-    return out.to(hidden.dtype)
+        per_slot[slots] = y.float() * weights[slots, None]
+    return per_slot.view(T, k, H).sum(dim=1).to(hidden.dtype)

@@ -1,0 +1,188 @@
+"""The public Python API: ``LLM`` loads a model and generates, chats, streams or returns logits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence as Seq
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from moerun.config import EngineConfig, ModelConfig, parse_dtype
+from moerun.engine.engine import Engine
+from moerun.engine.sequence import Sequence
+from moerun.models.checkpoint import load_checkpoint
+from moerun.outputs import GenerationOutput
+from moerun.sampling_params import SamplingParams
+
+logger = logging.getLogger("moerun")
+
+Prompt = Union[str, list[int]]
+Message = dict[str, Any]
+
+
+class LLM:
+    """A loaded model ready to generate.
+
+    ``model`` is a Hugging Face checkpoint folder (config.json + safetensors + tokenizer files).
+    device None picks CUDA when present, else CPU; dtype None keeps the checkpoint's dtype on CUDA and uses
+    float32 on CPU.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        moe_backend: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        seed: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but CUDA is not available")
+        loaded = load_checkpoint(model, device, parse_dtype(dtype), moe_backend, progress=progress)
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        mc: ModelConfig = self.model_config
+        if max_model_len is None:
+            max_model_len = min(mc.max_position_embeddings, 8192)
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
+        max_num_seqs = max_num_seqs or (64 if device.type == "cuda" else 8)
+        self.engine_config = EngineConfig(
+            device=device,
+            dtype=mc.dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            moe_backend=moe_backend,
+            seed=seed,
+        )
+        slots = _kv_slots(mc, self.engine_config)
+        self.engine = Engine(self.model, self.tokenizer, self.engine_config, slots)
+
+    # ---- generation ----
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[GenerationOutput]:
+        """Generates for each prompt (text or token ids); returns outputs in the order of the prompts."""
+        prompts_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompts_list))
+        seqs = [self._add(p, sp) for p, sp in zip(prompts_list, params_list)]
+        try:
+            while self.engine.has_work:
+                self.engine.step()
+        except BaseException:
+            for s in seqs:
+                if not s.is_finished:
+                    self.engine.abort(s)
+            raise
+        return [_output(s) for s in seqs]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        enable_thinking: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[GenerationOutput]:
+        """Renders one conversation (or a list of them) with the chat template and generates the reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, enable_thinking, tools, **template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def render_chat(
+        self, messages: list[Message], enable_thinking: bool = True, tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking, **template_kwargs
+        )
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields the text of one request piece by piece as it is generated."""
+        seq = self._add(prompt, sampling_params or SamplingParams())
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                delta = seq.take_delta()
+                if delta:
+                    yield delta
+            delta = seq.take_delta()
+            if delta:
+                yield delta
+        finally:
+            if not seq.is_finished:
+                self.engine.abort(seq)
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] of one prefill (for checking against reference models)."""
+        if not token_ids:
+            raise ValueError("logits() needs at least one token id")
+        return self.engine.prefill_logits(list(token_ids)).cpu()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        if isinstance(prompt, str):
+            return self.engine.add_request(self.tokenizer.encode(prompt), params, prompt)
+        return self.engine.add_request([int(t) for t in prompt], params, None)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # a single prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _output(seq: Sequence) -> GenerationOutput:
+    return GenerationOutput(
+        prompt=seq.prompt,
+        prompt_token_ids=seq.prompt_ids,
+        text=seq.text,
+        token_ids=list(seq.output_ids),
+        finish_reason=seq.finish_reason or "abort",
+    )
+
+
+def _kv_slots(mc: ModelConfig, ec: EngineConfig) -> int:
+    """How many sequences of max_model_len tokens the KV cache holds: max_num_seqs if memory allows."""
+    from moerun.engine.kv_cache import KVCache
+    from moerun.engine.memory import available_bytes
+
+    per_seq = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype) * ec.max_model_len
+    budget = int(available_bytes(ec.device) * 0.9)
+    slots = min(ec.max_num_seqs, budget // per_seq)
+    if slots < 1:
+        raise ValueError(
+            f"the KV cache for one sequence of max_model_len={ec.max_model_len} tokens needs "
+            f"{per_seq / 2**30:.2f} GiB but only {budget / 2**30:.2f} GiB is available; lower max_model_len"
+        )
+    if slots < ec.max_num_seqs:
+        logger.warning("KV cache holds %d sequences of %d tokens (max_num_seqs %d)", slots, ec.max_model_len,
+                       ec.max_num_seqs)
+    return slots

@@ -1,0 +1,68 @@
+"""The KV cache: one preallocated region per sequence slot.
+
+Layout per layer: k, v [S, L, n_kv, D] (S slots, L max tokens per sequence). Attention reaches the cache only
+through ``write`` and ``gather``, so a paged layout (a block table per slot) can replace this one behind the
+same two calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.engine.batch import ForwardBatch
+
+
+class KVCache:
+    """Preallocated keys and values for ``num_slots`` sequences of up to ``max_len`` tokens each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len = num_slots, max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # ---- slot bookkeeping ----
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free KV-cache slot")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise RuntimeError(f"KV-cache slot {slot} released twice or out of range")
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # ---- data ----
+    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores k, v [T, n_kv, D] of the batch's tokens at their (slot, position)."""
+        if batch.is_prefill:
+            row = 0
+            for slot, start, n in zip(batch.slots, batch.start_positions, batch.query_lens):
+                self.k[layer, slot, start : start + n] = k[row : row + n]
+                self.v[layer, slot, start : start + n] = v[row : row + n]
+                row += n
+        else:
+            self.k[layer, batch.slot_ids, batch.positions] = k  # [B, n_kv, D]
+            self.v[layer, batch.slot_ids, batch.positions] = v
+
+    def gather(self, layer: int, slot_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, length, n_kv, D] of the given slots (positions past a sequence's end are stale)."""
+        return self.k[layer, slot_ids, :length], self.v[layer, slot_ids, :length]

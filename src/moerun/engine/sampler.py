@@ -1,0 +1,83 @@
+"""Picks the next token of each sequence from its logits: penalties, temperature, top-k, top-p, min-p."""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.engine.sequence import Sequence
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Divides positive (multiplies negative) logits of tokens already seen, per sequence (as transformers)."""
+    for row, seq in enumerate(seqs):
+        penalty = seq.params.repetition_penalty
+        if penalty == 1.0:
+            continue
+        seen = torch.tensor(sorted(set(seq.all_ids)), dtype=torch.int64, device=logits.device)
+        scores = logits[row, seen]
+        logits[row, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return logits
+
+
+def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities [B, V] after temperature, top-k, top-p and min-p (each a per-row [B] setting)."""
+    logits = logits / temperature[:, None]
+    V = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+        rank = torch.arange(V, device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, V)[:, None]
+        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+        sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class Sampler:
+    """Samples one token per row; rows with a seed use their own generator, so they are reproducible."""
+
+    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def generator_for(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits [B, V] float32 -> one token id per sequence."""
+        logits = apply_repetition_penalty(logits.float(), seqs)
+        tokens = logits.argmax(dim=-1)  # [B], the greedy choice
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            params = [seqs[i].params for i in sampled_rows]
+            dev = logits.device
+            probs = filter_probs(
+                logits[rows],
+                torch.tensor([p.temperature for p in params], device=dev),
+                torch.tensor([p.top_k for p in params], device=dev),
+                torch.tensor([p.top_p for p in params], device=dev),
+                torch.tensor([p.min_p for p in params], device=dev),
+            )
+            picks = []
+            for j, i in enumerate(sampled_rows):
+                gen = seqs[i].generator or self.generator
+                picks.append(torch.multinomial(probs[j], 1, generator=gen))
+            tokens[rows] = torch.cat(picks)
+        return tokens.tolist()

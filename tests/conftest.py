@@ -1,0 +1,26 @@
+"""Shared fixtures: the default tiny checkpoint and an LLM on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import build_checkpoint
+
+# the test models are tiny: threads cost more in synchronisation than they gain
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The default tiny checkpoint (4 MoE layers, 8 experts, top-2, tied embeddings)."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_checkpoint):
+    from moerun import LLM
+
+    return LLM(str(tiny_checkpoint), device="cpu", max_model_len=512, max_num_seqs=8)

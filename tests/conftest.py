@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import build_checkpoint
+from moerun.models.tiny import QWEN3_VOCAB_SIZE
 
 # the test models are tiny: threads cost more in synchronisation than they gain
 torch.set_num_threads(1)
@@ -15,8 +16,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    """The default tiny checkpoint (4 MoE layers, 8 experts, top-2, tied embeddings)."""
-    return build_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+    """The default tiny checkpoint: 4 MoE layers, 8 experts, top-2, tied embeddings, the full Qwen3 vocabulary."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0, vocab_size=QWEN3_VOCAB_SIZE)
 
 
 @pytest.fixture(scope="session")

@@ -56,3 +56,13 @@ def test_greedy_generation_matches_transformers(pair):
                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert out.token_ids == expected
     assert out.finish_reason == "length"
+
+
+def test_repetition_penalty_matches_transformers(pair):
+    llm, ref = pair
+    ids = [random.randrange(SMALL_VOCAB) for _ in range(5)]
+    out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.7, ignore_eos=True))
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                repetition_penalty=1.7, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert out[0].token_ids == expected

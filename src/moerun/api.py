@@ -12,7 +12,7 @@ import torch
 from moerun.config import EngineConfig, ModelConfig, parse_dtype
 from moerun.engine.engine import Engine
 from moerun.engine.sequence import Sequence
-from moerun.models.checkpoint import load_checkpoint
+from moerun.models.checkpoint import load_checkpoint, read_model_config, resolve_dtype
 from moerun.outputs import GenerationOutput
 from moerun.sampling_params import SamplingParams
 
@@ -45,9 +45,11 @@ class LLM:
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but CUDA is not available")
-        loaded = load_checkpoint(model, device, parse_dtype(dtype), moe_backend, progress=progress)
-        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        mc: ModelConfig = self.model_config
+        if moe_backend not in (None, "torch", "triton"):
+            raise ValueError(f"moe_backend must be 'torch', 'triton' or None, got {moe_backend!r}")
+        requested_dtype = parse_dtype(dtype)
+        # every option is checked against the config before any weight is read
+        mc = read_model_config(model)
         if max_model_len is None:
             max_model_len = min(mc.max_position_embeddings, 8192)
         if max_model_len > mc.max_position_embeddings:
@@ -58,13 +60,16 @@ class LLM:
         max_num_seqs = max_num_seqs or (64 if device.type == "cuda" else 8)
         self.engine_config = EngineConfig(
             device=device,
-            dtype=mc.dtype,
+            dtype=resolve_dtype(mc.dtype, requested_dtype, device),
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             moe_backend=moe_backend,
             seed=seed,
         )
+        loaded = load_checkpoint(model, device, requested_dtype, moe_backend, progress=progress)
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        mc = self.model_config
         slots = _kv_slots(mc, self.engine_config)
         self.engine = Engine(self.model, self.tokenizer, self.engine_config, slots)
 

@@ -30,6 +30,16 @@ def resolve_dtype(config_dtype: torch.dtype, requested: torch.dtype | None, devi
     return config_dtype if device.type == "cuda" else torch.float32
 
 
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model config of a checkpoint folder, read without touching the weights."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file():
+        raise ValueError(f"{path}: expected a Hugging Face checkpoint folder (config.json + *.safetensors)")
+    return ModelConfig.from_json_file(path / "config.json")
+
+
 def load_checkpoint(
     path: str | Path,
     device: torch.device,
@@ -39,11 +49,7 @@ def load_checkpoint(
 ) -> LoadedModel:
     """Reads config, tokenizer and weights; raises a clear error and returns nothing if any part is wrong."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
-    if path.is_file():
-        raise ValueError(f"{path}: expected a Hugging Face checkpoint folder (config.json + *.safetensors)")
-    config = ModelConfig.from_json_file(path / "config.json")
+    config = read_model_config(path)
     config = config.with_dtype(resolve_dtype(config.dtype, dtype, device))
     tokenizer = Tokenizer.from_folder(path)
     checkpoint = SafetensorsCheckpoint(path)

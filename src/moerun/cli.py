@@ -1,0 +1,183 @@
+"""The ``moerun`` command: generate, chat, inspect, make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEMO_NOTE = (
+    "moerun: no --model given; using the built-in tiny demo model at {path}.\n"
+    "        Its weights are RANDOM: it shows the pipeline working, its text is gibberish.\n"
+)
+
+
+def default_model_dir() -> Path:
+    """The built-in demo model's folder, made on first use."""
+    root = Path(os.environ.get("MOERUN_CACHE", Path.home() / ".cache" / "moerun"))
+    return root / "tiny-qwen3-moe"
+
+
+def ensure_demo_model() -> Path:
+    from moerun.models.tiny import make_tiny_checkpoint
+
+    path = default_model_dir()
+    if not (path / "model.safetensors").exists():
+        tmp = path.with_name(path.name + ".partial")
+        make_tiny_checkpoint(tmp, seed=0)
+        tmp.replace(path) if not path.exists() else None
+    return path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="Hugging Face checkpoint folder (default: the built-in tiny demo model)")
+    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--moe-backend", choices=["torch", "triton"], help="experts backend (default: triton on CUDA)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: min(model's, 8192))")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moerun", description="Fast inference for Mixture-of-Experts LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--prompt", "-p", help="the prompt (default: read stdin)")
+    g.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user chat message")
+    g.add_argument("--no-think", action="store_true", help="with --chat-template: disable Qwen3 thinking")
+
+    c = sub.add_parser("chat", help="interactive chat (type /exit to quit, /reset to start over)")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--no-think", action="store_true", help="disable Qwen3 thinking")
+
+    i = sub.add_parser("inspect", help="show a checkpoint's architecture, parameter counts and bytes")
+    i.add_argument("path")
+
+    t = sub.add_parser("make-tiny", help="write a seeded random tiny Qwen3-MoE checkpoint with the Qwen3 tokenizer")
+    t.add_argument("out")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--experts", type=int, default=8)
+    t.add_argument("--top-k", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=64)
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    return parser
+
+
+def _sampling(args: argparse.Namespace):
+    from moerun import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _load(args: argparse.Namespace):
+    from moerun import LLM
+
+    model = args.model
+    if model is None:
+        model = ensure_demo_model()
+        sys.stderr.write(DEMO_NOTE.format(path=model))
+    return LLM(str(model), device=args.device, dtype=args.dtype, moe_backend=args.moe_backend,
+               max_model_len=args.max_model_len)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # bad options fail before the model loads
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    llm = _load(args)
+    if args.chat_template:
+        prompt = llm.render_chat([{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _load(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    start = len(history)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            break
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            del history[start:]
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.render_chat(history, enable_thinking=not args.no_think)
+        reply = []
+        for delta in llm.stream(prompt, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from moerun.inspect import describe
+
+    print(describe(args.path))
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    import torch
+
+    from moerun.models.tiny import make_tiny_checkpoint
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    heads = max(1, args.hidden // 16)
+    out = make_tiny_checkpoint(
+        args.out, seed=args.seed, dtype=dtype, num_hidden_layers=args.layers, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, hidden_size=args.hidden, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), torch_dtype=args.dtype,
+    )
+    print(f"wrote a random tiny Qwen3-MoE checkpoint to {out}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "make-tiny": cmd_make_tiny}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        sys.stderr.write(f"moerun {args.command}: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,6 +40,7 @@ class LLM:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 8192,
         seed: int | None = None,
+        cuda_graphs: bool = True,
         progress: bool = True,
     ) -> None:
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -66,6 +67,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             moe_backend=moe_backend,
             seed=seed,
+            cuda_graphs=cuda_graphs,
         )
         loaded = load_checkpoint(model, device, requested_dtype, moe_backend, progress=progress)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config

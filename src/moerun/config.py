@@ -263,6 +263,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     moe_backend: str | None = None
     seed: int | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

@@ -11,27 +11,25 @@ import torch
 class ForwardBatch:
     """Tokens of B sequences flattened to T rows.
 
-    Prefill: each sequence contributes ``query_lens[i]`` tokens starting at position ``start_positions[i]``.
-    Decode: each sequence contributes one token (T == B).
+    Prefill: sequence i contributes ``query_lens[i]`` tokens starting at position ``start_positions[i]``.
+    Decode: each sequence contributes one token (T == B). Device tensors are what kernels read; the host
+    lists are for the eager prefill path only, so a graphed decode step never reads them.
     """
 
     is_prefill: bool
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    token_slots: torch.Tensor  # [T] int64, KV-cache slot of each token's sequence
     slot_ids: torch.Tensor  # [B] int64, KV-cache slot of each sequence
-    slots: list[int]  # host copy of slot_ids
-    seq_lens: torch.Tensor  # [B] int32/int64, tokens in the cache for each sequence after this step
-    query_lens: list[int]  # host copy: tokens of each sequence in this step
-    start_positions: list[int]  # host copy: first position of each sequence's tokens in this step
-    max_seq_len: int  # host copy: max(seq_lens)
+    seq_lens: torch.Tensor  # [B] int64, tokens in the cache for each sequence after this step
+    last_rows: torch.Tensor  # [B] int64, row of each sequence's last token in the flattened batch
+    slots: list[int]  # host copies
+    query_lens: list[int]
+    start_positions: list[int]
+    max_seq_len: int
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
-
-    def last_token_rows(self) -> torch.Tensor:
-        """Row index [B] of each sequence's last token in the flattened batch (where logits are taken)."""
-        ends = torch.tensor(self.query_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.positions.device)
 
     @classmethod
     def build(
@@ -39,14 +37,29 @@ class ForwardBatch:
     ) -> "ForwardBatch":
         """Builds the batch for sequences whose new tokens start at start_positions (prefill or decode)."""
         is_prefill = any(n != 1 for n in query_lens) or any(p == 0 for p in start_positions)
-        positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(start_positions, query_lens)])
+        positions, token_slots = [], []
+        for p, n, s in zip(start_positions, query_lens, slots):
+            positions.extend(range(p, p + n))
+            token_slots.extend([s] * n)
         seq_lens = [p + n for p, n in zip(start_positions, query_lens)]
+        last_rows, row = [], -1
+        for n in query_lens:
+            row += n
+            last_rows.append(row)
+        T, B = len(positions), len(slots)
+        # one host-to-device copy for all the metadata
+        host = torch.tensor(positions + token_slots + list(slots) + seq_lens + last_rows, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
         return cls(
             is_prefill=is_prefill,
-            positions=positions.to(device),
-            slot_ids=torch.tensor(slots, dtype=torch.int64, device=device),
+            positions=dev[:T],
+            token_slots=dev[T : 2 * T],
+            slot_ids=dev[2 * T : 2 * T + B],
+            seq_lens=dev[2 * T + B : 2 * T + 2 * B],
+            last_rows=dev[2 * T + 2 * B :],
             slots=list(slots),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             query_lens=list(query_lens),
             start_positions=list(start_positions),
             max_seq_len=max(seq_lens),

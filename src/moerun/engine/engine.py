@@ -8,6 +8,7 @@ from torch import nn
 from moerun.config import EngineConfig
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
+from moerun.engine.runner import ModelRunner
 from moerun.engine.sampler import Sampler
 from moerun.engine.scheduler import Scheduler
 from moerun.engine.sequence import Sequence
@@ -25,6 +26,8 @@ class Engine:
         self.cache = KVCache(mc.num_layers, num_slots, config.max_model_len, mc.num_kv_heads, mc.head_dim,
                              mc.dtype, self.device)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, num_slots, use_graphs=config.cuda_graphs)
+        self.runner.capture()
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + mc.eos_token_ids))
 
@@ -64,18 +67,20 @@ class Engine:
         ids, starts = [], []
         for seq, n in zip(plan.seqs, plan.num_new_tokens):
             start = seq.num_computed
-            ids.extend(seq.all_ids[start : start + n])
+            ids.extend(seq.token_slice(start, n))
             starts.append(start)
         batch = ForwardBatch.build(starts, plan.num_new_tokens, [s.slot for s in plan.seqs], self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, batch, self.cache)  # [T, H]
         for seq, n in zip(plan.seqs, plan.num_new_tokens):
             seq.num_computed += n
         ready = [i for i, s in enumerate(plan.seqs) if s.num_computed >= len(s.prompt_ids)]
-        if not ready:
-            return []
-        rows = batch.last_token_rows()[ready]
-        logits = self.model.compute_logits(hidden[rows]).float()  # [B, V]
+        if plan.is_prefill:
+            if not ready:
+                self.runner.prefill(input_ids, batch, batch.last_rows[:0])  # fills the KV cache only
+                return []
+            logits = self.runner.prefill(input_ids, batch, batch.last_rows[ready])
+        else:
+            logits = self.runner.decode(input_ids, batch)  # [B, V]
         seqs = [plan.seqs[i] for i in ready]
         tokens = self.sampler(logits, seqs)
         for seq, token in zip(seqs, tokens):

@@ -25,10 +25,12 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        # one extra slot, never handed out, takes the writes of padding rows in a graphed decode batch
+        shape = (num_layers, num_slots + 1, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots, self.max_len = num_slots, max_len
+        self.pad_slot = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
     @staticmethod
@@ -53,15 +55,8 @@ class KVCache:
     # ---- data ----
     def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v [T, n_kv, D] of the batch's tokens at their (slot, position)."""
-        if batch.is_prefill:
-            row = 0
-            for slot, start, n in zip(batch.slots, batch.start_positions, batch.query_lens):
-                self.k[layer, slot, start : start + n] = k[row : row + n]
-                self.v[layer, slot, start : start + n] = v[row : row + n]
-                row += n
-        else:
-            self.k[layer, batch.slot_ids, batch.positions] = k  # [B, n_kv, D]
-            self.v[layer, batch.slot_ids, batch.positions] = v
+        self.k[layer, batch.token_slots, batch.positions] = k
+        self.v[layer, batch.token_slots, batch.positions] = v
 
     def gather(self, layer: int, slot_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, length, n_kv, D] of the given slots (positions past a sequence's end are stale)."""

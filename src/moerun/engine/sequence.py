@@ -42,6 +42,14 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens [start, start + n) of prompt + output, without copying the whole sequence."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P : start - P + n]
+        head = self.prompt_ids[start : start + n]
+        return head + self.output_ids[: n - len(head)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -15,6 +15,7 @@ from moerun.engine.sequence import Sequence
 from moerun.models.checkpoint import load_checkpoint, read_model_config, resolve_dtype
 from moerun.outputs import GenerationOutput
 from moerun.sampling_params import SamplingParams
+from moerun.tokenizer import Tokenizer
 
 logger = logging.getLogger("moerun")
 
@@ -43,37 +44,43 @@ class LLM:
         cuda_graphs: bool = True,
         progress: bool = True,
     ) -> None:
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for but CUDA is not available")
+        device = _resolve_device(device)
         if moe_backend not in (None, "torch", "triton"):
             raise ValueError(f"moe_backend must be 'torch', 'triton' or None, got {moe_backend!r}")
         requested_dtype = parse_dtype(dtype)
         # every option is checked against the config before any weight is read
         mc = read_model_config(model)
-        if max_model_len is None:
-            max_model_len = min(mc.max_position_embeddings, 8192)
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{mc.max_position_embeddings}"
-            )
-        max_num_seqs = max_num_seqs or (64 if device.type == "cuda" else 8)
-        self.engine_config = EngineConfig(
-            device=device,
-            dtype=resolve_dtype(mc.dtype, requested_dtype, device),
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            moe_backend=moe_backend,
-            seed=seed,
-            cuda_graphs=cuda_graphs,
-        )
+        engine_config = _engine_config(mc, device, resolve_dtype(mc.dtype, requested_dtype, device), moe_backend,
+                                       max_model_len, max_num_seqs, max_num_batched_tokens, seed, cuda_graphs)
         loaded = load_checkpoint(model, device, requested_dtype, moe_backend, progress=progress)
-        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        mc = self.model_config
-        slots = _kv_slots(mc, self.engine_config)
-        self.engine = Engine(self.model, self.tokenizer, self.engine_config, slots)
+        self._start(loaded.model, loaded.tokenizer, engine_config)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        seed: int | None = None,
+        cuda_graphs: bool = True,
+    ) -> "LLM":
+        """An LLM around a model already in memory (built from a preset, or loaded by other means)."""
+        self = cls.__new__(cls)
+        mc: ModelConfig = model.config
+        device = next(model.parameters()).device
+        moe_backend = next((b.experts.backend for b in model.moe_blocks()), None)
+        engine_config = _engine_config(mc, device, mc.dtype, moe_backend, max_model_len, max_num_seqs,
+                                       max_num_batched_tokens, seed, cuda_graphs)
+        self._start(model, tokenizer, engine_config)
+        return self
+
+    def _start(self, model: torch.nn.Module, tokenizer: Tokenizer, engine_config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.model_config = model, tokenizer, model.config
+        self.engine_config = engine_config
+        slots = _kv_slots(self.model_config, engine_config)
+        self.engine = Engine(self.model, self.tokenizer, engine_config, slots)
 
     # ---- generation ----
     def generate(
@@ -173,6 +180,37 @@ def _output(seq: Sequence) -> GenerationOutput:
         text=seq.text,
         token_ids=list(seq.output_ids),
         finish_reason=seq.finish_reason or "abort",
+    )
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {device} is not supported; use 'cuda' or 'cpu'")
+    return device
+
+
+def _engine_config(
+    mc: ModelConfig, device: torch.device, dtype: torch.dtype, moe_backend: str | None, max_model_len: int | None,
+    max_num_seqs: int | None, max_num_batched_tokens: int, seed: int | None, cuda_graphs: bool,
+) -> EngineConfig:
+    if max_model_len is None:
+        max_model_len = min(mc.max_position_embeddings, 8192)
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}"
+        )
+    return EngineConfig(
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs or (64 if device.type == "cuda" else 8),
+        max_num_batched_tokens=max_num_batched_tokens,
+        moe_backend=moe_backend,
+        seed=seed,
+        cuda_graphs=cuda_graphs,
     )
 
 

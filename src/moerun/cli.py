@@ -1,4 +1,4 @@
-"""The ``moerun`` command: generate, chat, inspect, make-tiny."""
+"""The ``moerun`` command: generate, chat, inspect, make-tiny, bench."""
 
 from __future__ import annotations
 
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--top-k", type=int, default=2)
     t.add_argument("--hidden", type=int, default=64)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    b = sub.add_parser("bench", help="measure prefill and decode speed on a preset shape or a checkpoint")
+    from moerun.bench.run import add_arguments
+
+    add_arguments(b)
     return parser
 
 
@@ -165,7 +169,14 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "make-tiny": cmd_make_tiny}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from moerun.bench.run import main as bench_main
+
+    return bench_main(args)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "make-tiny": cmd_make_tiny,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -65,7 +65,8 @@ class Sequence:
         if token in p.stop_token_ids or (token in eos_ids and not p.ignore_eos):
             self._finish("stop")
             return
-        self._extend_text(tokenizer)
+        if p.detokenize:
+            self._extend_text(tokenizer)
         if p.stop_strings and self._apply_stop_strings():
             return
         if len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_len:

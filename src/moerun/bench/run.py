@@ -1,0 +1,113 @@
+"""Runs the whole benchmark: build or load the model, measure, compare with transformers, report."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerun.api import LLM
+from moerun.bench.engine_bench import decode_step_bytes, measure_decode, measure_prefill
+from moerun.bench.report import format_table, write_outputs
+from moerun.bench.timing import measure_ceilings
+from moerun.config import ModelConfig, parse_dtype
+from moerun.models.presets import preset_config
+from moerun.models.random_init import random_model
+from moerun.models.tiny import qwen3_tokenizer_dir
+from moerun.tokenizer import Tokenizer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b, qwen3-235b-a22b or tiny")
+    p.add_argument("--model", help="a checkpoint folder instead of a preset")
+    p.add_argument("--layers", type=int, help="use only this many layers of the preset (to fit large shapes)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--moe-backend", choices=["torch", "triton"])
+    p.add_argument("--prefill-lens", default="128,512,2048,8192")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--prompt-len", type=int, default=128, help="context of each sequence before decoding")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    p.add_argument("--max-model-len", type=int, default=9216)
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    p.add_argument("--vs", choices=["transformers"], help="also time transformers on the same weights")
+    p.add_argument("--hf-batch-sizes", default="1,8,64")
+    p.add_argument("--out", default="bench-out", help="folder for bench.json / bench.md / bench.png")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    batch_sizes = _ints(args.batch_sizes)
+    t0 = time.perf_counter()
+    hf_config = None
+    if args.model:
+        llm = LLM(args.model, device=device, dtype=args.dtype, moe_backend=args.moe_backend,
+                  max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes), cuda_graphs=not args.no_graphs)
+        name = args.model
+    else:
+        hf_config = preset_config(args.preset, args.layers)
+        hf_config["torch_dtype"] = str(parse_dtype(args.dtype)).removeprefix("torch.")
+        mc = ModelConfig.from_hf_dict(hf_config)
+        hf_config["max_position_embeddings"] = mc.max_position_embeddings
+        model = random_model(mc, device, moe_backend=args.moe_backend)
+        llm = LLM.from_model(model, Tokenizer.from_folder(qwen3_tokenizer_dir()),
+                             max_model_len=min(args.max_model_len, mc.max_position_embeddings),
+                             max_num_seqs=max(batch_sizes), cuda_graphs=not args.no_graphs)
+        name = args.preset + (f" ({args.layers} layers)" if args.layers else "")
+    setup_s = time.perf_counter() - t0
+    ceilings = measure_ceilings(device)
+    result: dict[str, Any] = {
+        "model": name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(llm.model_config.dtype).removeprefix("torch."),
+        "setup_seconds": setup_s,
+        "cuda_graphs": bool(llm.engine.runner.graphs),
+        "ceilings": ceilings,
+        "prefill": measure_prefill(llm, _ints(args.prefill_lens)),
+        "decode": measure_decode(llm, batch_sizes, args.prompt_len, args.steps),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+    }
+    for B, entry in result["decode"].items():
+        nbytes = decode_step_bytes(llm, B, args.prompt_len + args.steps // 2)
+        entry["bytes_per_step"] = nbytes
+        if ceilings:
+            entry["bandwidth_util"] = nbytes / (entry["step_ms"] / 1e3) / (ceilings["hbm_read_GBps"] * 1e9)
+    if args.vs == "transformers":
+        if hf_config is None:
+            raise ValueError("--vs transformers needs a --preset model (it shares the preset's weights)")
+        from moerun.bench.hf_baseline import hf_model_sharing_weights, measure_hf
+
+        hf = hf_model_sharing_weights(llm.model, hf_config)
+        prefill_len = 2048 if 2048 in result["prefill"] else max(result["prefill"], default=128)
+        result["hf_prefill_len"] = prefill_len
+        result["hf_logits_check"] = _compare_logits(llm, hf, device)
+        result["hf"] = measure_hf(hf, device, args.prompt_len, min(args.steps, 16), _ints(args.hf_batch_sizes),
+                                  prefill_len)
+    return result
+
+
+@torch.inference_mode()
+def _compare_logits(llm: LLM, hf: torch.nn.Module, device: torch.device) -> float:
+    """Relative error of moerun's prefill logits against transformers' on the shared weights."""
+    ids = torch.randint(0, llm.model_config.vocab_size, (64,)).tolist()
+    ours = llm.logits(ids)
+    theirs = hf(torch.tensor([ids], device=device)).logits[0].float().cpu()
+    return float((ours - theirs).norm() / theirs.norm())
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    paths = write_outputs(result, Path(args.out))
+    print(format_table(result))
+    if "hf_logits_check" in result:
+        print(f"\nlogits vs transformers on the same weights: relative error {result['hf_logits_check']:.2e}")
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -15,4 +15,12 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.__dict__.get("q_weight")
+        if q is not None:
+            return q.rows(ids, self.dtype)
         return F.embedding(ids, self.weight)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype (kept when the table itself is quantized)."""
+        return self.__dict__.get("compute_dtype") or self.weight.dtype

@@ -1,4 +1,4 @@
-"""Opens a model from disk: a Hugging Face folder (config.json + safetensors + tokenizer)."""
+"""Opens a model from disk: a Hugging Face folder (config.json + safetensors + tokenizer) or a GGUF file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from moerun.config import ModelConfig
 from moerun.formats.safetensors_checkpoint import SafetensorsCheckpoint
+from moerun.models.gguf_checkpoint import is_gguf, load_gguf, read_gguf_config
 from moerun.models.loading import build_empty_model, load_weights
 from moerun.tokenizer import Tokenizer
 
@@ -31,12 +32,15 @@ def resolve_dtype(config_dtype: torch.dtype, requested: torch.dtype | None, devi
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
-    """The model config of a checkpoint folder, read without touching the weights."""
+    """The model config of a checkpoint folder or GGUF file, read without touching the weights."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
+    if is_gguf(path):
+        return read_gguf_config(path)
     if path.is_file():
-        raise ValueError(f"{path}: expected a Hugging Face checkpoint folder (config.json + *.safetensors)")
+        raise ValueError(f"{path}: expected a GGUF file or a Hugging Face checkpoint folder "
+                         "(config.json + *.safetensors)")
     return ModelConfig.from_json_file(path / "config.json")
 
 
@@ -50,6 +54,8 @@ def load_checkpoint(
     """Reads config, tokenizer and weights; raises a clear error and returns nothing if any part is wrong."""
     path = Path(path)
     config = read_model_config(path)
+    if is_gguf(path):
+        return load_gguf(path, device, resolve_dtype(config.dtype, dtype, device), moe_backend)
     config = config.with_dtype(resolve_dtype(config.dtype, dtype, device))
     tokenizer = Tokenizer.from_folder(path)
     checkpoint = SafetensorsCheckpoint(path)

@@ -40,4 +40,6 @@ class Experts(nn.Module):
         return (slice(None) if expert is None else expert,)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, backend=self.backend)
+        w13 = self.__dict__.get("q_w13") or self.w13
+        w2 = self.__dict__.get("q_w2") or self.w2
+        return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, backend=self.backend)

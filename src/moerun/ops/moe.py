@@ -52,9 +52,15 @@ def fused_moe(
     topk_ids: torch.Tensor,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
+    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
+
+    w13 / w2 may be quantized weights (layers/quantized.py): the torch path dequantises the touched experts;
+    the Triton path dequantises the layer and runs the dense kernels.
+    """
     if _pick_backend(backend, hidden.device) == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
+    if not isinstance(w13, torch.Tensor):
+        w13, w2 = w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype)
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)

@@ -29,7 +29,8 @@ def fused_moe_reference(
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     hidden [T, H], w13 [E, 2I, H] (gate rows first), w2 [E, H, I], topk_weights [T, k], topk_ids [T, k].
-    Each expert's GEMMs run in the dtype of the weights; the weighted sum over the k slots accumulates in
+    w13 / w2 may also be quantized weights (anything with ``.shape`` and ``.expert(e, dtype)``); then only
+    the experts that receive tokens are dequantised. Each expert's GEMMs run in the dtype of the weights; the weighted sum over the k slots accumulates in
     float32 and the result is cast to the dtype of ``hidden``.
     """
     T, H = hidden.shape
@@ -47,9 +48,14 @@ def fused_moe_reference(
             continue
         slots = order[start : start + n]  # [n] flat (token, slot) indices
         start += n
-        x = hidden[slots // k].to(w13.dtype)  # [n, H]
-        gate_up = x @ w13[e].t()  # [n, 2I]
+        w13_e, w2_e = _expert(w13, e, hidden.dtype), _expert(w2, e, hidden.dtype)  # [2I, H], [H, I]
+        x = hidden[slots // k].to(w13_e.dtype)  # [n, H]
+        gate_up = x @ w13_e.t()  # [n, 2I]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
-        y = act @ w2[e].t()  # [n, H]
+        y = act @ w2_e.t()  # [n, H]
         per_slot[slots] = y.float() * weights[slots, None]
     return per_slot.view(T, k, H).sum(dim=1).to(hidden.dtype)
+
+
+def _expert(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    return w[e] if isinstance(w, torch.Tensor) else w.expert(e, dtype)

@@ -1,0 +1,261 @@
+"""Tune the fused-MoE tile configs per M bucket on the current CUDA device.
+
+For every M (tokens) it times each candidate config (path, block sizes, warps, stages, slot reduction) of
+moerun.kernels.fused_moe.fused_moe_triton, replayed from a CUDA graph with triton.testing.do_bench (which
+flushes L2 between runs), checks each candidate once against the torch reference, and writes the fastest per
+M to src/moerun/kernels/configs/E=..,H=..,I=..,dtype=..,device=...json. A log of every candidate goes to
+--log-dir.
+
+    python benchmarks/tune_moe.py --shape qwen3-30b-a3b --shape qwen3-235b-a22b --quick --log-dir tune_logs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerun.kernels.fused_moe import fused_moe_triton
+from moerun.kernels.tile_configs import (
+    CONFIG_DIR,
+    M_BUCKETS,
+    Config,
+    config_file_name,
+    default_config,
+    device_name,
+    interpreting,
+    normalize,
+)
+from moerun.ops.moe_reference import fused_moe_reference, route_reference
+
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "qwen3-30b-a3b": {"E": 128, "H": 2048, "I": 768, "k": 8},
+    "qwen3-235b-a22b": {"E": 128, "H": 4096, "I": 1536, "k": 8},
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# The gemv path is only tried while the token-slots are few enough for one program per slot to pay.
+GEMV_MAX_PAIRS = 128
+# Without CUDA the script can still be smoke-tested end to end in Triton's interpreter (TRITON_INTERPRET=1).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gemv_candidates(quick: bool) -> list[Config]:
+    """gemv-path configs: (BLOCK_N, BLOCK_K, warps, stages) of GEMM1 with a wider N-tile for GEMM2 (N = H)."""
+    if quick:
+        rows = [(16, 256, 4, 2, 32, 256), (32, 256, 4, 2, 32, 256), (8, 512, 4, 2, 16, 512),
+                (16, 128, 4, 3, 16, 256), (32, 128, 8, 3, 64, 128)]  # fmt: skip
+        return [
+            normalize({"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s,
+                       "BLOCK_N2": bn2, "BLOCK_K2": bk2, "reduce": "sum"})
+            for bn, bk, w, s, bn2, bk2 in rows
+        ]  # fmt: skip
+    out = []
+    for bn, bk, w, s, red in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (2, 3), ("sum", "atomic")):
+        out.append(normalize({"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s,
+                              "BLOCK_N2": 2 * bn, "BLOCK_K2": bk, "reduce": red}))  # fmt: skip
+    return out
+
+
+def tile_candidates(m: int, k: int, quick: bool) -> list[Config]:
+    """tile-path configs (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) suited to m tokens."""
+    pairs_per_expert_hint = m * k / 128
+    if quick:
+        # Shared memory per stage, (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes, times stages stays <= 196 KB.
+        if m <= 32:
+            rows = [(16, 64, 128, 1, 4, 4), (16, 128, 64, 1, 4, 4), (16, 64, 256, 1, 4, 2), (16, 32, 256, 1, 4, 3)]
+        elif m <= 256:
+            rows = [(16, 128, 64, 1, 4, 4), (32, 128, 64, 8, 4, 4), (32, 64, 128, 8, 4, 3), (64, 128, 64, 8, 4, 4),
+                    (16, 64, 128, 1, 4, 4)]  # fmt: skip
+        else:
+            rows = [(64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 128, 64, 8, 4, 3),
+                    (128, 64, 64, 8, 4, 4)]  # fmt: skip
+        configs = [_tile_config(*row, "atomic") for row in rows]
+        if m >= 1024:
+            # Where the atomics' traffic is largest, also try writing per-slot rows and summing them.
+            configs += [_tile_config(*row, "sum") for row in rows[:2]]
+        return configs
+    else:
+        block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * pairs_per_expert_hint)]
+        rows = [
+            (bm, bn, bk, g, w, s)
+            for bm, bn, bk, g, w, s in itertools.product(block_ms, (64, 128, 256), (64, 128), (1, 8), (4, 8), (3, 4))
+            # Two B tiles (gate, up) plus A per stage must fit in ~227 KB of shared memory.
+            if (bm * bk + 2 * bk * bn) * 2 * s <= 220 * 1024 and not (bm == 16 and w == 8)
+        ]
+        return [_tile_config(*row, red) for row, red in itertools.product(rows, ("atomic", "sum"))]
+
+
+def _tile_config(bm: int, bn: int, bk: int, g: int, w: int, s: int, red: str) -> Config:
+    return normalize({"path": "tile", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g, "num_warps": w,
+                      "num_stages": s, "reduce": red})  # fmt: skip
+
+
+def candidates(m: int, k: int, dtype: torch.dtype, quick: bool) -> list[Config]:
+    """All configs to try for m tokens, the default first."""
+    out = [default_config(m, k, dtype, interpret=False)]
+    if m * k <= GEMV_MAX_PAIRS:
+        out += gemv_candidates(quick)
+    out += tile_candidates(m, k, quick)
+    unique: list[Config] = []
+    for cfg in out:
+        if cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+def graph_or_eager(fn: Callable[[], Any]) -> tuple[Callable[[], Any], str]:
+    """A replay of fn captured in a CUDA graph (so launch overhead is excluded), or fn itself if capture fails."""
+    if DEVICE != "cuda":
+        return fn, "eager"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, "graph"
+    except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager timing
+        print(f"    capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
+        torch.cuda.synchronize()
+        return fn, "eager"
+
+
+def median_ms(fn: Callable[[], Any], args: argparse.Namespace) -> float:
+    """Median milliseconds of fn: triton's do_bench (L2 flushed between runs) on CUDA, wall time otherwise."""
+    if DEVICE == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int], args) -> dict[int, Config]:  # noqa: E741
+    """Best config per M for one shape; prints one line per M and appends every timing to the log."""
+    w13 = torch.randn(E, 2 * I, H, device=DEVICE, dtype=dtype) / H**0.5  # [E, 2I, H]
+    w2 = torch.randn(E, H, I, device=DEVICE, dtype=dtype) / I**0.5  # [E, H, I]
+    best: dict[int, Config] = {}
+    log_rows = []
+    print(f"\nE={E} H={H} I={I} k={k} {dtype}")
+    print(f"{'M':>6} {'best us':>9} {'default us':>10} {'tried':>5}  best config")
+    for m in ms:
+        hidden = torch.randn(m, H, device=DEVICE, dtype=dtype)  # [T, H]
+        weights, ids = route_reference(torch.randn(m, E, device=DEVICE), k, True)  # [T, k]
+        ref = fused_moe_reference(hidden, w13, w2, weights, ids).float()
+        scale = ref.abs().max().item()
+        results = []
+        for cfg in candidates(m, k, dtype, args.quick):
+            row: dict[str, Any] = {"M": m, "config": cfg}
+            try:
+                out = fused_moe_triton(hidden, w13, w2, weights, ids, cfg)
+                err = (out.float() - ref).abs().max().item()
+                row["max_err"] = err
+                if not err <= 3e-2 * scale + 1e-3:
+                    row["error"] = f"mismatch {err:.3g} (scale {scale:.3g})"
+                else:
+                    fn, mode = graph_or_eager(lambda a=(hidden, w13, w2, weights, ids, cfg): fused_moe_triton(*a))
+                    row["mode"] = mode
+                    row["us"] = 1e3 * median_ms(fn, args)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile; skip it
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            results.append(row)
+            log_rows.append(row)
+        timed = [r for r in results if "us" in r]
+        if not timed:
+            print(f"{m:>6} {'-':>9} {'-':>10} {len(results):>5}  (all candidates failed)")
+            continue
+        win = min(timed, key=lambda r: r["us"])
+        default_us = results[0].get("us", float("nan"))
+        best[m] = win["config"]
+        print(f"{m:>6} {win['us']:>9.1f} {default_us:>10.1f} {len(results):>5}  {compact(win['config'])}")
+    log_name = config_file_name(E, H, I, dtype, device_name()).removesuffix(".json")
+    log_path = Path(args.log_dir) / f"tune_{log_name}.jsonl"
+    with log_path.open("w") as f:
+        for row in log_rows:
+            f.write(json.dumps(row) + "\n")
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return best
+
+
+def compact(cfg: Config) -> str:
+    """Short one-line form of a config for the printed table."""
+    if cfg["path"] == "gemv":
+        return (f"gemv N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} | "
+                f"N{cfg['BLOCK_N2']} K{cfg['BLOCK_K2']} {cfg['reduce']}")  # fmt: skip
+    return (f"tile M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} w{cfg['num_warps']} "
+            f"s{cfg['num_stages']} {cfg['reduce']}")  # fmt: skip
+
+
+def write_table(E: int, H: int, I: int, dtype: torch.dtype, best: dict[int, Config], out_dir: Path) -> Path:  # noqa: E741
+    """Merge best into the shape's JSON file (keeping M buckets not re-tuned) and return its path."""
+    path = out_dir / config_file_name(E, H, I, dtype, device_name())
+    table: dict[str, Config] = json.loads(path.read_text()) if path.is_file() else {}
+    table.update({str(m): cfg for m, cfg in best.items()})
+    ordered = {str(m): table[str(m)] for m in sorted(int(key) for key in table)}
+    path.write_text(json.dumps(ordered, indent=2) + "\n")
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", action="append", choices=sorted(MODEL_SHAPES), help="model preset (repeatable)")
+    p.add_argument("--E", type=int)
+    p.add_argument("--H", type=int)
+    p.add_argument("--I", type=int)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--m", type=int, nargs="+", default=list(M_BUCKETS), help="M buckets (tokens) to tune")
+    p.add_argument("--quick", action="store_true", help="reduced search space (a few minutes for both presets)")
+    p.add_argument("--out-dir", default=str(CONFIG_DIR), help="where the JSON tables go")
+    p.add_argument("--log-dir", default="tune_logs", help="where the per-candidate logs go")
+    p.add_argument("--warmup-ms", type=int, default=None)
+    p.add_argument("--rep-ms", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.warmup_ms is None:
+        args.warmup_ms = 5 if args.quick else 25
+    if args.rep_ms is None:
+        args.rep_ms = 30 if args.quick else 100
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if DEVICE != "cuda" and not interpreting():
+        sys.exit("tune_moe.py needs a CUDA device (or TRITON_INTERPRET=1 for a smoke test on tiny shapes)")
+    shapes = [MODEL_SHAPES[name] for name in (args.shape or [])]
+    if args.E and args.H and args.I:
+        shapes.append({"E": args.E, "H": args.H, "I": args.I, "k": args.k})
+    if not shapes:
+        sys.exit("give --shape NAME or --E/--H/--I")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = DTYPES[args.dtype]
+    print(f"device {device_name()}  quick={args.quick}  M={args.m}")
+    start = time.perf_counter()
+    for shape in shapes:
+        best = tune_shape(shape["E"], shape["H"], shape["I"], shape["k"], dtype, args.m, args)
+        if best:
+            path = write_table(shape["E"], shape["H"], shape["I"], dtype, best, out_dir)
+            print(f"wrote {path}")
+    print(f"tuning took {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Per-tensor quantization type for a file type (``--type Q4_K_M`` ...), following llama.cpp's type mix.
+
+The rules are those of ``llama_tensor_get_type`` in llama.cpp's ``src/llama-quant.cpp`` for the file types moerun
+writes (no importance matrix, no manual overrides), plus the converter's rule that tensors which are not quantized
+(1-D tensors, norms, biases, the MoE router ``ffn_gate_inp``) are stored as F32:
+
+* ``output.weight`` (and ``token_embd.weight`` when the head is tied): Q6_K for every quantized type except Q8_0,
+  Q8_0 when the row length is not a multiple of the type's block.
+* ``attn_v``: Q2_K -> Q4_K if n_head/n_head_kv >= 4 else Q3_K; Q3_K_M -> Q5_K on the first two layers, Q4_K
+  after; Q4_K_M / Q5_K_M -> Q6_K on the ``use_more_bits`` layers; with exactly 8 experts always Q8_0.
+* ``attn_k``: Q8_0 with exactly 8 experts.
+* ``ffn_down`` (dense and ``_exps``): Q2_K -> Q3_K; Q3_K_M -> Q5_K for layers < n/16, Q4_K after;
+  Q4_K_M / Q5_K_M -> Q6_K on the ``use_more_bits`` layers.
+* ``attn_output``: with exactly 8 experts Q5_K for Q2_K / Q3_K_M / Q4_K_M; otherwise Q2_K -> Q3_K,
+  Q3_K_M -> Q4_K.
+* Row-length fallback (ggml rows must be whole blocks): Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1,
+  Q6_K -> Q8_0, and F16 when even that does not fit.
+"""
+
+from __future__ import annotations
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+T = GGMLQuantizationType
+F = LlamaFileType
+
+# the --type names moerun accepts and the llama.cpp file type each one is
+FILE_TYPES: dict[str, LlamaFileType] = {
+    "F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0, "Q6_K": F.MOSTLY_Q6_K,
+    "Q5_K_M": F.MOSTLY_Q5_K_M, "Q4_K_M": F.MOSTLY_Q4_K_M, "Q3_K_M": F.MOSTLY_Q3_K_M, "Q2_K": F.MOSTLY_Q2_K,
+    "Q4_0": F.MOSTLY_Q4_0,
+}
+# llama_ftype_get_default_type
+DEFAULT_TYPE: dict[LlamaFileType, GGMLQuantizationType] = {
+    F.ALL_F32: T.F32, F.MOSTLY_F16: T.F16, F.MOSTLY_BF16: T.BF16, F.MOSTLY_Q8_0: T.Q8_0, F.MOSTLY_Q6_K: T.Q6_K,
+    F.MOSTLY_Q5_K_M: T.Q5_K, F.MOSTLY_Q4_K_M: T.Q4_K, F.MOSTLY_Q3_K_M: T.Q3_K, F.MOSTLY_Q2_K: T.Q2_K,
+    F.MOSTLY_Q4_0: T.Q4_0,
+}
+_FLOAT = (T.F32, T.F16, T.BF16)
+# tensor_type_fallback: a type whose block does not divide the row length
+_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def file_type(ftype: str | LlamaFileType) -> LlamaFileType:
+    """The llama.cpp file type for a ``--type`` name such as 'Q4_K_M' (or a LlamaFileType)."""
+    if isinstance(ftype, LlamaFileType):
+        if ftype not in DEFAULT_TYPE:
+            raise ValueError(f"file type {ftype.name} is not supported; choose one of {', '.join(FILE_TYPES)}")
+        return ftype
+    key = str(ftype).upper()
+    if key not in FILE_TYPES:
+        raise ValueError(f"unknown GGUF file type {ftype!r}; choose one of {', '.join(FILE_TYPES)}")
+    return FILE_TYPES[key]
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that get more bits: the first and last eighth and every third in between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def is_quantizable(gguf_name: str, shape: tuple[int, ...]) -> bool:
+    """False for tensors kept in float32: 1-D tensors, norms, biases and the MoE router (as llama.cpp does)."""
+    return (len(shape) >= 2 and gguf_name.endswith("weight") and "_norm.weight" not in gguf_name
+            and "ffn_gate_inp.weight" not in gguf_name)
+
+
+def _category(name: str) -> str:
+    # same order of substring tests as llama.cpp's tensor_get_category
+    if name == "output.weight":
+        return "output"
+    if name == "token_embd.weight":
+        return "token_embd"
+    for key, cat in (("attn_v.weight", "attn_v"), ("attn_k.weight", "attn_k"), ("attn_q.weight", "attn_q"),
+                     ("attn_output.weight", "attn_output"), ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"),
+                     ("ffn_down", "ffn_down")):
+        if key in name:
+            return cat
+    return "other"
+
+
+def tensor_type(gguf_name: str, shape: tuple[int, ...], ftype: str | LlamaFileType, layer: int | None,
+                n_layers: int, n_expert: int, *, n_gqa: int = 1, tied_embeddings: bool = False) -> GGMLQuantizationType:
+    """The GGML type of one tensor (torch-order ``shape``) in a file of type ``ftype``.
+
+    ``layer`` is the block index (None for global tensors), ``n_gqa`` is n_head / n_head_kv and
+    ``tied_embeddings`` says the file has no ``output.weight``, so ``token_embd`` is quantized like the head.
+    """
+    ft = file_type(ftype)
+    shape = tuple(int(d) for d in shape)
+    if not is_quantizable(gguf_name, shape):
+        return T.F32
+    default = DEFAULT_TYPE[ft]
+    if default in _FLOAT:
+        return default
+    cat = _category(gguf_name)
+    if cat in ("attn_v", "attn_k", "attn_q", "attn_output", "ffn_down", "ffn_gate", "ffn_up"):
+        if layer is None or not 0 <= layer < n_layers:
+            raise ValueError(f"tensor {gguf_name!r}: layer {layer} is not in [0, {n_layers})")
+    return _fallback(_mix(cat, default, ft, shape, layer or 0, n_layers, n_expert, n_gqa, tied_embeddings), shape)
+
+
+def _mix(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, shape: tuple[int, ...], layer: int, n_layers: int,
+         n_expert: int, n_gqa: int, tied: bool) -> GGMLQuantizationType:
+    if cat == "output" or (tied and cat == "token_embd"):
+        if shape[-1] % GGML_QUANT_SIZES[t][0]:
+            return T.Q8_0
+        return t if t == T.Q8_0 else T.Q6_K
+    if cat == "attn_v":
+        if ft == F.MOSTLY_Q2_K:
+            t = T.Q4_K if n_gqa >= 4 else T.Q3_K
+        elif ft == F.MOSTLY_Q3_K_M:
+            t = T.Q5_K if layer < 2 else T.Q4_K
+        elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layers):
+            t = T.Q6_K
+        return T.Q8_0 if n_expert == 8 else t
+    if cat == "attn_k":
+        return T.Q8_0 if n_expert == 8 else t
+    if cat == "ffn_down":
+        if ft == F.MOSTLY_Q2_K:
+            return T.Q3_K
+        if ft == F.MOSTLY_Q3_K_M:
+            return T.Q5_K if layer < n_layers // 16 else T.Q4_K
+        if ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layers):
+            return T.Q6_K
+        return t
+    if cat == "attn_output":
+        if n_expert == 8:
+            return T.Q5_K if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_M) else t
+        if ft == F.MOSTLY_Q2_K:
+            return T.Q3_K
+        if ft == F.MOSTLY_Q3_K_M:
+            return T.Q4_K
+    return t
+
+
+def _fallback(t: GGMLQuantizationType, shape: tuple[int, ...]) -> GGMLQuantizationType:
+    """A type whose blocks divide the row length: llama.cpp's fallback chain, then F16."""
+    row = shape[-1]
+    if row % GGML_QUANT_SIZES[t][0] == 0:
+        return t
+    alt = _FALLBACK.get(t, T.F16)
+    return alt if row % GGML_QUANT_SIZES[alt][0] == 0 else T.F16

@@ -1,0 +1,28 @@
+"""GGUF quantisation types: block geometry, torch dequantisation, numpy quantisation."""
+
+from .dequant import dequantize
+from .quantize import fallback_type, quantize
+from .tensor import QuantizedTensor
+from .types import (
+    QK_K,
+    SUPPORTED_TYPES,
+    QuantType,
+    as_quant_type,
+    check_row_length,
+    row_nbytes,
+    tensor_nbytes,
+)
+
+__all__ = [
+    "QK_K",
+    "SUPPORTED_TYPES",
+    "QuantType",
+    "QuantizedTensor",
+    "as_quant_type",
+    "check_row_length",
+    "dequantize",
+    "fallback_type",
+    "quantize",
+    "row_nbytes",
+    "tensor_nbytes",
+]

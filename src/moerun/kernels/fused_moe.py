@@ -1,0 +1,435 @@
+"""Fused experts of one MoE layer in Triton: GEMM over w13 with SiLU(gate)*up, GEMM over w2 with routing weights.
+
+Two paths, picked by the tile config:
+  gemv  one program per (token-slot, N-tile): reads the slot's expert rows once, reduces over K with tl.sum.
+        No sorting; meant for decode, where the layer is a bandwidth-bound read of the touched experts.
+  tile  tokens sorted by expert and padded to BLOCK_M (see align.py), then grouped GEMMs with tl.dot.
+The k slots of a token are summed either by fp32 atomic adds into [T, H] or by writing [T*k, H] and summing.
+Nothing reads back to the host: grids come from worst-case sizes and surplus programs exit early, so a decode
+step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.align import align_tokens
+from moerun.kernels.tile_configs import Config, get_config, interpreting, normalize
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _tile_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Consecutive programs walk GROUP_M M-blocks (usually one expert) before moving to the next N band,
+    # so an expert's weight tile is read from HBM once and reused from L2.
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    return pid_m, pid_n
+
+
+# Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _gemm1_tile_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H]
+    inter_ptr,  # [P, I] one row per padded sorted position
+    sorted_ids_ptr,  # [P]
+    block_expert_ptr,  # [P / BLOCK_M]
+    num_padded_ptr,  # [1]
+    num_pairs,
+    top_k,
+    H,
+    I,  # noqa: E741
+    num_pid_m,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_it,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pair = tl.load(sorted_ids_ptr + rows)  # [BLOCK_M]
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    # Wrapping the N offsets keeps the weight loads unmasked; the extra columns are dropped at the store.
+    offs_wn = offs_n % I
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+    g_ptrs = (
+        w_ptr + expert.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wh
+    )  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < H - kb * BLOCK_K
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(x, g, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(x, u, acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+
+    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
+    tl.store(out_ptrs, act, mask=offs_n[None, :] < I)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _gemm2_tile_kernel(
+    inter_ptr,  # [P, I]
+    w_ptr,  # [E, H, I]
+    topk_w_ptr,  # [T*k]
+    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    sorted_ids_ptr,  # [P]
+    block_expert_ptr,  # [P / BLOCK_M]
+    num_padded_ptr,  # [1]
+    num_pairs,
+    top_k,
+    H,
+    I,  # noqa: E741
+    num_pid_m,
+    stride_it,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pair = tl.load(sorted_ids_ptr + rows)  # [BLOCK_M]
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_wn = offs_n % H
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = (
+        w_ptr + expert.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wi
+    )  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        # Padding rows of the intermediate hold zeros (their inputs were masked), so A needs no row mask.
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < I - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wi
+
+    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    acc = acc * weight[:, None]
+    mask = row_ok[:, None] & (offs_n[None, :] < H)
+    if ATOMIC:
+        token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+        tl.atomic_add(out_ptr + token[:, None] * stride_ot + offs_n[None, :], acc, mask=mask, sem="relaxed")
+    else:
+        slot = tl.where(row_ok, pair, 0).to(tl.int64)
+        tl.store(out_ptr + slot[:, None] * stride_ot + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _gemm1_gemv_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H]
+    ids_ptr,  # [T*k]
+    inter_ptr,  # [T*k, I]
+    top_k,
+    H,
+    I,  # noqa: E741
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_it,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_wn = offs_n % I
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xh  # [BLOCK_K]
+    g_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wh
+    u_ptrs = g_ptrs + I * stride_wn  # [BLOCK_N, BLOCK_K]
+    # Partial products stay 2-D across the K loop; one cross-lane reduction at the end instead of one per step.
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < H - kb * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_g += g.to(tl.float32) * x
+        acc_u += u.to(tl.float32) * x
+        x_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    act = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BLOCK_N]
+    tl.store(inter_ptr + slot.to(tl.int64) * stride_it + offs_n, act.to(inter_ptr.dtype.element_ty), mask=offs_n < I)
+
+
+@triton.jit
+def _gemm2_gemv_kernel(
+    inter_ptr,  # [T*k, I]
+    w_ptr,  # [E, H, I]
+    ids_ptr,  # [T*k]
+    topk_w_ptr,  # [T*k]
+    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    top_k,
+    H,
+    I,  # noqa: E741
+    stride_it,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    stride_ot,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_wn = offs_n % H
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    a_ptrs = inter_ptr + slot.to(tl.int64) * stride_it + offs_k  # [BLOCK_K]
+    b_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wi
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < I - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wi
+    y = tl.sum(acc, axis=1) * tl.load(topk_w_ptr + slot).to(tl.float32)  # [BLOCK_N]
+    if ATOMIC:
+        token = (slot // top_k).to(tl.int64)
+        tl.atomic_add(out_ptr + token * stride_ot + offs_n, y, mask=offs_n < H, sem="relaxed")
+    else:
+        tl.store(out_ptr + slot.to(tl.int64) * stride_ot + offs_n, y, mask=offs_n < H)
+
+
+@triton.jit
+def _sum_slots_kernel(
+    src_ptr,  # [T*k, H] fp32
+    out_ptr,  # [T, H]
+    top_k,
+    H,
+    BLOCK_SLOT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
+    mask = (slots[:, None] < top_k) & (offs_h[None, :] < H)
+    vals = tl.load(src_ptr + (token * top_k + slots[:, None]) * H + offs_h[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + token * H + offs_h, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=offs_h < H)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 tests compare against full-precision torch matmuls; TF32 would need loose tolerances.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _finish(acc: torch.Tensor, T: int, k: int, H: int, atomic: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in out_dtype from the fp32 atomic output [T, H] or the per-slot output [T*k, H]."""
+    if atomic:
+        return acc if out_dtype == torch.float32 else acc.to(out_dtype)
+    out = torch.empty(T, H, dtype=out_dtype, device=acc.device)  # [T, H]
+    block_h = min(triton.next_power_of_2(H), 1024)
+    _sum_slots_kernel[(T, triton.cdiv(H, block_h))](
+        acc, out, k, H, BLOCK_SLOT=triton.next_power_of_2(k), BLOCK_H=block_h, num_warps=4
+    )
+    return out
+
+
+def _new_acc(T: int, k: int, H: int, atomic: bool, device: torch.device) -> torch.Tensor:
+    """fp32 buffer GEMM2 writes into: zeroed [T, H] for atomic adds, else uninitialised [T*k, H]."""
+    if atomic:
+        return torch.zeros(T, H, dtype=torch.float32, device=device)  # [T, H]
+    return torch.empty(T * k, H, dtype=torch.float32, device=device)  # [T*k, H]
+
+
+def _fused_moe_gemv(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: Config,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """gemv path: one program per (token-slot, N-tile), no sorting."""
+    T, H = hidden.shape
+    I = w2.shape[2]  # noqa: E741
+    k = topk_ids.shape[1]
+    pairs = T * k
+    atomic = cfg["reduce"] == "atomic"
+    ids = topk_ids.reshape(-1)  # [T*k]
+    inter = torch.empty(pairs, I, dtype=w13.dtype, device=hidden.device)  # [T*k, I]
+    bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
+        hidden, w13, ids, inter, k, H, I,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    acc = _new_acc(T, k, H, atomic, hidden.device)
+    bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
+    _gemm2_gemv_kernel[(pairs, triton.cdiv(H, bn2))](
+        inter, w2, ids, topk_weights.reshape(-1), acc, k, H, I,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), acc.stride(0),
+        BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, ATOMIC=atomic,
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )  # fmt: skip
+    return _finish(acc, T, k, H, atomic, out_dtype)
+
+
+def _fused_moe_tile(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: Config,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """tile path: align token-slots by expert, then two grouped GEMMs over M-blocks."""
+    T, H = hidden.shape
+    E = w13.shape[0]
+    I = w2.shape[2]  # noqa: E741
+    k = topk_ids.shape[1]
+    pairs = T * k
+    atomic = cfg["reduce"] == "atomic"
+    block_m = cfg["BLOCK_M"]
+    upcast = interpreting()
+    precision = _dot_precision(w13.dtype)
+    align = align_tokens(topk_ids, E, block_m)
+    num_pid_m = align.block_expert.numel()
+    inter = torch.empty(align.sorted_ids.numel(), I, dtype=w13.dtype, device=hidden.device)  # [P, I]
+    bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
+        hidden, w13, inter, align.sorted_ids, align.block_expert, align.num_padded, pairs, k, H, I, num_pid_m,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"], EVEN_K=H % bk1 == 0,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    acc = _new_acc(T, k, H, atomic, hidden.device)
+    bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
+    _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
+        inter, w2, topk_weights.reshape(-1), acc, align.sorted_ids, align.block_expert, align.num_padded,
+        pairs, k, H, I, num_pid_m,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), acc.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, GROUP_M=cfg["GROUP_M"], EVEN_K=I % bk2 == 0, ATOMIC=atomic,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )  # fmt: skip
+    return _finish(acc, T, k, H, atomic, out_dtype)
+
+
+def fused_moe_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
+    T, H = hidden.shape
+    E, two_i, h_w = w13.shape
+    I = two_i // 2  # noqa: E741
+    k = topk_ids.shape[1]
+    if h_w != H or tuple(w2.shape) != (E, H, I) or two_i != 2 * I:
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if tuple(topk_weights.shape) != (T, k):
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if w13.dtype not in _SUPPORTED_DTYPES or w2.dtype != w13.dtype:
+        raise ValueError(f"unsupported weight dtypes {w13.dtype}, {w2.dtype}")
+    if T == 0:
+        return torch.empty(0, H, dtype=hidden.dtype, device=hidden.device)
+    # The reference runs each expert's GEMMs in the weights' dtype.
+    x = hidden if hidden.dtype == w13.dtype else hidden.to(w13.dtype)
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    ids = ids.contiguous()
+    weights = topk_weights.contiguous()
+    cfg = normalize(config) if config is not None else get_config(E, H, I, k, w13.dtype, T)
+    run = _fused_moe_gemv if cfg["path"] == "gemv" else _fused_moe_tile
+    return run(x, w13, w2, weights, ids, cfg, hidden.dtype)

@@ -1,0 +1,155 @@
+"""Tile configurations of the fused-MoE kernels: tuned JSON tables per shape and device, and defaults by M.
+
+A config is a dict with keys:
+  path        "gemv" (one program per (token-slot, N-tile), for decode) or "tile" (expert-sorted grouped GEMM)
+  BLOCK_M     rows of an M-block (tile path; also the alignment padding)
+  BLOCK_N, BLOCK_K, num_warps, num_stages           first GEMM (w13, SiLU*up epilogue)
+  BLOCK_N2, BLOCK_K2, num_warps2, num_stages2       second GEMM (w2); default to the first GEMM's values
+  GROUP_M     M-blocks that share a band of N-tiles in the launch order (tile path)
+  reduce      "atomic" (fp32 atomic adds into [T, H]) or "sum" (write [T*k, H] fp32, then sum the k slots)
+Tables are keyed by M, the number of tokens; k is the model's experts per token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+PATHS = ("gemv", "tile")
+REDUCTIONS = ("atomic", "sum")
+
+Config = dict[str, Any]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16, as used in config file names."""
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device | int | None = None) -> str:
+    """CUDA device name with spaces replaced, e.g. 'NVIDIA_H200'; 'cpu' without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(E: int, H: int, I: int, dtype: torch.dtype, device: str) -> str:  # noqa: E741
+    """File name of the tuned table for one expert shape, dtype and device."""
+    return f"E={E},H={H},I={I},dtype={dtype_name(dtype)},device={device}.json"
+
+
+@functools.cache
+def load_table(E: int, H: int, I: int, dtype: torch.dtype, device: str) -> dict[int, Config] | None:  # noqa: E741
+    """Tuned {M: config} table for the shape, or None when no file was shipped."""
+    path = CONFIG_DIR / config_file_name(E, H, I, dtype, device)
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        raw = json.load(f)
+    return {int(m): normalize(cfg) for m, cfg in raw.items()}
+
+
+def normalize(cfg: Config) -> Config:
+    """Copy of cfg with the optional keys filled in and the values checked."""
+    out = dict(cfg)
+    out.setdefault("path", "tile")
+    out.setdefault("BLOCK_M", 16)
+    out.setdefault("GROUP_M", 1)
+    out.setdefault("num_warps", 4)
+    out.setdefault("num_stages", 2)
+    out.setdefault("reduce", "atomic" if out["path"] == "tile" else "sum")
+    for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"):
+        out.setdefault(f"{key}2", out[key])
+    if out["path"] not in PATHS:
+        raise ValueError(f"unknown MoE kernel path {out['path']!r}; expected one of {PATHS}")
+    if out["reduce"] not in REDUCTIONS:
+        raise ValueError(f"unknown MoE slot reduction {out['reduce']!r}; expected one of {REDUCTIONS}")
+    return out
+
+
+def nearest_bucket(keys: list[int] | tuple[int, ...], m: int) -> int:
+    """Key closest to m on a log scale (ties go to the larger key)."""
+    lm = math.log2(max(m, 1))
+    return min(keys, key=lambda b: (abs(math.log2(b) - lm), -b))
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_config(m: int, k: int, dtype: torch.dtype, interpret: bool | None = None) -> Config:
+    """Hand-reasoned config for m tokens with k slots each, used when no tuned table covers the shape."""
+    interpret = interpreting() if interpret is None else interpret
+    pairs = m * k
+    if interpret:
+        # Few, small programs: the interpreter runs programs one after another.
+        if pairs <= 16:
+            return normalize({"path": "gemv", "BLOCK_N": 32, "BLOCK_K": 32, "reduce": "sum"})
+        return normalize({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "reduce": "atomic"})
+    # Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes; all below use <= 164 KB of 227 KB.
+    if pairs <= 64:
+        # Bandwidth-bound: thin N-tiles give >= 3 programs per SM on a 132-SM part even at one token.
+        cfg: Config = {
+            "path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2,
+            "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum",
+        }  # fmt: skip
+    elif m <= 32:
+        cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
+               "num_warps": 4, "num_stages": 4}  # fmt: skip
+    elif m <= 128:
+        cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1,
+               "num_warps": 4, "num_stages": 4}  # fmt: skip
+    elif m <= 512:
+        cfg = {"path": "tile", "BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+               "num_warps": 4, "num_stages": 4}  # fmt: skip
+    elif m <= 2048:
+        cfg = {"path": "tile", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+               "num_warps": 4, "num_stages": 4}  # fmt: skip
+    else:
+        cfg = {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+               "num_warps": 8, "num_stages": 3}  # fmt: skip
+    if dtype == torch.float32:
+        # Twice the bytes per element: halve the K-tile and the pipeline depth to stay within shared memory.
+        cfg["BLOCK_K"] = max(16, cfg["BLOCK_K"] // 2)
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+        if "BLOCK_K2" in cfg:
+            cfg["BLOCK_K2"] = max(16, cfg["BLOCK_K2"] // 2)
+    return normalize(cfg)
+
+
+def get_config(
+    E: int,
+    H: int,
+    I: int,  # noqa: E741
+    k: int,
+    dtype: torch.dtype,
+    m: int,
+    device: str | None = None,
+) -> Config:
+    """Tuned config of the nearest M bucket for this shape and device, else the default for m."""
+    # Tuned tables hold GPU-sized tiles, far too slow for the interpreter, which keeps its small defaults.
+    if not interpreting():
+        table = load_table(E, H, I, dtype, device or _current_device_name())
+        if table:
+            return dict(table[nearest_bucket(list(table), m)])
+    return default_config(m, k, dtype)
+
+
+@functools.cache
+def _cached_device_name(index: int) -> str:
+    return device_name(index)
+
+
+def _current_device_name() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return _cached_device_name(torch.cuda.current_device())

@@ -1,0 +1,207 @@
+"""fused_moe_triton (gemv and tile paths, both slot reductions) against fused_moe_reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun.kernels import tile_configs  # noqa: E402
+from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
+from moerun.kernels.router import route_triton  # noqa: E402
+from moerun.kernels.tile_configs import default_config  # noqa: E402
+from moerun.ops import moe as moe_ops  # noqa: E402
+from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_CUDA = DEVICE.type == "cuda"
+
+# Small tiles (tl.dot needs >= 16 on GPUs); one N-tile covers the test's I so the interpreter runs few programs.
+GEMV_SUM = {"path": "gemv", "BLOCK_N": 64, "BLOCK_K": 32, "BLOCK_N2": 64, "BLOCK_K2": 32, "reduce": "sum"}
+GEMV_ATOMIC = {**GEMV_SUM, "reduce": "atomic"}
+TILE_ATOMIC = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "reduce": "atomic"}
+TILE_SUM = {**TILE_ATOMIC, "BLOCK_N2": 64, "BLOCK_K2": 16, "GROUP_M": 1, "reduce": "sum"}
+CONFIGS = {"gemv-sum": GEMV_SUM, "gemv-atomic": GEMV_ATOMIC, "tile-atomic": TILE_ATOMIC, "tile-sum": TILE_SUM}
+
+# Error allowed relative to the largest reference magnitude; the reference rounds each expert's output to the
+# weights' dtype before the weighted sum, the kernels keep fp32 there.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_weights(E: int, H: int, I: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
+    """w13 [E, 2I, H] and w2 [E, H, I] scaled so activations stay of order one."""
+    w13 = (torch.randn(E, 2 * I, H) / H**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, I) / I**0.5).to(dtype).to(DEVICE)
+    return w13, w2
+
+
+def random_routing(T: int, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Renormalised top-k of random logits: weights [T, k] float32, ids [T, k] int32."""
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def check(
+    seed: int,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    config: dict | None,
+) -> None:
+    out = fused_moe_triton(hidden, w13, w2, weights, ids, config)
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    tol = TOLERANCE[w13.dtype]
+    scale = ref.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed} config={config}: {m}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", ["gemv-sum", "tile-atomic"])
+@pytest.mark.parametrize(
+    "T,E,H,I,k",
+    [(1, 7, 48, 40, 2), (5, 13, 64, 32, 8), (19, 13, 32, 64, 1)],
+    ids=["T1-E7-k2-oddHI", "T5-E13-k8", "T19-E13-k1"],
+)
+def test_fused_moe_matches_reference(seed, T, E, H, I, k, config, dtype) -> None:  # noqa: E741
+    w13, w2 = make_weights(E, H, I, dtype)
+    weights, ids = random_routing(T, E, k)
+    hidden = torch.randn(T, H).to(dtype).to(DEVICE)
+    check(seed, hidden, w13, w2, weights, ids, CONFIGS[config])
+
+
+@pytest.mark.parametrize("config", ["gemv-atomic", "tile-sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_other_slot_reduction(seed, config, dtype) -> None:
+    T, E, H, I, k = 3, 13, 48, 64, 8  # noqa: E741
+    w13, w2 = make_weights(E, H, I, dtype)
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H).to(dtype).to(DEVICE), w13, w2, weights, ids, CONFIGS[config])
+
+
+@pytest.mark.parametrize("config", ["gemv-sum", "tile-atomic"])
+def test_one_expert_takes_all_tokens(seed, config) -> None:
+    # 35 tokens on expert 4 span three 16-row blocks; the other 12 experts get nothing.
+    T, E, H, I = 35, 13, 32, 64  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.float32)
+    ids = torch.full((T, 1), 4, dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(T, 1, device=DEVICE)
+    check(seed, torch.randn(T, H, device=DEVICE), w13, w2, weights, ids, CONFIGS[config])
+
+
+def test_tile_path_with_empty_experts_and_many_blocks(seed) -> None:
+    T, E, H, I, k = 61, 16, 32, 32, 2  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.bfloat16)
+    # Only experts 1, 2, 9 are used, so each gets several blocks and 13 experts none.
+    pool = torch.tensor([1, 2, 9], dtype=torch.int32)
+    ids = torch.stack([pool[torch.randperm(3)[:k]] for _ in range(T)]).to(DEVICE)  # [T, k]
+    weights = torch.softmax(torch.randn(T, k), dim=-1).to(DEVICE)
+    check(seed, torch.randn(T, H).to(torch.bfloat16).to(DEVICE), w13, w2, weights, ids, TILE_ATOMIC)
+
+
+def test_hidden_dtype_differs_from_weights(seed) -> None:
+    T, E, H, I, k = 4, 7, 32, 32, 2  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.float32)
+    weights, ids = random_routing(T, E, k)
+    hidden = torch.randn(T, H).to(torch.bfloat16).to(DEVICE)
+    out = fused_moe_triton(hidden, w13, w2, weights, ids, GEMV_SUM)
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_dispatch_with_default_config(seed, T) -> None:
+    E, H, I, k = 13, 64, 32, 2  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.float16)
+    logits = torch.randn(T, E, device=DEVICE)
+    weights, ids = moe_ops.route(logits, k, True, backend="triton")
+    hidden = torch.randn(T, H).to(torch.float16).to(DEVICE)
+    out = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="triton")
+    ref = fused_moe_reference(hidden, w13, w2, *route_reference(logits, k, True))
+    tol = TOLERANCE[torch.float16]
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_default_config_paths() -> None:
+    assert default_config(1, 8, torch.bfloat16, interpret=False)["path"] == "gemv"
+    assert default_config(4096, 8, torch.bfloat16, interpret=False)["path"] == "tile"
+    assert default_config(1, 2, torch.float32, interpret=True)["path"] == "gemv"
+
+
+def test_config_table_lookup(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tile_configs, "CONFIG_DIR", tmp_path)
+    tile_configs.load_table.cache_clear()
+    name = tile_configs.config_file_name(13, 64, 32, torch.bfloat16, "Fake_GPU")
+    assert name == "E=13,H=64,I=32,dtype=bfloat16,device=Fake_GPU.json"
+    (tmp_path / name).write_text(
+        '{"1": {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 64}, "64": ' + json.dumps(TILE_ATOMIC) + "}"
+    )
+    table = tile_configs.load_table(13, 64, 32, torch.bfloat16, "Fake_GPU")
+    tile_configs.load_table.cache_clear()
+    assert table is not None and set(table) == {1, 64}
+    assert table[1]["reduce"] == "sum" and table[1]["BLOCK_N2"] == 16
+    assert table[64]["path"] == "tile" and table[64]["BLOCK_M"] == 16
+    assert tile_configs.nearest_bucket(list(table), 5) == 1
+    assert tile_configs.nearest_bucket(list(table), 16) == 64
+    assert tile_configs.nearest_bucket(list(table), 4096) == 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA only: real Qwen3-30B-A3B expert shape with the shipped/default configs, and CUDA-graph capture.
+
+QWEN3_30B = (128, 2048, 768, 8)  # E, H, I, k
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 3, 8, 16, 64, 256, 1024, 4096])
+def test_qwen3_30b_shape_default_config(seed, T) -> None:
+    E, H, I, k = QWEN3_30B  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.bfloat16)
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16), w13, w2, weights, ids, None)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("config", ["gemv-sum", "gemv-atomic", "tile-atomic", "tile-sum", "default"])
+@pytest.mark.parametrize("T", [4, 100])
+def test_cuda_graph_capture_and_replay(seed, config, T) -> None:
+    E, H, I, k = 16, 256, 128, 4  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.bfloat16)
+    hidden = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+    cfg = CONFIGS.get(config)  # None: the tuned table or the default by M
+
+    def step() -> torch.Tensor:
+        weights, ids = route_triton(logits, k, True)
+        return fused_moe_triton(hidden, w13, w2, weights, ids, cfg)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    tol = TOLERANCE[torch.bfloat16]
+    for _ in range(3):
+        hidden.copy_(torch.randn(T, H, device=DEVICE))
+        logits.copy_(torch.randn(T, E, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fused_moe_reference(hidden, w13, w2, *route_reference(logits, k, True))
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(
+            out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed}: {m}"
+        )

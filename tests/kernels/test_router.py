@@ -1,0 +1,70 @@
+"""route_triton (softmax + top-k + renormalise) against route_reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun.kernels.router import route_triton  # noqa: E402
+from moerun.ops import moe as moe_ops  # noqa: E402
+from moerun.ops.moe_reference import route_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def distinct_logits(T: int, E: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, E] logits without ties even after rounding to 16 bits, so the top-k order is unique."""
+    perms = torch.argsort(torch.rand(T, E), dim=1).float()  # [T, E] a permutation per row
+    logits = perms * (4.0 / E) - 2.0 + torch.rand(T, E) * (0.5 / E)
+    return logits.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    "T,E,k",
+    [(1, 7, 1), (1, 13, 2), (5, 13, 8), (33, 16, 2), (130, 64, 8), (3, 128, 8), (9, 200, 8), (4, 8, 8)],
+)
+def test_route_matches_reference(seed: int, T: int, E: int, k: int, renormalize: bool) -> None:
+    logits = distinct_logits(T, E, torch.float32)
+    weights, ids = route_triton(logits, k, renormalize)
+    ref_w, ref_ids = route_reference(logits, k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (T, k)
+    assert torch.equal(ids, ref_ids), f"seed={seed}"
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_route_half_precision_logits(seed: int, dtype: torch.dtype) -> None:
+    logits = distinct_logits(11, 13, dtype)
+    weights, ids = route_triton(logits, 3, True)
+    ref_w, ref_ids = route_reference(logits, 3, True)
+    assert torch.equal(ids, ref_ids), f"seed={seed}"
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_route_strided_logits(seed: int) -> None:
+    logits = distinct_logits(6, 26, torch.float32)[:, ::2]  # [6, 13] non-contiguous
+    weights, ids = route_triton(logits, 2, False)
+    ref_w, ref_ids = route_reference(logits, 2, False)
+    assert torch.equal(ids, ref_ids), f"seed={seed}"
+    torch.testing.assert_close(weights, ref_w, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_route_dispatch_triton(seed: int) -> None:
+    logits = distinct_logits(4, 13, torch.float32)
+    weights, ids = moe_ops.route(logits, 2, True, backend="triton")
+    ref_w, ref_ids = route_reference(logits, 2, True)
+    assert torch.equal(ids, ref_ids), f"seed={seed}"
+    torch.testing.assert_close(weights, ref_w, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_route_ties_pick_lowest_index() -> None:
+    logits = torch.zeros(3, 13, device=DEVICE)
+    logits[1, 5] = logits[1, 9] = 1.0  # row 1: a tie at the top between experts 5 and 9
+    weights, ids = route_triton(logits, 4, False)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert ids[1].tolist() == [5, 9, 0, 1]
+    torch.testing.assert_close(weights[0], torch.full((4,), 1 / 13, device=DEVICE))

@@ -35,3 +35,38 @@ def reference_model(folder: Path):
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def write_small_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A byte-level BPE tokenizer with Qwen3's pre-tokenizer, special tokens and chat template, trained on a
+    short text so that test models can have a small vocabulary (and small embedding tables)."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from moerun.models.tiny import qwen3_tokenizer_dir
+
+    qwen = json.loads((qwen3_tokenizer_dir() / "tokenizer.json").read_text())
+    pattern = qwen["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello, world! 1234567890", "数字和中文 emoji 🙂",
+              "def f(x):\n    return x ** 2\n", "user assistant system think"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens(specials)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((qwen3_tokenizer_dir() / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": config["chat_template"], "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "add_bos_token": False,
+    }))
+    return folder

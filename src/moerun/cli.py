@@ -1,4 +1,4 @@
-"""The ``moerun`` command: generate, chat, inspect, make-tiny, bench."""
+"""The ``moerun`` command: generate, chat, inspect, make-tiny, quantize, bench."""
 
 from __future__ import annotations
 
@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--top-k", type=int, default=2)
     t.add_argument("--hidden", type=int, default=64)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    q = sub.add_parser("quantize", help="write a qwen3moe GGUF from an HF checkpoint or re-quantize a GGUF")
+    q.add_argument("src", help="HF checkpoint folder or GGUF file")
+    q.add_argument("out", help="output .gguf path")
+    q.add_argument("--type", required=True, help="Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q3_K_M, Q2_K, Q4_0, F16, BF16, F32")
+
     b = sub.add_parser("bench", help="measure prefill and decode speed on a preset shape or a checkpoint")
     from moerun.bench.run import add_arguments
 
@@ -169,6 +174,14 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from moerun.formats.convert import quantize_model
+
+    paths = quantize_model(args.src, args.out, args.type)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from moerun.bench.run import main as bench_main
 
@@ -176,7 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "inspect": cmd_inspect, "make-tiny": cmd_make_tiny,
-            "bench": cmd_bench}
+            "quantize": cmd_quantize, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,15 +55,26 @@ class _Planned:
 def write_gguf(path: str | os.PathLike[str], config: ModelConfig,
                tensors: Iterable[tuple[str, np.ndarray | torch.Tensor]], *, ftype: str | LlamaFileType = "Q8_0",
                tokenizer_dir: str | os.PathLike[str] | None = None, alignment: int = 32, split_max_size: int = 0,
-               split_max_tensors: int = 0, name: str | None = None, progress: bool = True) -> list[Path]:
-    """Write a qwen3moe GGUF (split into ``-0000K-of-0000N.gguf`` parts past the split limits); returns the paths."""
+               split_max_tensors: int = 0, name: str | None = None, progress: bool = True,
+               tokenizer_kv: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] | None = None) -> list[Path]:
+    """Write a qwen3moe GGUF (split into ``-0000K-of-0000N.gguf`` parts past the split limits); returns the paths.
+
+    The tokenizer comes from an HF folder (``tokenizer_dir``) or, when re-quantising a GGUF, from the source
+    file's ``tokenizer.*`` keys given as ``tokenizer_kv`` (key -> (value, type, element type)).
+    """
     path = Path(path)
     ft = file_type(ftype)
     writer = GGUFWriter(path, ARCH, split_max_tensors=split_max_tensors, split_max_size=split_max_size)
     if alignment != 32:
         writer.add_custom_alignment(alignment)
     for key, value in gguf_metadata(config, int(ft), name, tokenizer_dir).items():
+        if tokenizer_kv and key.startswith("tokenizer."):
+            continue
         writer.add_key_value(key, value.value, value.type, value.sub_type)
+    for key, (value, vtype, etype) in (tokenizer_kv or {}).items():
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        writer.add_key_value(key, value, vtype, etype)
     scratch = path.with_name(path.name + ".tensors.tmp")
     paths: list[Path] = []
     try:

@@ -1,0 +1,131 @@
+"""GGUF models end to end: written by moerun, loaded with weights kept quantized, checked against references."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helpers import build_checkpoint, reference_model, relative_error, write_small_tokenizer
+from moerun import LLM, SamplingParams
+from moerun.cli import main
+from moerun.config import ModelConfig
+from moerun.formats.gguf.names import gguf_to_hf
+from moerun.formats.gguf.reader import GGUFFile
+from moerun.formats.gguf.writer import write_gguf
+from moerun.formats.safetensors_checkpoint import SafetensorsCheckpoint
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0"]
+SHAPE = dict(vocab_size=512, hidden_size=256, moe_intermediate_size=256, intermediate_size=512, head_dim=64,
+             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, num_experts=4,
+             num_experts_per_tok=2, tie_word_embeddings=False, with_tokenizer=False,
+             bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    build_checkpoint(folder, seed=random.randrange(2**31), **SHAPE)
+    write_small_tokenizer(folder)
+    return folder
+
+
+def write(hf_checkpoint, out, ftype):
+    config = ModelConfig.from_json_file(hf_checkpoint / "config.json")
+    tensors = SafetensorsCheckpoint(hf_checkpoint).iter_tensors()
+    return write_gguf(out, config, tensors, ftype=ftype, tokenizer_dir=hf_checkpoint, progress=False)[0]
+
+
+def dequantized_checkpoint(gguf_path, hf_checkpoint, out):
+    """An HF checkpoint holding the GGUF's weights as dequantised by the gguf package (an independent oracle)."""
+    import gguf
+
+    out.mkdir()
+    tensors = {}
+    with GGUFFile(gguf_path) as f:
+        for name, ti in f.tensors.items():
+            raw = np.array(f.tensor_bytes(name))
+            if ti.ggml_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                                gguf.GGMLQuantizationType.BF16):
+                dense = f.tensor(name, copy=True).float()
+            else:
+                dense = torch.from_numpy(gguf.quants.dequantize(raw, ti.ggml_type).reshape(ti.shape).copy())
+            hf = gguf_to_hf(name)
+            if ".mlp.experts." in hf:  # stacked [E, rows, cols] -> per-expert tensors
+                prefix, part = hf.rsplit(".", 1)
+                for e in range(dense.shape[0]):
+                    tensors[f"{prefix}.{e}.{part}.weight"] = dense[e].contiguous()
+            else:
+                tensors[hf] = dense.contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    shutil.copy(hf_checkpoint / "config.json", out / "config.json")
+    return out
+
+
+def test_f32_gguf_equals_its_hf_checkpoint(hf_checkpoint, tmp_path):
+    path = write(hf_checkpoint, tmp_path / "m.gguf", "F32")
+    ours = LLM(str(path), device="cpu", max_model_len=128)
+    hf = LLM(str(hf_checkpoint), device="cpu", max_model_len=128)
+    ids = [random.randrange(362) for _ in range(19)]
+    assert relative_error(ours.logits(ids), hf.logits(ids)) <= 1e-4
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert ours.generate([ids], params)[0].token_ids == hf.generate([ids], params)[0].token_ids
+    # the tokenizer and chat template come from the file itself
+    assert ours.tokenizer.encode("Hello, world!") == hf.tokenizer.encode("Hello, world!")
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.render_chat(chat) == hf.render_chat(chat)
+
+
+@pytest.mark.parametrize("ftype", TYPES)
+def test_quantized_gguf_matches_dequantized_reference(hf_checkpoint, tmp_path, ftype):
+    path = write(hf_checkpoint, tmp_path / f"m-{ftype}.gguf", ftype)
+    llm = LLM(str(path), device="cpu", max_model_len=128)
+    ref = reference_model(dequantized_checkpoint(path, hf_checkpoint, tmp_path / "deq"))
+    ids = [random.randrange(362) for _ in range(11)]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert relative_error(llm.logits(ids), expected) <= 1e-4
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    if ftype not in ("F32", "F16", "BF16"):
+        quantized = [m for m in llm.model.modules() if m.__dict__.get("q_w13") or m.__dict__.get("q_weight")]
+        assert quantized, "block-quantised tensors must stay quantised in memory"
+
+
+def test_cli_generate_and_inspect_gguf(hf_checkpoint, tmp_path, capsys):
+    path = write(hf_checkpoint, tmp_path / "m.gguf", "Q4_K_M")
+    assert main(["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "5", "--device", "cpu"]) == 0
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "qwen3moe" in text and "Q4_K" in text and "Q6_K" in text
+
+
+def test_bad_gguf_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + b"\x07\x00\x00\x00" + b"\x00" * 32)
+    with pytest.raises(ValueError, match="bad.gguf"):
+        LLM(str(path), device="cpu")
+
+
+def test_quantize_cli_from_hf_and_requantize_a_gguf(hf_checkpoint, tmp_path, capsys):
+    q8 = tmp_path / "q8.gguf"
+    assert main(["quantize", str(hf_checkpoint), str(q8), "--type", "Q8_0"]) == 0
+    q4 = tmp_path / "q4.gguf"
+    assert main(["quantize", str(q8), str(q4), "--type", "Q4_K_M"]) == 0
+    with GGUFFile(q4) as f:
+        types = {ti.type_name for ti in f.tensors.values()}
+        assert {"Q4_K", "Q6_K"} <= types
+        assert len(f.metadata["tokenizer.ggml.tokens"]) == 512
+    ids = [3, 50, 200, 7]
+    a = LLM(str(q8), device="cpu", max_model_len=64).logits(ids)
+    b = LLM(str(q4), device="cpu", max_model_len=64).logits(ids)
+    assert relative_error(b, a) < 0.5  # a coarser type of the same weights
+    assert LLM(str(q4), device="cpu", max_model_len=64).tokenizer.encode("Hello") == \
+        LLM(str(hf_checkpoint), device="cpu", max_model_len=64).tokenizer.encode("Hello")
+    assert main(["quantize", str(hf_checkpoint), str(tmp_path / "x.gguf"), "--type", "Q7_K"]) == 2
+    assert "unknown type 'Q7_K'" in capsys.readouterr().err

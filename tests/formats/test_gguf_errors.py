@@ -189,7 +189,7 @@ def _mutate(raw: bytes, mutations) -> bytes:
     return bytes(b)
 
 
-@settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutations=st.lists(_mutation, min_size=1, max_size=3))
 def test_fuzzed_files_open_or_raise_gguf_error(tmp_path, mutations):
     path = tmp_path / "fuzz.gguf"

@@ -121,6 +121,20 @@ def test_dequant_chunking_covers_large_tensors() -> None:
     assert torch.equal(got, torch.from_numpy(ref).to(torch.bfloat16))
 
 
+def test_dequant_into_out_buffer() -> None:
+    qt = QuantType.Q6_K
+    raw = torch.from_numpy(random_blocks(np.random.default_rng(), qt, 3 * 512))
+    expected = dequantize(raw, qt, (3, 512))
+    buf = torch.full((3, 512), float("nan"))
+    assert dequantize(raw, qt, (3, 512), out=buf) is buf
+    assert torch.equal(buf, expected)
+    half = torch.empty((3, 512), dtype=torch.bfloat16)
+    dequantize(raw, qt, (3, 512), out=half)
+    assert torch.equal(half, expected.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out tensor of shape \(3, 512\)"):
+        dequantize(raw, qt, (3, 512), out=torch.empty(512, 3).t())
+
+
 def test_dequant_rejects_wrong_sizes() -> None:
     raw = torch.zeros(144 * 3, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"blk\.0\.x.*needs 576 bytes, got 432"):
@@ -129,7 +143,9 @@ def test_dequant_rejects_wrong_sizes() -> None:
         dequantize(raw.float(), QuantType.Q4_K, (1, 768))
 
 
-def make_experts(qt: QuantType = QuantType.Q4_K, shape: tuple[int, ...] = (4, 8, 512)) -> tuple[QuantizedTensor, np.ndarray]:
+def make_experts(
+    qt: QuantType = QuantType.Q4_K, shape: tuple[int, ...] = (4, 8, 512)
+) -> tuple[QuantizedTensor, np.ndarray]:
     w = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
     return QuantizedTensor.from_float(w, qt, name="blk.0.ffn_down_exps.weight"), w
 
@@ -143,6 +159,10 @@ def test_quantized_tensor_layout_and_dequant() -> None:
     full = qtensor.dequantize()
     assert full.shape == (4, 8, 512) and full.dtype == torch.float32
     assert qtensor.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    buf = torch.empty(4, 8, 512)
+    assert qtensor.dequantize(out=buf) is buf and torch.equal(buf, full)
+    from_torch = QuantizedTensor.from_float(torch.from_numpy(w), "Q4_K")
+    assert torch.equal(from_torch.raw, qtensor.raw)
     rel = float(torch.linalg.norm(full - torch.from_numpy(w)) / torch.linalg.norm(torch.from_numpy(w)))
     assert rel < 0.1
 

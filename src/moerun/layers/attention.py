@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moerun import ops
 from moerun.config import ModelConfig
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
@@ -33,31 +34,32 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, n_q*D], [T, n_kv*D], [T, n_kv*D]
-        q = self.q_norm(q.view(T, self.n_q, self.head_dim))  # [T, n_q, D]
-        k = self.k_norm(k.view(T, self.n_kv, self.head_dim))  # [T, n_kv, D]
-        v = v.view(T, self.n_kv, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
-        cache.write(self.layer, batch, k, v)
+        qkv = self.qkv_proj(x)  # [T, (n_q + 2 n_kv) D]
+        cos, sin = self.rotary.cos_sin(x.device, x.dtype)
+        # per-head q/k norm, rotary, and the k/v write into the cache, in one op
+        q = ops.qk_norm_rope_write(
+            qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
+            batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q, self.n_kv,
+        )  # [T, n_q, D]
         if batch.is_prefill:
-            out = self._prefill(q, k, v, batch, cache)
+            out = self._prefill(q, batch, cache)
+        elif q.device.type == "cuda":
+            out = ops.decode_attention(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
+                                       self.scale)
         else:
-            out = self._decode(q, batch, cache)
+            out = self._decode_eager(q, batch, cache)
         return self.o_proj(out.reshape(T, self.n_q * self.head_dim))
 
-    def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: KVCache
-    ) -> torch.Tensor:
-        """Causal attention per sequence; a sequence that continues earlier tokens reads them from the cache."""
+    def _prefill(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Causal attention per sequence over its cached keys (this step's were just written)."""
         outs, row = [], 0
         for i, (start, n) in enumerate(zip(batch.start_positions, batch.query_lens)):
             qi = q[row : row + n].transpose(0, 1)  # [n_q, n, D]
+            kc, vc = cache.gather(self.layer, batch.slot_ids[i : i + 1], start + n)  # [1, L, n_kv, D]
+            ki, vi = kc[0].transpose(0, 1), vc[0].transpose(0, 1)  # [n_kv, L, D]
             if start == 0:
-                ki, vi = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)  # [n_kv, n, D]
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                kc, vc = cache.gather(self.layer, batch.slot_ids[i : i + 1], start + n)  # [1, L, n_kv, D]
-                ki, vi = kc[0].transpose(0, 1), vc[0].transpose(0, 1)  # [n_kv, L, D]
                 q_pos = torch.arange(start, start + n, device=q.device)[:, None]
                 mask = torch.arange(start + n, device=q.device)[None, :] <= q_pos  # [n, L]
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
@@ -65,8 +67,8 @@ class Qwen3Attention(nn.Module):
             row += n
         return torch.cat(outs, dim=0)
 
-    def _decode(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """One new token per sequence attends to its whole cached context; longer contexts of others are masked."""
+    def _decode_eager(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """One new token per sequence over its cached context, reading only up to the batch's longest (CPU)."""
         L = batch.max_seq_len
         kc, vc = cache.gather(self.layer, batch.slot_ids, L)  # [B, L, n_kv, D]
         mask = torch.arange(L, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, L]

@@ -1,9 +1,11 @@
-"""RMSNorm, computed in float32 and cast back, as Qwen3 defines it."""
+"""RMSNorm, computed in float32 and cast back, as Qwen3 defines it (optionally fused with the residual add)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from moerun import ops
 
 
 class RMSNorm(nn.Module):
@@ -15,15 +17,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)[0]
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Adds x to the residual stream, then normalises: returns (normed, new residual)."""
-        if residual is not None:
-            x = x + residual
-        return self.forward(x), x
+        return ops.rms_norm(x, self.weight, self.eps, residual)

@@ -2,33 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe_reference import fused_moe_reference, route_reference
-
-BACKENDS = ("torch", "triton")
-
-
-def _pick_backend(backend: str | None, device: torch.device) -> str:
-    if backend is None:
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown MoE backend {backend!r}; expected one of {BACKENDS} or None")
-    if backend == "triton" and not triton_available():
-        raise ValueError("MoE backend 'triton' needs the triton package, which is not installed")
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("MoE backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    return backend
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def route(
@@ -37,7 +14,7 @@ def route(
     """Softmax + top-k (+ renormalise) over router_logits [T, E] -> (weights [T, k] float32, ids [T, k] int32)."""
     if not 1 <= k <= router_logits.shape[-1]:
         raise ValueError(f"k must be in [1, {router_logits.shape[-1]}], got {k}")
-    if _pick_backend(backend, router_logits.device) == "torch":
+    if pick_backend(backend, router_logits.device, "MoE") == "torch":
         return route_reference(router_logits, k, renormalize)
     from moerun.kernels.router import route_triton
 
@@ -57,7 +34,7 @@ def fused_moe(
     w13 / w2 may be quantized weights (layers/quantized.py): the torch path dequantises the touched experts;
     the Triton path dequantises the layer and runs the dense kernels.
     """
-    if _pick_backend(backend, hidden.device) == "torch":
+    if pick_backend(backend, hidden.device, "MoE") == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         w13, w2 = w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype)

@@ -29,7 +29,10 @@ MATRIX_SEED = 20240601
 MATRIX_SHAPE = (128, 2048)
 
 # GGML type ids of everything the fixture covers (legacy 32-element types and K-quants).
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPES = {
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+}
 
 
 def awkward_rows(seed: int = 7, row_len: int = ROW_LEN) -> np.ndarray:
@@ -86,8 +89,10 @@ class Ggml:
     def __init__(self, lib_path: Path) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+        # (type, src, dst, start, nrows, n_per_row, imatrix)
         self.lib.ggml_quantize_chunk.argtypes = [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
         ]
         self.lib.ggml_row_size.restype = ctypes.c_size_t
         self.lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]

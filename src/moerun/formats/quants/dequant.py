@@ -22,7 +22,7 @@ from .types import QuantType, as_quant_type, tensor_nbytes
 # temporaries and the in-place passes inside the CPU caches.
 
 _CPU_CHUNK_ELEMS = 1 << 20
-_CUDA_CHUNK_ELEMS = 1 << 27
+_CUDA_CHUNK_ELEMS = 1 << 25  # bounds the float32 scratch of non-float32 outputs to 128 MiB
 
 
 @dataclass(frozen=True)
@@ -38,19 +38,27 @@ class _Decoder:
     add_offset: bool = False  # value = code * scale + offset (Q4_1, Q5_1) instead of - offset
 
 
+def _words(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [N, B] viewed as int16 [N, B / 2] (all block sizes and fp16 field offsets are even)."""
+    try:
+        return blocks.view(torch.int16)
+    except RuntimeError:  # odd storage offset of a sliced buffer: realign with one copy
+        return blocks.clone().view(torch.int16)
+
+
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 stored at byte `offset` of each block, widened to float32: [N, 1]."""
-    # contiguous() copies 2 bytes per block, which makes the dtype view legal for any storage offset.
-    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+    """The fp16 stored at byte `offset` of each block, widened to float32: [N]."""
+    # A single strided column is one long loop for torch, unlike a narrow [N, 2] slice.
+    return _words(blocks)[:, offset // 2].contiguous().view(torch.float16).float()
 
 
 def _bytes_t(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Bytes start:stop of every block, transposed to [stop - start, N] (contiguous).
 
-    The per-block scale fields are narrow; working on them transposed gives torch long
-    inner loops instead of a loop call per block.
+    The per-block scale fields are narrow; gathering them column by column and working on
+    them transposed gives torch long inner loops instead of a loop call per block.
     """
-    return blocks[:, start:stop].t().contiguous()
+    return torch.stack([blocks[:, j] for j in range(start, stop)])
 
 
 def _nibble_pair(src: torch.Tensor, lo_dst: torch.Tensor, hi_dst: torch.Tensor) -> None:
@@ -63,11 +71,11 @@ def _nibble_pair(src: torch.Tensor, lo_dst: torch.Tensor, hi_dst: torch.Tensor) 
 
 
 def _scale_d(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (_f16(blocks, 0).unsqueeze(-1),)  # [N, 1, 1]
+    return (_f16(blocks, 0).view(-1, 1, 1),)  # [N, 1, 1]
 
 
 def _scale_dm(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (_f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1))  # [N, 1, 1] each
+    return (_f16(blocks, 0).view(-1, 1, 1), _f16(blocks, 2).view(-1, 1, 1))  # [N, 1, 1] each
 
 
 def _codes_q8_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -127,8 +135,8 @@ def _crumb(qs: torch.Tensor, k: int) -> torch.Tensor:
 
 def _scales_q2_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     sc = _bytes_t(blocks, 0, 16)  # [16, N]: low nibble scale, high nibble min of each 16-element sub-block
-    d = _f16(blocks, 80).t()  # [1, N]
-    dmin = _f16(blocks, 82).t()
+    d = _f16(blocks, 80).view(1, -1)  # [1, N]
+    dmin = _f16(blocks, 82).view(1, -1)
     dl = d * torch.bitwise_and(sc, 0x0F)
     ml = dmin * torch.bitwise_right_shift(sc, 4)
     return dl.t().unsqueeze(-1), ml.t().unsqueeze(-1)  # [N, 16, 1]
@@ -150,7 +158,7 @@ def _scales_q3_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     low = torch.cat((torch.bitwise_and(packed[:8], 0x0F), torch.bitwise_right_shift(packed[:8], 4)))  # [16, N]
     high = torch.cat([torch.bitwise_right_shift(packed[8:], 2 * i).bitwise_and_(3) for i in range(4)])
     sc = low.bitwise_or_(high << 4).view(torch.int8) - 32
-    dl = _f16(blocks, 108).t() * sc  # [16, N]
+    dl = _f16(blocks, 108).view(1, -1) * sc  # [16, N]
     return (dl.t().unsqueeze(-1),)  # [N, 16, 1]
 
 
@@ -177,8 +185,8 @@ def _scales_k4(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     d, m, md = h[0:4], h[4:8], h[8:12]
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)))  # [8, N]
     mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)))
-    dl = _f16(blocks, 0).t() * sc
-    ml = _f16(blocks, 2).t() * mn
+    dl = _f16(blocks, 0).view(1, -1) * sc
+    ml = _f16(blocks, 2).view(1, -1) * mn
     return dl.t().reshape(-1, 4, 2, 1), ml.t().reshape(-1, 4, 2, 1)  # [N, pair, low/high nibble, 1] views
 
 
@@ -204,7 +212,7 @@ def _codes_q5_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def _scales_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     sc = _bytes_t(blocks, 192, 208).view(torch.int8)  # [16, N] signed 8-bit scales
-    dl = _f16(blocks, 208).t() * sc
+    dl = _f16(blocks, 208).view(1, -1) * sc
     return (dl.t().unsqueeze(-1),)  # [N, 16, 1]
 
 

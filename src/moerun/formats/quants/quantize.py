@@ -1,9 +1,10 @@
 """Vectorised numpy quantisation of float32 tensors into GGUF block bytes.
 
-The legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and BF16 reproduce gguf.quants
-bit for bit. The K-quants follow ggml's reference quantizers (no importance
-matrix), evaluated in the same float32 operation order so that the bytes match
-llama.cpp's `ggml_quantize_chunk`.
+Every type follows ggml's reference quantizers (quantize_row_*_ref, no importance
+matrix) in the same float32 operation order, so the bytes match llama.cpp's
+`ggml_quantize_chunk`. The legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), F16 and BF16
+also match gguf.quants, except for blocks made only of zeros with a negative sign,
+where gguf's scale keeps a different zero sign than ggml's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def quantize(array: np.ndarray, qtype: int | str | enum.Enum, tensor_name: str =
     qt = as_quant_type(qtype, tensor_name)
     x = np.ascontiguousarray(array, dtype=np.float32)
     if x.ndim == 0:
-        raise ValueError(f"tensor '{tensor_name}': expected an array with at least one dimension")
+        where = f"tensor '{tensor_name}': " if tensor_name else ""
+        raise ValueError(f"{where}expected an array with at least one dimension, got a scalar")
     check_row_length(x.shape[-1], qt, tensor_name)
     out_shape = (*x.shape[:-1], x.shape[-1] // qt.block_elems * qt.block_bytes)
     if not qt.is_quantized:

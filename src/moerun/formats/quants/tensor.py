@@ -16,9 +16,9 @@ from .types import as_quant_type, row_nbytes
 class QuantizedTensor:
     """A weight kept in its GGUF encoding (not an nn.Parameter).
 
-    `raw` is a uint8 tensor [*shape[:-1], row_bytes] holding exactly GGUF's block bytes with
-    each logical row contiguous, e.g. [out, in] -> [out, in / block_elems * block_bytes] and
-    stacked experts [E, out, in] -> [E, out, row_bytes]. Kernels may read `raw` directly.
+    `raw` is a contiguous uint8 tensor [*shape[:-1], row_bytes] holding exactly GGUF's block
+    bytes, one logical row after the other, e.g. [out, in] -> [out, in / block_elems * block_bytes]
+    and stacked experts [E, out, in] -> [E, out, row_bytes]. Kernels may read `raw` directly.
     """
 
     __slots__ = ("raw", "qtype", "shape", "name")
@@ -41,8 +41,8 @@ class QuantizedTensor:
             )
         if tuple(raw.shape) != byte_shape:
             raw = raw.reshape(byte_shape)
-        if raw.stride(-1) != 1:
-            raw = raw.contiguous()  # rows must be contiguous byte runs
+        if not raw.is_contiguous():
+            raw = raw.contiguous()  # kernels index rows by offset, so the bytes must be dense
         self.raw = raw
         self.qtype = qt
         self.shape = shape
@@ -75,10 +75,18 @@ class QuantizedTensor:
         """Logical element count."""
         return int(np.prod(self.shape))
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-        """Decode to a dense `dtype` tensor of the logical shape, on `device` (default: where the bytes are)."""
+    def dequantize(
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode to a dense `dtype` tensor of the logical shape, on `device` (default: where the bytes are).
+
+        `out` (contiguous, logical shape, on that device) is filled instead of allocating.
+        """
         raw = self.raw if device is None else self.raw.to(device)
-        return dequantize(raw, self.qtype, self.shape, dtype=dtype, tensor_name=self.name)
+        return dequantize(raw, self.qtype, self.shape, dtype=dtype, tensor_name=self.name, out=out)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "QuantizedTensor":
         """The same encoded bytes on another device."""

@@ -1,0 +1,129 @@
+"""RMSNorm with an optional fused residual add, one Triton program per row.
+
+The roundings follow ``RMSNorm.forward_with_residual`` step by step (sum in x's dtype, normalisation in
+float32, cast to x's dtype, product with the weight rounded once), so only the order of the float32 sum of
+squares differs from torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# A whole row lives in registers (at most 32 floats per thread with 16 warps); larger rows would spill.
+MAX_HIDDEN = 16384
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter.
+
+    The interpreter truncates float32 -> bfloat16 and multiplies bfloat16 dot operands as raw bits; kernels
+    take this as a constexpr and work around both only there, never on the GPU path.
+    """
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 x rounded to nearest even in dtype (the GPU's cast; the interpreter's bfloat16 cast truncates)."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            # add just under half an ulp of bfloat16, plus one when the kept part is odd, then drop the low half
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def mean_of_squares(xf, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """sum(xf^2) / N over a float32 vector whose padding is zero, finished as torch's mean is on each device."""
+    total = tl.sum(xf * xf, axis=0)
+    if INTERPRET:
+        return total / N  # torch on the CPU divides the sum
+    else:
+        return total * (1.0 / N)  # torch on CUDA multiplies by 1/N rounded to float32
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, H]
+    res_ptr,  # [T, H] or a dummy when HAS_RESIDUAL is false
+    w_ptr,  # [H]
+    out_ptr,  # [T, H]
+    new_res_ptr,  # [T, H] or a dummy when HAS_RESIDUAL is false
+    eps,
+    stride_x,
+    stride_r,
+    H: tl.constexpr,  # one compilation per hidden size: the model has two or three
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_H] in x's dtype
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # torch adds in float32 and rounds once to x's dtype
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, INTERPRET)
+        tl.store(new_res_ptr + row * H + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.math.rsqrt(mean_of_squares(xf, H, INTERPRET) + eps)
+    normed = round_to(xf * inv_rms, dtype, INTERPRET)  # rounded to x's dtype before the weight, as torch does
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # a product of two 16-bit floats is exact in float32, so this is one rounding like torch's
+    out = round_to(w.to(tl.float32) * normed.to(tl.float32), dtype, INTERPRET)
+    tl.store(out_ptr + row * H + cols, out, mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_normalise(x + residual), x + residual) for x [T, H]; new_residual is x when residual is None."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if weight.shape != (H,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{H}] of {x.dtype}, got {tuple(weight.shape)} of {weight.dtype}")
+    if H > MAX_HIDDEN:
+        raise ValueError(f"hidden size {H} exceeds the one-row-in-registers limit {MAX_HIDDEN}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
+    new_residual = torch.empty_like(out) if residual is not None else x  # [T, H]
+    if T == 0:
+        return out, new_residual
+    block_h = triton.next_power_of_2(H)
+    # about 8 elements per thread: enough loads in flight without spilling
+    num_warps = max(1, min(16, block_h // 256))
+    _rms_norm_kernel[(T,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        new_residual,
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        H=H,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_H=block_h,
+        INTERPRET=interpreting(),
+        num_warps=num_warps,
+        # keeps x*x and the first adds of the sum unfused, as torch's separate square and sum kernels
+        enable_fp_fusion=False,
+    )
+    return out, new_residual

@@ -1,0 +1,151 @@
+"""decode_attention (Triton flash-decoding) against the SDPA reference; a CUDA-graph replay of the decode ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun.kernels.decode_attention import decode_attention_triton, default_num_splits  # noqa: E402
+from moerun.ops.attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_reference,
+    qk_norm_rope_write,
+    qk_norm_rope_write_reference,
+)
+from moerun.ops.norm import rms_norm, rms_norm_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# SDPA in a 16-bit dtype rounds its output once; the kernel's softmax weights also round once before p @ v
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+
+def make_cache(S: int, L: int, n_kv: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache = torch.randn(S, L, n_kv, D).to(dtype).to(DEVICE)  # [S, L, n_kv, D]
+    v_cache = torch.randn(S, L, n_kv, D).to(dtype).to(DEVICE)
+    return k_cache, v_cache
+
+
+def check(
+    seq_lens: list[int],
+    n_q: int,
+    n_kv: int,
+    D: int,
+    L: int,
+    dtype: torch.dtype,
+    seed: int,
+    num_splits: int | None,
+    block_n: int | None = None,
+    len_dtype: torch.dtype = torch.int64,
+) -> None:
+    B, S = len(seq_lens), len(seq_lens) + 2
+    k_cache, v_cache = make_cache(S, L, n_kv, D, dtype)
+    q = (torch.randn(B, n_q, D) * 2).to(dtype).to(DEVICE)  # [B, n_q, D], scaled so softmax is not flat
+    slot_ids = torch.randperm(S)[:B].to(DEVICE)  # [B]
+    lens = torch.tensor(seq_lens, dtype=len_dtype, device=DEVICE)  # [B]
+    scale = D**-0.5
+    out = decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, num_splits=num_splits, block_n=block_n)
+    ref = decode_attention_reference(q, k_cache, v_cache, slot_ids, lens, scale)
+    assert out.dtype == dtype and out.shape == (B, n_q, D)
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gqa3_mixed_lengths(seed: int, dtype: torch.dtype) -> None:
+    # chunks are 16 positions here: 16 and 32 end exactly on a chunk, 17 one past it, 1 and 48 the extremes
+    check([1, 48, 17, 16, 32], n_q=6, n_kv=2, D=32, L=48, dtype=dtype, seed=seed, num_splits=3, block_n=16)
+
+
+def test_mha_single_sequence_full_cache(seed: int) -> None:
+    check([40], n_q=2, n_kv=2, D=16, L=40, dtype=torch.float32, seed=seed, num_splits=2, block_n=16)
+
+
+def test_gqa8_int32_lengths(seed: int) -> None:
+    check([35, 2], n_q=8, n_kv=1, D=64, L=35, dtype=torch.float16, seed=seed, num_splits=2, block_n=16,
+          len_dtype=torch.int32)
+
+
+def test_qwen3_head_group_more_splits_than_blocks(seed: int) -> None:
+    # Qwen3-30B-A3B's group of 8 query heads at D=128; 4 splits but 2 blocks of positions: 2 empty partials
+    check([20], n_q=8, n_kv=1, D=128, L=24, dtype=torch.bfloat16, seed=seed, num_splits=4, block_n=16)
+
+
+def test_dispatch_defaults(seed: int) -> None:
+    B, n_q, n_kv, D, L = 1, 2, 1, 16, 130
+    k_cache, v_cache = make_cache(3, L, n_kv, D, torch.bfloat16)
+    q = torch.randn(B, n_q, D).to(torch.bfloat16).to(DEVICE)
+    slot_ids = torch.tensor([2], device=DEVICE)
+    lens = torch.tensor([129], device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, slot_ids, lens, 0.25, backend="triton")
+    ref = decode_attention(q, k_cache, v_cache, slot_ids, lens, 0.25, backend="torch")
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.bfloat16], msg=lambda m: f"seed={seed}: {m}")
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        decode_attention_triton(q[..., :12], k_cache[..., :12], v_cache[..., :12], slot_ids, lens, 0.25)
+
+
+def test_default_num_splits() -> None:
+    cpu = torch.device("cpu")  # assumes 132 SMs
+    assert default_num_splits(1, 4, 40960, 64, cpu) == 64
+    assert default_num_splits(64, 4, 40960, 64, cpu) == 1
+    assert default_num_splits(1, 4, 100, 64, cpu) == 2  # never more splits than blocks of positions
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay(seed: int) -> None:
+    """Captures rms_norm + qk_norm_rope_write + decode_attention once, replays with new inputs and lengths."""
+    dtype, eps = torch.bfloat16, 1e-6
+    B, H, n_q, n_kv, D, S, L = 3, 256, 8, 2, 128, 5, 256
+    dev = torch.device("cuda")
+    x = torch.randn(B, H, device=dev, dtype=dtype)  # static inputs, refilled before each replay
+    residual = torch.randn(B, H, device=dev, dtype=dtype)
+    qkv = torch.randn(B, (n_q + 2 * n_kv) * D, device=dev, dtype=dtype)
+    positions = torch.zeros(B, dtype=torch.int64, device=dev)
+    slot_ids = torch.tensor([4, 0, 2], device=dev)
+    seq_lens = torch.ones(B, dtype=torch.int64, device=dev)
+    norm_w = 1 + 0.3 * torch.randn(H, device=dev, dtype=dtype)
+    q_w, k_w = (1 + 0.3 * torch.randn(2, D, device=dev, dtype=dtype)).unbind(0)
+    angles = torch.rand(L, D, device=dev) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache, v_cache = (torch.randn(2, S, L, n_kv, D, device=dev) * 0.5).to(dtype).unbind(0)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        normed, new_residual = rms_norm(x, norm_w, eps, residual)
+        q = qk_norm_rope_write(qkv, q_w, k_w, eps, cos, sin, positions, slot_ids, k_cache, v_cache, n_q, n_kv)
+        return normed, new_residual, q, decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for new_positions in ([0, L - 1, 37], [64, 5, L - 1], [L - 1, 128, 0]):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        qkv.copy_(torch.randn_like(qkv))
+        positions.copy_(torch.tensor(new_positions))
+        seq_lens.copy_(positions + 1)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        ref_normed, ref_residual = rms_norm_reference(x, norm_w, eps, residual)
+        ref_q = qk_norm_rope_write_reference(
+            qkv, q_w, k_w, eps, cos, sin, positions, slot_ids, k_before, v_before, n_q, n_kv
+        )
+        ref_attn = decode_attention_reference(ref_q, k_before, v_before, slot_ids, seq_lens, D**-0.5)
+        normed, new_residual, q, attn = static_out
+        torch.cuda.synchronize()
+        msg = lambda m: f"seed={seed} positions={new_positions}: {m}"  # noqa: E731
+        assert torch.equal(new_residual, ref_residual), msg("residual")
+        torch.testing.assert_close(normed, ref_normed, rtol=2**-7, atol=2**-7, msg=msg)
+        torch.testing.assert_close(q, ref_q, rtol=2**-7, atol=2**-5, msg=msg)
+        torch.testing.assert_close(k_cache, k_before, rtol=2**-7, atol=2**-5, msg=msg)
+        assert torch.equal(v_cache, v_before), msg("v cache")
+        torch.testing.assert_close(attn, ref_attn, rtol=2e-2, atol=2e-2, msg=msg)

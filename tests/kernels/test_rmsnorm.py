@@ -1,0 +1,120 @@
+"""rms_norm (Triton, optionally fused with the residual add) against RMSNorm.forward_with_residual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun.kernels.rmsnorm import rms_norm_triton  # noqa: E402
+from moerun.layers.norm import RMSNorm  # noqa: E402
+from moerun.ops.norm import rms_norm, rms_norm_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of their (common) dtype lie between a and b, elementwise."""
+    int_type = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    sign_bit = 8 * a.element_size() - 1
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view(int_type).long()
+        return torch.where(bits < 0, -(bits & ((1 << sign_bit) - 1)), bits)  # monotone in the float value
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_norm_close(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
+    """16-bit: bit-identical except rare 1-ulp flips; float32: a few ulps (see module docstring of the kernel)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, f"seed={seed}"
+    if out.dtype == torch.float32:
+        # the float32 sum of squares adds in another order than torch, moving the result by a few ulps
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+        return
+    # 16-bit results round the same float32 values as torch; only a sum that lands one float32 ulp away from
+    # torch's can flip a rounding, which happens to about one element in 2^15
+    ulps = ulp_distance(out, ref)
+    assert ulps.max() <= 1, f"seed={seed}: {int(ulps.max())} ulps apart"
+    assert (ulps > 0).float().mean() <= 0.01, f"seed={seed}: {int((ulps > 0).sum())} of {ulps.numel()} differ"
+
+
+def make_inputs(T: int, H: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = (torch.randn(T, H) * 3).to(dtype).to(DEVICE)  # [T, H]
+    residual = (torch.randn(T, H) * 3).to(dtype).to(DEVICE)  # [T, H]
+    weight = (1 + 0.3 * torch.randn(H)).to(dtype).to(DEVICE)  # [H]
+    return x, residual, weight
+
+
+def module_forward(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = RMSNorm(x.shape[1], EPS).to(device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        return norm.forward_with_residual(x, residual)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 80)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_module(seed: int, dtype: torch.dtype, T: int, H: int, with_residual: bool) -> None:
+    x, residual, weight = make_inputs(T, H, dtype)
+    residual = residual if with_residual else None
+    out, new_residual = rms_norm_triton(x, weight, EPS, residual)
+    ref_out, ref_residual = module_forward(x, weight, residual)
+    # the residual sum rounds once in both, so it is always bit-identical
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    assert_norm_close(out, ref_out, seed)
+
+
+def test_rms_norm_model_width(seed: int) -> None:
+    x, residual, weight = make_inputs(1, 2048, torch.bfloat16)
+    out, new_residual = rms_norm_triton(x, weight, EPS, residual)
+    ref_out, ref_residual = module_forward(x, weight, residual)
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    assert_norm_close(out, ref_out, seed)
+
+
+def test_rms_norm_strided_rows(seed: int) -> None:
+    wide, residual, weight = make_inputs(3, 96, torch.bfloat16)
+    x = wide[:, 16:80]  # [3, 64] rows 96 apart
+    out, new_residual = rms_norm_triton(x, weight[:64], EPS, residual[:, :64])
+    ref_out, ref_residual = module_forward(x, weight[:64], residual[:, :64])
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    assert_norm_close(out, ref_out, seed)
+
+
+def test_reference_matches_module(seed: int) -> None:
+    x, residual, weight = make_inputs(4, 40, torch.bfloat16)
+    for res in (None, residual):
+        out, new_residual = rms_norm_reference(x, weight, EPS, res)
+        ref_out, ref_residual = module_forward(x, weight, res)
+        assert torch.equal(out, ref_out) and torch.equal(new_residual, ref_residual), f"seed={seed}"
+
+
+def test_rms_norm_dispatch(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, residual, weight = make_inputs(2, 32, torch.float16)
+    out, new_residual = rms_norm(x, weight, EPS, residual, backend="triton")
+    assert_norm_close(out, rms_norm_reference(x, weight, EPS, residual)[0], seed)
+    out, new_residual = rms_norm(x, weight, EPS, None, backend="torch")
+    assert new_residual is x
+    with pytest.raises(ValueError, match="unknown"):
+        rms_norm(x, weight, EPS, backend="cuda")
+    if DEVICE.type == "cpu":
+        # the default on CPU is the torch reference, and Triton there needs the interpreter
+        assert torch.equal(rms_norm(x, weight, EPS, residual)[0], rms_norm_reference(x, weight, EPS, residual)[0])
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            rms_norm(x, weight, EPS, backend="triton")
+
+
+def test_rms_norm_rejects_mismatched_weight() -> None:
+    x, _, weight = make_inputs(2, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_triton(x, weight.float(), EPS)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_triton(x, weight[:16], EPS)

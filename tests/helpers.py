@@ -70,3 +70,19 @@ def write_small_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
         "bos_token": None, "add_bos_token": False,
     }))
     return folder
+
+
+@torch.no_grad()
+def reference_greedy(ref, ids: list[int], n: int, repetition_penalty: float = 1.0) -> list[int]:
+    """Greedy decoding with a transformers model, recomputing the whole sequence each step (no KV cache), with
+    transformers' own repetition-penalty processor."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    penalty = RepetitionPenaltyLogitsProcessor(repetition_penalty) if repetition_penalty != 1.0 else None
+    seq = torch.tensor([ids])
+    for _ in range(n):
+        scores = ref(seq).logits[:, -1].float()
+        if penalty is not None:
+            scores = penalty(seq, scores)
+        seq = torch.cat([seq, scores.argmax(-1, keepdim=True)], dim=1)
+    return seq[0, len(ids):].tolist()

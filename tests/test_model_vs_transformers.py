@@ -9,7 +9,7 @@ import torch
 
 from moerun import LLM, SamplingParams
 
-from helpers import SMALL_VOCAB, build_checkpoint, reference_model, relative_error
+from helpers import SMALL_VOCAB, build_checkpoint, reference_greedy, reference_model, relative_error
 
 CONFIGS = {
     "odd_sizes_gqa3": dict(hidden_size=45, num_attention_heads=3, num_key_value_heads=1, head_dim=14,
@@ -51,10 +51,7 @@ def test_greedy_generation_matches_transformers(pair):
     llm, ref = pair
     ids = [random.randrange(SMALL_VOCAB) for _ in range(7)]
     out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
-    with torch.no_grad():
-        expected = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert out.token_ids == expected
+    assert out.token_ids == reference_greedy(ref, ids, 32)
     assert out.finish_reason == "length"
 
 
@@ -62,7 +59,4 @@ def test_repetition_penalty_matches_transformers(pair):
     llm, ref = pair
     ids = [random.randrange(SMALL_VOCAB) for _ in range(5)]
     out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.7, ignore_eos=True))
-    with torch.no_grad():
-        expected = ref.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                repetition_penalty=1.7, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert out[0].token_ids == expected
+    assert out[0].token_ids == reference_greedy(ref, ids, 12, repetition_penalty=1.7)

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from moerun.config import EngineConfig, ModelConfig, parse_dtype
 from moerun.engine.engine import Engine
+from moerun.engine.kv_cache import KVCache
 from moerun.engine.sequence import Sequence
 from moerun.models.checkpoint import load_checkpoint, read_model_config, resolve_dtype
 from moerun.outputs import GenerationOutput
 from moerun.sampling_params import SamplingParams
 from moerun.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from moerun.moe.offload import OffloadConfig
 
 logger = logging.getLogger("moerun")
 
@@ -29,6 +34,10 @@ class LLM:
     ``model`` is a Hugging Face checkpoint folder (config.json + safetensors + tokenizer files).
     device None picks CUDA when present, else CPU; dtype None keeps the checkpoint's dtype on CUDA and uses
     float32 on CPU.
+
+    Expert offloading (moe/offload): gpu_memory_gb bounds what the model may use on the device; when the model does
+    not fit (or expert_cache_gb is given) the experts stay in host memory and a device cache of expert slots serves
+    them (offload_policy 'lru', 'lfu' or 'activation'; more options in ``offload``, an OffloadConfig).
     """
 
     def __init__(
@@ -43,6 +52,10 @@ class LLM:
         seed: int | None = None,
         cuda_graphs: bool = True,
         progress: bool = True,
+        gpu_memory_gb: float | None = None,
+        expert_cache_gb: float | None = None,
+        offload_policy: str | None = None,
+        offload: "OffloadConfig | None" = None,
     ) -> None:
         device = _resolve_device(device)
         if moe_backend not in (None, "torch", "triton"):
@@ -52,8 +65,16 @@ class LLM:
         mc = read_model_config(model)
         engine_config = _engine_config(mc, device, resolve_dtype(mc.dtype, requested_dtype, device), moe_backend,
                                        max_model_len, max_num_seqs, max_num_batched_tokens, seed, cuda_graphs)
-        loaded = load_checkpoint(model, device, requested_dtype, moe_backend, progress=progress)
-        self._start(loaded.model, loaded.tokenizer, engine_config)
+        # ---- expert offloading (moe/offload): placed within gpu_memory_gb / expert_cache_gb, checked first ----
+        from moerun.moe.offload.placement import load_offloaded, offload_options, plan_for_checkpoint
+
+        offload = offload_options(offload, offload_policy)
+        placement = plan_for_checkpoint(model, mc, engine_config, gpu_memory_gb, expert_cache_gb, offload)
+        if placement.offload:
+            loaded = load_offloaded(model, engine_config, placement, offload, progress=progress)
+        else:
+            loaded = load_checkpoint(model, device, requested_dtype, moe_backend, progress=progress)
+        self._start(loaded.model, loaded.tokenizer, engine_config, kv_bytes=placement.kv_bytes)
 
     @classmethod
     def from_model(
@@ -76,11 +97,28 @@ class LLM:
         self._start(model, tokenizer, engine_config)
         return self
 
-    def _start(self, model: torch.nn.Module, tokenizer: Tokenizer, engine_config: EngineConfig) -> None:
+    def _start(self, model: torch.nn.Module, tokenizer: Tokenizer, engine_config: EngineConfig,
+               kv_bytes: int | None = None) -> None:
         self.model, self.tokenizer, self.model_config = model, tokenizer, model.config
+        offload = model.__dict__.get("expert_offload")
+        if offload is not None:  # offloaded experts: eager decode (the host reads each layer's routing)
+            engine_config = dataclasses.replace(engine_config, cuda_graphs=False)
+            mc, ec = self.model_config, engine_config
+            slots = offload.kv_slots(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, ec.max_model_len,
+                                     ec.max_num_seqs)
+        else:
+            slots = _kv_slots(self.model_config, engine_config)
+            if kv_bytes is not None:  # gpu_memory_gb given: the KV cache stays within the placement's share
+                mc = self.model_config
+                per_seq = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+                slots = max(1, min(slots, kv_bytes // (per_seq * engine_config.max_model_len)))
         self.engine_config = engine_config
-        slots = _kv_slots(self.model_config, engine_config)
         self.engine = Engine(self.model, self.tokenizer, engine_config, slots)
+
+    def stats(self) -> dict[str, Any]:
+        """Expert-offloading statistics (hit rate, bytes copied per token, ...); {'offloading': False} if off."""
+        offload = self.model.__dict__.get("expert_offload")
+        return offload.stats_dict() if offload is not None else {"offloading": False}
 
     # ---- generation ----
     def generate(

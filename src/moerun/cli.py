@@ -36,6 +36,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: checkpoint's on CUDA, float32 on CPU)")
     p.add_argument("--moe-backend", choices=["torch", "triton"], help="experts backend (default: triton on CUDA)")
     p.add_argument("--max-model-len", type=int, help="context length (default: min(model's, 8192))")
+    # expert offloading (moe/offload)
+    p.add_argument("--gpu-memory-gb", type=float, help="device memory budget; experts are offloaded to host memory "
+                   "when the model does not fit (default: the device's free memory)")
+    p.add_argument("--expert-cache-gb", type=float, help="offload experts with a device cache of this size")
+    p.add_argument("--offload-policy", choices=["lru", "lfu", "activation"], help="expert cache eviction policy")
+    p.add_argument("--offload-cpu-compute", choices=["off", "auto", "always"],
+                   help="compute missed experts on the CPU: off (default), auto (cost model) or always")
+    p.add_argument("--verbose", action="store_true", help="print expert-offloading statistics when done")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -107,8 +115,19 @@ def _load(args: argparse.Namespace):
     if model is None:
         model = ensure_demo_model()
         sys.stderr.write(DEMO_NOTE.format(path=model))
+    from moerun.moe.offload import OffloadConfig
+
+    offload = OffloadConfig(cpu_compute=args.offload_cpu_compute or "off")
     return LLM(str(model), device=args.device, dtype=args.dtype, moe_backend=args.moe_backend,
-               max_model_len=args.max_model_len)
+               max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb,
+               expert_cache_gb=args.expert_cache_gb, offload_policy=args.offload_policy, offload=offload)
+
+
+def _print_stats(args: argparse.Namespace, llm) -> None:
+    if args.verbose:
+        from moerun.moe.offload import format_stats
+
+        sys.stderr.write(format_stats(llm.stats()) + "\n")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -121,6 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    _print_stats(args, llm)
     return 0
 
 
@@ -148,6 +168,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
+    _print_stats(args, llm)
     return 0
 
 

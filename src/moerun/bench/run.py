@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     p.add_argument("--vs", choices=["transformers"], help="also time transformers on the same weights")
     p.add_argument("--hf-batch-sizes", default="1,8,64")
+    p.add_argument("--profile", action="store_true", help="also break a batch-1 decode step down by kernel")
     p.add_argument("--out", default="bench-out", help="folder for bench.json / bench.md / bench.png")
 
 
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         entry["bytes_per_step"] = nbytes
         if ceilings:
             entry["bandwidth_util"] = nbytes / (entry["step_ms"] / 1e3) / (ceilings["hbm_read_GBps"] * 1e9)
+    if args.profile:
+        from moerun.bench.profile import profile_decode
+
+        result["profile"] = profile_decode(llm, args.prompt_len)
     if args.vs == "transformers":
         if hf_config is None:
             raise ValueError("--vs transformers needs a --preset model (it shares the preset's weights)")
@@ -107,6 +112,10 @@ def main(args: argparse.Namespace) -> int:
     result = run(args)
     paths = write_outputs(result, Path(args.out))
     print(format_table(result))
+    if result.get("profile"):
+        from moerun.bench.profile import format_profile
+
+        print(format_profile(result["profile"]))
     if "hf_logits_check" in result:
         print(f"\nlogits vs transformers on the same weights: relative error {result['hf_logits_check']:.2e}")
     print("\nwrote " + ", ".join(str(p) for p in paths))

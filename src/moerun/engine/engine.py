@@ -47,6 +47,9 @@ class Engine:
             )
         seq = Sequence(prompt_ids, params, prompt)
         seq.generator = self.sampler.generator_for(params.seed)
+        offload = self.model.__dict__.get("expert_offload")
+        if offload is not None:  # expert offloading: a new request starts a new activation record
+            offload.new_request()
         self.scheduler.add(seq)
         return seq
 

@@ -53,17 +53,20 @@ class Qwen3Attention(nn.Module):
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Causal attention per sequence over its cached keys (this step's were just written)."""
         outs, row = [], 0
+        group = self.n_q // self.n_kv
         for i, (start, n) in enumerate(zip(batch.start_positions, batch.query_lens)):
-            qi = q[row : row + n].transpose(0, 1)  # [n_q, n, D]
+            qi = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, n_q, n, D]
             kc, vc = cache.gather(self.layer, batch.slot_ids[i : i + 1], start + n)  # [1, L, n_kv, D]
-            ki, vi = kc[0].transpose(0, 1), vc[0].transpose(0, 1)  # [n_kv, L, D]
+            # kv heads repeated to the query heads: 4-D, same-head inputs reach the flash kernels on CUDA
+            ki = kc.transpose(1, 2).repeat_interleave(group, dim=1)  # [1, n_q, L, D]
+            vi = vc.transpose(1, 2).repeat_interleave(group, dim=1)
             if start == 0:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
             else:
                 q_pos = torch.arange(start, start + n, device=q.device)[:, None]
                 mask = torch.arange(start + n, device=q.device)[None, :] <= q_pos  # [n, L]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            outs.append(oi.transpose(0, 1))  # [n, n_q, D]
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale)
+            outs.append(oi[0].transpose(0, 1))  # [n, n_q, D]
             row += n
         return torch.cat(outs, dim=0)
 

@@ -24,9 +24,12 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (+ residual [T, H]) -> (normed [T, H], new residual [T, H]); new residual is x when residual is None."""
+    """x [..., H] (+ residual) -> (normed, new residual), same shape; new residual is x when residual is None."""
     if pick_backend(backend, x.device, "RMSNorm") == "torch":
         return rms_norm_reference(x, weight, eps, residual)
     from moerun.kernels.rmsnorm import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps, residual)
+    shape, H = x.shape, x.shape[-1]
+    flat_residual = residual.reshape(-1, H) if residual is not None else None
+    out, new_residual = rms_norm_triton(x.reshape(-1, H), weight, eps, flat_residual)
+    return out.view(shape), new_residual.view(shape)

@@ -1,0 +1,106 @@
+"""Tile configs of the quantized kernels: tuned JSON tables per (type, MoE shape, device) and defaults by M.
+
+Keys are those of kernels/tile_configs.py; BLOCK_K / BLOCK_K2 count K elements per loop step (a multiple of
+64, shrunk to divide the padded row). For the tile path BLOCK_N is the number of weight rows per program (the
+decoded weight is the left tl.dot operand) and BLOCK_M the number of token rows.
+Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type
+of the gate projection.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from moerun.kernels.tile_configs import (
+    CONFIG_DIR,
+    Config,
+    _current_device_name,
+    interpreting,
+    nearest_bucket,
+    normalize,
+)
+
+
+def moe_config_file_name(qtype: str, E: int, H: int, I: int, device: str) -> str:  # noqa: E741
+    """File name of the tuned table of one quant type, expert shape and device."""
+    return f"quant_{qtype}_E={E},H={H},I={I},device={device}.json"
+
+
+@functools.cache
+def load_moe_table(qtype: str, E: int, H: int, I: int, device: str) -> dict[int, Config] | None:  # noqa: E741
+    """Tuned {M: config} table, or None when none was shipped."""
+    path = CONFIG_DIR / moe_config_file_name(qtype, E, H, I, device)
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        raw = json.load(f)
+    return {int(m): normalize(cfg) for m, cfg in raw.items()}
+
+
+def default_moe_config(m: int, k: int, interpret: bool | None = None) -> Config:
+    """Hand-reasoned config for m tokens with k slots each."""
+    interpret = interpreting() if interpret is None else interpret
+    pairs = m * k
+    if interpret:
+        # The interpreter runs programs one by one: few programs with big tiles.
+        if pairs <= 16:
+            return normalize({"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "sum"})
+        return normalize({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "reduce": "atomic"})
+    if pairs <= 32:
+        # Decode: one program per (slot, 16 rows) is 384 programs for GEMM1 at one token, ~3 per SM; each
+        # iteration loads 4 pairs x 16 rows of gate and up codes (16 B per thread per matrix for 4-bit types).
+        cfg: Config = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2,
+                       "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum"}  # fmt: skip
+    elif m <= 64:
+        cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
+               "num_warps": 4, "num_stages": 3}  # fmt: skip
+    elif m <= 512:
+        cfg = {"path": "tile", "BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
+               "num_warps": 4, "num_stages": 3}  # fmt: skip
+    elif m <= 2048:
+        cfg = {"path": "tile", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
+               "num_warps": 8, "num_stages": 3}  # fmt: skip
+    else:
+        cfg = {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
+               "num_warps": 8, "num_stages": 3, "BLOCK_N2": 128}  # fmt: skip
+    return normalize(cfg)
+
+
+def get_moe_config(qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None) -> Config:  # noqa: E741
+    """Tuned config of the nearest M bucket for this type, shape and device, else the default for m."""
+    if not interpreting():
+        table = load_moe_table(qtype, E, H, I, device or _current_device_name())
+        if table:
+            return dict(table[nearest_bucket(list(table), m)])
+    return default_moe_config(m, k)
+
+
+def default_matmul_config(m: int, n: int, interpret: bool | None = None) -> Config:
+    """Config of y = x @ W^T for m rows of x and n output features."""
+    interpret = interpreting() if interpret is None else interpret
+    if interpret:
+        if m <= 2:
+            return {"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
+        return {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": 1}  # fmt: skip
+    if m <= 4:
+        return {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}
+    if m <= 16:
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4}
+    elif m <= 64:
+        cfg = {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 4, "num_warps": 4}
+    elif m <= 256:
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
+    else:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
+    return {"path": "tile", "BLOCK_K": 128, "num_stages": 3, **cfg}
+
+
+def pairs_per_step(block_k: int, kq: int) -> int:
+    """64-element pairs per loop step: block_k / 64 halved until it divides the kq pairs of a row."""
+    p = 1 << max(0, (block_k // 64).bit_length() - 1)  # a power of two: it sizes a tl.arange
+    while kq % p:
+        p //= 2
+    return p
+

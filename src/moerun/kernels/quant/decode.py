@@ -1,0 +1,175 @@
+"""In-register decoding of repacked weights (layouts in repack.py), shared by the MoE and matmul kernels.
+
+`dequant_pair(QTYPE, codes, high, sub, scale, rows, q, lane, KQ)` returns the float32 values of pair q of the
+given rows: (elements 64q + lane, elements 64q + 32 + lane). Arguments broadcast: rows [BN, 1] with q a scalar
+and lane [1, 32] give two [BN, 32] tiles (tl.dot operands); rows [BN, 1, 1], q [1, P, 1], lane [1, 1, 32] give
+[BN, P, 32] tiles (the GEMV paths). `rows` are global row indices (expert * N + n, int64); KQ = K_pad / 64 fixes
+each array's row length. QTYPE is the GGUF type id.
+
+Codes become floats through the exponent trick (int | 0x4B000000 is 2^23 + int as a float32) instead of
+integer-to-float conversions, which run at a quarter of the FMA rate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.formats.quants import QuantType
+from moerun.kernels.quant.repack import LAYOUTS, PackedWeight
+
+
+def supported(qtype: QuantType) -> bool:
+    """True when dequant_pair can decode the type."""
+    return qtype in LAYOUTS
+
+
+@triton.jit
+def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ):
+    """float32 values (elements 64q + lane, elements 64q + 32 + lane) of `rows`; see the module docstring."""
+    # Written as one function without nested jit calls: the interpreter re-patches triton.language on every
+    # call of a jit function, which would dominate the tests. Conventions: c0/c1 are the int32 codes of the
+    # two planes; (c | 0x4B000000) bitcast to float32 is 2^23 + c, so subtracting 2^23 + bias gives c - bias
+    # exactly; a 16-element sub-block scale is chosen per lane with tl.where(lane < 16, ...).
+    if QTYPE == 8:  # Q8_0: codes [.., 64 KQ], scale d [.., 2 KQ]
+        base = codes + rows * (KQ * 64) + q * 64 + lane
+        c0 = tl.load(base).to(tl.int32)
+        c1 = tl.load(base + 32).to(tl.int32)
+    elif QTYPE == 10 or QTYPE == 11:  # Q2_K, Q3_K: 2-bit codes [.., 16 KQ]
+        c = tl.load(codes + rows * (KQ * 16) + (q // 2) * 32 + lane).to(tl.int32)
+        s = (q % 2) * 4
+        c0 = (c >> s) & 3
+        c1 = (c >> (s + 2)) & 3
+    else:  # 4-bit codes [.., 32 KQ]
+        b = tl.load(codes + rows * (KQ * 32) + q * 32 + lane).to(tl.int32)
+        c0 = b & 15
+        c1 = b >> 4
+    if QTYPE == 6 or QTYPE == 7 or QTYPE == 13 or QTYPE == 11:  # one high bit [.., 8 KQ]: Q5_0, Q5_1, Q5_K, Q3_K
+        h = tl.load(high + rows * (KQ * 8) + (q // 4) * 32 + lane).to(tl.int32)
+        s = (q % 4) * 2
+        if QTYPE == 11:  # above 2 code bits
+            c0 = c0 | (((h >> s) & 1) << 2)
+            c1 = c1 | (((h >> (s + 1)) & 1) << 2)
+        else:  # above 4 code bits
+            c0 = c0 | (((h >> s) & 1) << 4)
+            c1 = c1 | (((h >> (s + 1)) & 1) << 4)
+    if QTYPE == 14:  # Q6_K: two high bits [.., 16 KQ]
+        h = tl.load(high + rows * (KQ * 16) + (q // 2) * 32 + lane).to(tl.int32)
+        s = (q % 2) * 4
+        c0 = c0 | (((h >> s) & 3) << 4)
+        c1 = c1 | (((h >> (s + 2)) & 3) << 4)
+
+    if QTYPE == 8 or QTYPE == 2 or QTYPE == 6:  # Q8_0, Q4_0, Q5_0: (c - bias) d, fp16 d per 32
+        if QTYPE == 8:
+            bias = 8388736.0  # 2^23 + 128
+        elif QTYPE == 2:
+            bias = 8388616.0  # 2^23 + 8
+        else:
+            bias = 8388624.0  # 2^23 + 16
+        sp = scale + rows * (KQ * 2) + q * 2
+        d0 = tl.load(sp).to(tl.float32)
+        d1 = tl.load(sp + 1).to(tl.float32)
+        v0 = ((c0 | 0x4B000000).to(tl.float32, bitcast=True) - bias) * d0
+        v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - bias) * d1
+    elif QTYPE == 3 or QTYPE == 7:  # Q4_1, Q5_1: c d + m, fp16 (d, m) per 32
+        sp = scale + (rows * (KQ * 2) + q * 2) * 2
+        d0 = tl.load(sp).to(tl.float32)
+        m0 = tl.load(sp + 1).to(tl.float32)
+        d1 = tl.load(sp + 2).to(tl.float32)
+        m1 = tl.load(sp + 3).to(tl.float32)
+        v0 = ((c0 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * d0 + m0
+        v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * d1 + m1
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: c (d sc) - dmin mn, bytes (sc0, sc1, mn0, mn1)
+        w = tl.load(sub + rows * KQ + q)
+        sp = scale + (rows * (KQ // 4) + q // 4) * 2
+        d = tl.load(sp).to(tl.float32)
+        dmin = tl.load(sp + 1).to(tl.float32)
+        dl0 = d * (((w & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        dl1 = d * ((((w >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        ml0 = dmin * ((((w >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        ml1 = dmin * ((((w >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        v0 = ((c0 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * dl0 - ml0
+        v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * dl1 - ml1
+    elif QTYPE == 10:  # Q2_K: c (d sc) - dmin mn, bytes (mn << 4) | sc of 16-element sub-blocks 4q..4q+3
+        w = tl.load(sub + rows * KQ + q)
+        sp = scale + (rows * (KQ // 4) + q // 4) * 2
+        d = tl.load(sp).to(tl.float32)
+        dmin = tl.load(sp + 1).to(tl.float32)
+        # Scales per row first (4 sub-blocks), then one select per element.
+        dl_a = d * ((((w >> 0) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        dl_b = d * ((((w >> 8) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        dl_c = d * ((((w >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        dl_d = d * ((((w >> 24) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        ml_a = dmin * ((((w >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        ml_b = dmin * ((((w >> 12) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        ml_c = dmin * ((((w >> 20) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        ml_d = dmin * ((((w >> 28) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0)
+        lo = lane < 16
+        v0 = ((c0 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * tl.where(lo, dl_a, dl_b) - tl.where(
+            lo, ml_a, ml_b
+        )
+        v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * tl.where(lo, dl_c, dl_d) - tl.where(
+            lo, ml_c, ml_d
+        )
+    else:  # Q6_K, Q3_K: (c - bias)(d sc), signed bytes sc of 16-element sub-blocks 4q..4q+3
+        tl.static_assert(QTYPE == 14 or QTYPE == 11, "dequant_pair: unsupported quant type")
+        if QTYPE == 14:
+            bias = 8388640.0  # 2^23 + 32
+        else:
+            bias = 8388612.0  # 2^23 + 4
+        w = tl.load(sub + rows * KQ + q)
+        d = tl.load(scale + rows * (KQ // 4) + q // 4).to(tl.float32)
+        # (byte ^ 0x80) is the signed byte + 128, so subtracting 2^23 + 128 gives the signed value.
+        dl_a = d * (((((w >> 0) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+        dl_b = d * (((((w >> 8) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+        dl_c = d * (((((w >> 16) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+        dl_d = d * (((((w >> 24) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+        lo = lane < 16
+        v0 = ((c0 | 0x4B000000).to(tl.float32, bitcast=True) - bias) * tl.where(lo, dl_a, dl_b)
+        v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - bias) * tl.where(lo, dl_c, dl_d)
+    return v0, v1
+
+
+# ----------------------------------------------------------------------------------- dequantising kernel
+
+
+@triton.jit
+def _dequant_kernel(
+    out_ptr,  # [R, K] rows of all experts
+    codes,
+    high,
+    sub,
+    scale,
+    R,
+    K,
+    KQ,
+    QTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Writes rows [pid * BLOCK_R, +BLOCK_R) of the decoded weight, one pair per step."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rows = (offs_r % R).to(tl.int64)[:, None]  # [BLOCK_R, 1]
+    lane = tl.arange(0, 32)[None, :]  # [1, 32]
+    out_rows = out_ptr + offs_r.to(tl.int64)[:, None] * K
+    for q in range(0, KQ):
+        v0, v1 = dequant_pair(QTYPE, codes, high, sub, scale, rows, q, lane, KQ)
+        k0 = q * 64 + lane
+        ok = offs_r[:, None] < R
+        tl.store(out_rows + k0, v0.to(out_ptr.dtype.element_ty), mask=ok & (k0 < K))
+        tl.store(out_rows + k0 + 32, v1.to(out_ptr.dtype.element_ty), mask=ok & (k0 + 32 < K))
+
+
+def dequantize_triton(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense [*lead, N, K] `dtype` tensor decoded by the kernels' decoder (for fallbacks and tests)."""
+    if pw.is_dense:
+        return pw.codes.to(dtype)
+    rows = math.prod(pw.shape[:-1])
+    out = torch.empty(pw.shape, dtype=dtype, device=pw.device)
+    block_r = 32
+    _dequant_kernel[(triton.cdiv(rows, block_r),)](
+        out, *pw.kernel_args(), rows, pw.k, pw.kq, QTYPE=int(pw.qtype), BLOCK_R=block_r, num_warps=4
+    )
+    return out

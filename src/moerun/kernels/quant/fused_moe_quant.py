@@ -1,0 +1,415 @@
+"""Fused experts of one MoE layer over repacked GGUF weights (repack.py), decoded in registers (decode.py).
+
+Same semantics as kernels/fused_moe.py's fused_moe_triton: GEMM 1 over gate|up with SiLU(gate)*up in its
+epilogue, GEMM 2 over down with the routing weights, then the sum over the k slots. Two paths, by config:
+  gemv  decode: one program per (token-slot, N-tile) streams the slot's expert rows once; each step decodes
+        [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
+  tile  prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
+        that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
+Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
+Nothing reads back to the host, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.align import align_tokens
+from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid
+from moerun.kernels.quant.configs import get_moe_config, pairs_per_step
+from moerun.kernels.quant.decode import dequant_pair, supported
+from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.tile_configs import Config, interpreting, normalize
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _mma(w, xt, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + w @ xt with w rounded to the activation dtype first, as dequantize(dtype) rounds."""
+    w = w.to(xt.dtype)
+    if UPCAST:
+        # The interpreter multiplies 16-bit dot operands as raw bits; only there, dot in float32.
+        w = w.to(tl.float32)
+        xt = xt.to(tl.float32)
+    return tl.dot(w, xt, acc, input_precision=PRECISION)
+
+
+# -------------------------------------------------------------------------------------------------- gemv
+
+
+@triton.jit
+def _gemm1_gemv_kernel(
+    x_ptr,  # [T, H]
+    ids_ptr,  # [T*k]
+    inter_ptr,  # [T*k, I]
+    gc, gh, gs, gd,  # gate arrays (repack.py)
+    uc, uh, us, ud,  # up arrays
+    top_k,
+    H,
+    I,  # noqa: E741
+    G_ROWS,  # rows per expert of the packed tensor holding gate, and gate's first row in it
+    G_OFF,
+    U_ROWS,
+    U_OFF,
+    KQ,  # pairs per row (padded H / 64)
+    stride_xt,
+    stride_it,
+    QG: tl.constexpr,
+    QU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    # Wrapped rows keep the weight loads unmasked; their outputs are dropped at the store.
+    n = (offs_n % I).to(tl.int64)
+    rows_g = (expert * G_ROWS + G_OFF + n)[:, None, None]  # [BLOCK_N, 1, 1]
+    rows_u = (expert * U_ROWS + U_OFF + n)[:, None, None]
+    pair = tl.arange(0, PAIRS)[None, :, None]  # [1, PAIRS, 1]
+    lane = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
+    x_row = x_ptr + token * stride_xt
+    # Partial products stay 3-D across the K loop; one reduction at the end instead of one per step.
+    acc_g = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
+    for it in range(0, KQ // PAIRS):
+        q = it * PAIRS + pair  # [1, PAIRS, 1]
+        k0 = q * 64 + lane  # [1, PAIRS, 32]
+        if EVEN_K:
+            x0 = tl.load(x_row + k0).to(tl.float32)
+            x1 = tl.load(x_row + k0 + 32).to(tl.float32)
+        else:
+            x0 = tl.load(x_row + k0, mask=k0 < H, other=0.0).to(tl.float32)
+            x1 = tl.load(x_row + k0 + 32, mask=k0 + 32 < H, other=0.0).to(tl.float32)
+        g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)
+        acc_g += g0 * x0
+        acc_g += g1 * x1
+        u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
+        acc_u += u0 * x0
+        acc_u += u1 * x1
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # [BLOCK_N]
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    act = _silu_mul(gate, up)
+    tl.store(inter_ptr + slot.to(tl.int64) * stride_it + offs_n, act.to(inter_ptr.dtype.element_ty), mask=offs_n < I)
+
+
+@triton.jit
+def _gemm2_gemv_kernel(
+    inter_ptr,  # [T*k, I]
+    ids_ptr,  # [T*k]
+    topk_w_ptr,  # [T*k]
+    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    wc, wh, ws, wd,  # down arrays
+    top_k,
+    H,
+    I,  # noqa: E741
+    KQ,  # pairs per row (padded I / 64)
+    stride_it,
+    stride_ot,
+    QW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows = (expert * H + (offs_n % H))[:, None, None]  # [BLOCK_N, 1, 1]
+    pair = tl.arange(0, PAIRS)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    a_row = inter_ptr + slot.to(tl.int64) * stride_it
+    acc = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
+    for it in range(0, KQ // PAIRS):
+        q = it * PAIRS + pair
+        k0 = q * 64 + lane
+        if EVEN_K:
+            a0 = tl.load(a_row + k0).to(tl.float32)
+            a1 = tl.load(a_row + k0 + 32).to(tl.float32)
+        else:
+            a0 = tl.load(a_row + k0, mask=k0 < I, other=0.0).to(tl.float32)
+            a1 = tl.load(a_row + k0 + 32, mask=k0 + 32 < I, other=0.0).to(tl.float32)
+        w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
+        acc += w0 * a0
+        acc += w1 * a1
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(topk_w_ptr + slot).to(tl.float32)  # [BLOCK_N]
+    if ATOMIC:
+        token = (slot // top_k).to(tl.int64)
+        tl.atomic_add(out_ptr + token * stride_ot + offs_n, y, mask=offs_n < H, sem="relaxed")
+    else:
+        tl.store(out_ptr + slot.to(tl.int64) * stride_ot + offs_n, y, mask=offs_n < H)
+
+
+# -------------------------------------------------------------------------------------------------- tile
+
+
+# Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _gemm1_tile_kernel(
+    x_ptr,  # [T, H]
+    inter_ptr,  # [P, I] one row per padded sorted position
+    sorted_ids_ptr,  # [P]
+    block_expert_ptr,  # [P / BLOCK_M]
+    num_padded_ptr,  # [1]
+    gc, gh, gs, gd,
+    uc, uh, us, ud,
+    num_pairs,
+    top_k,
+    H,
+    I,  # noqa: E741
+    G_ROWS,
+    G_OFF,
+    U_ROWS,
+    U_OFF,
+    KQ,
+    num_pid_m,
+    stride_xt,
+    stride_it,
+    QG: tl.constexpr,
+    QU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pair = tl.load(sorted_ids_ptr + rows_m)  # [BLOCK_M]
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n = (offs_n % I).to(tl.int64)
+    rows_g = (expert * G_ROWS + G_OFF + n)[:, None]  # [BLOCK_N, 1]
+    rows_u = (expert * U_ROWS + U_OFF + n)[:, None]
+    lane_k = tl.arange(0, 32)  # [32]
+    lane = lane_k[None, :]  # [1, 32]
+    x_cols = x_ptr + token[None, :] * stride_xt  # [1, BLOCK_M]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # gate^T
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for it in range(0, KQ // PAIRS):
+        for j in tl.static_range(PAIRS):
+            q = it * PAIRS + j
+            k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+            if EVEN_K:
+                xa = tl.load(x_cols + k0, mask=row_ok[None, :], other=0.0)  # [32, BLOCK_M]
+                xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :], other=0.0)
+            else:
+                xa = tl.load(x_cols + k0, mask=row_ok[None, :] & (k0 < H), other=0.0)
+                xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < H), other=0.0)
+            g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)  # [BLOCK_N, 32] each
+            acc_g = _mma(g0, xa, acc_g, UPCAST, DOT_PRECISION)
+            acc_g = _mma(g1, xb, acc_g, UPCAST, DOT_PRECISION)
+            u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
+            acc_u = _mma(u0, xa, acc_u, UPCAST, DOT_PRECISION)
+            acc_u = _mma(u1, xb, acc_u, UPCAST, DOT_PRECISION)
+
+    # Padding rows had zero inputs, so they store zeros, which GEMM 2 relies on.
+    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
+    out_ptrs = inter_ptr + rows_m.to(tl.int64)[None, :] * stride_it + offs_n[:, None]
+    tl.store(out_ptrs, act, mask=offs_n[:, None] < I)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _gemm2_tile_kernel(
+    inter_ptr,  # [P, I]
+    topk_w_ptr,  # [T*k]
+    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    sorted_ids_ptr,  # [P]
+    block_expert_ptr,  # [P / BLOCK_M]
+    num_padded_ptr,  # [1]
+    wc, wh, ws, wd,
+    num_pairs,
+    top_k,
+    H,
+    I,  # noqa: E741
+    KQ,
+    num_pid_m,
+    stride_it,
+    stride_ot,
+    QW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pair = tl.load(sorted_ids_ptr + rows_m)  # [BLOCK_M]
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
+    lane_k = tl.arange(0, 32)
+    lane = lane_k[None, :]
+    a_cols = inter_ptr + rows_m.to(tl.int64)[None, :] * stride_it  # [1, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+    for it in range(0, KQ // PAIRS):
+        for j in tl.static_range(PAIRS):
+            q = it * PAIRS + j
+            k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+            # Padding rows of the intermediate hold zeros, so the activations need no row mask.
+            if EVEN_K:
+                aa = tl.load(a_cols + k0)  # [32, BLOCK_M]
+                ab = tl.load(a_cols + k0 + 32)
+            else:
+                aa = tl.load(a_cols + k0, mask=k0 < I, other=0.0)
+                ab = tl.load(a_cols + k0 + 32, mask=k0 + 32 < I, other=0.0)
+            w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
+            acc = _mma(w0, aa, acc, UPCAST, DOT_PRECISION)
+            acc = _mma(w1, ab, acc, UPCAST, DOT_PRECISION)
+
+    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    acc = acc * weight[None, :]
+    mask = row_ok[None, :] & (offs_n[:, None] < H)
+    if ATOMIC:
+        token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+        tl.atomic_add(out_ptr + token[None, :] * stride_ot + offs_n[:, None], acc, mask=mask, sem="relaxed")
+    else:
+        slot = tl.where(row_ok, pair, 0).to(tl.int64)
+        tl.store(out_ptr + slot[None, :] * stride_ot + offs_n[:, None], acc, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+
+
+def _locate(parts: Sequence[PackedWeight], start: int, length: int) -> tuple[PackedWeight, int]:
+    """The part holding rows [start, start + length) of the row-stacked parts, and the offset inside it."""
+    offset = 0
+    for p in parts:
+        if offset <= start and start + length <= offset + p.n:
+            return p, start - offset
+        offset += p.n
+    raise ValueError(f"rows [{start}, {start + length}) straddle the parts {[p.shape for p in parts]}")
+
+
+def split_gate_up(w13: Sequence[PackedWeight] | PackedWeight) -> tuple[tuple[PackedWeight, int], tuple[PackedWeight, int]]:
+    """((gate part, first row), (up part, first row)) of w13 given as row-stacked parts of [E, 2I, H]."""
+    parts = [w13] if isinstance(w13, PackedWeight) else list(w13)
+    two_i = sum(p.n for p in parts)
+    return _locate(parts, 0, two_i // 2), _locate(parts, two_i // 2, two_i // 2)
+
+
+def _gemv(x, gate, up, w2, weights, ids, cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:
+    """gemv path: one program per (token-slot, N-tile), no sorting."""
+    (gw, g_off), (uw, u_off) = gate, up
+    T, H = x.shape
+    I = w2.k  # noqa: E741
+    k = ids.shape[1]
+    slots = T * k
+    atomic = cfg["reduce"] == "atomic"
+    flat_ids = ids.reshape(-1)  # [T*k]
+    inter = torch.empty(slots, I, dtype=x.dtype, device=x.device)  # [T*k, I]
+    bn1 = cfg["BLOCK_N"]
+    _gemm1_gemv_kernel[(slots, triton.cdiv(I, bn1))](
+        x, flat_ids, inter, *gw.kernel_args(), *uw.kernel_args(), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq,
+        x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_N=bn1,
+        PAIRS=pairs_per_step(cfg["BLOCK_K"], gw.kq), EVEN_K=gw.k_pad == H,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    acc = _new_acc(T, k, H, atomic, x.device)
+    bn2 = cfg["BLOCK_N2"]
+    _gemm2_gemv_kernel[(slots, triton.cdiv(H, bn2))](
+        inter, flat_ids, weights.reshape(-1), acc, *w2.kernel_args(), k, H, I, w2.kq, inter.stride(0),
+        acc.stride(0), QW=int(w2.qtype), BLOCK_N=bn2, PAIRS=pairs_per_step(cfg["BLOCK_K2"], w2.kq),
+        EVEN_K=w2.k_pad == I, ATOMIC=atomic, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )  # fmt: skip
+    return _finish(acc, T, k, H, atomic, out_dtype)
+
+
+def _tile(x, gate, up, w2, weights, ids, cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:
+    """tile path: align token-slots by expert, then two grouped GEMMs over M-blocks."""
+    (gw, g_off), (uw, u_off) = gate, up
+    T, H = x.shape
+    E = w2.shape[0]
+    I = w2.k  # noqa: E741
+    k = ids.shape[1]
+    slots = T * k
+    atomic = cfg["reduce"] == "atomic"
+    block_m = cfg["BLOCK_M"]
+    upcast = interpreting()
+    precision = _dot_precision(x.dtype)
+    align = align_tokens(ids, E, block_m)
+    num_pid_m = align.block_expert.numel()
+    inter = torch.empty(align.sorted_ids.numel(), I, dtype=x.dtype, device=x.device)  # [P, I]
+    bn1 = cfg["BLOCK_N"]
+    _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
+        x, inter, align.sorted_ids, align.block_expert, align.num_padded, *gw.kernel_args(), *uw.kernel_args(),
+        slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m, x.stride(0), inter.stride(0),
+        QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
+        PAIRS=pairs_per_step(cfg["BLOCK_K"], gw.kq), GROUP_M=cfg["GROUP_M"], EVEN_K=gw.k_pad == H,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    acc = _new_acc(T, k, H, atomic, x.device)
+    bn2 = cfg["BLOCK_N2"]
+    _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
+        inter, weights.reshape(-1), acc, align.sorted_ids, align.block_expert, align.num_padded,
+        *w2.kernel_args(), slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
+        QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2, PAIRS=pairs_per_step(cfg["BLOCK_K2"], w2.kq),
+        GROUP_M=cfg["GROUP_M"], EVEN_K=w2.k_pad == I, ATOMIC=atomic, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )  # fmt: skip
+    return _finish(acc, T, k, H, atomic, out_dtype)
+
+
+def fused_moe_quant(
+    hidden: torch.Tensor,
+    w13: Sequence[PackedWeight] | PackedWeight,
+    w2: PackedWeight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
+    w2 [E, H, I] packed -> [T, H] in hidden's dtype; the expert GEMMs run in hidden's dtype as the reference."""
+    T, H = hidden.shape
+    gate, up = split_gate_up(w13)
+    gw, uw = gate[0], up[0]
+    E, I = w2.shape[0], w2.k  # noqa: E741
+    k = topk_ids.shape[1]
+    for name, p, n in (("gate", gw, None), ("up", uw, None), ("down", w2, H)):
+        if len(p.shape) != 3 or p.shape[0] != E or (n is not None and p.n != n):
+            raise ValueError(f"{name} weight has shape {p.shape}; expected [E={E}, rows, K]")
+        if not supported(p.qtype):
+            raise ValueError(f"{name} weight type {p.qtype.name} has no quantized kernel")
+    if gw.k != H or uw.k != H or gw.kq != uw.kq:
+        raise ValueError(f"gate/up rows have {gw.k}/{uw.k} inputs; expected H = {H}")
+    if gate[1] + I > gw.n or up[1] + I > uw.n:
+        raise ValueError(f"w13 parts {gw.shape}, {uw.shape} do not hold 2 x I = {2 * I} rows")
+    if tuple(topk_weights.shape) != (T, k):
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if hidden.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported hidden dtype {hidden.dtype}")
+    if T == 0:
+        return torch.empty(0, H, dtype=hidden.dtype, device=hidden.device)
+    x = hidden.contiguous()
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    ids = ids.contiguous()
+    weights = topk_weights.contiguous()
+    cfg = normalize(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
+    run = _gemv if cfg["path"] == "gemv" else _tile
+    return run(x, gate, up, w2, weights, ids, cfg, hidden.dtype)

@@ -1,0 +1,320 @@
+"""ExpertOffload: serves every offloaded MoE layer from a device cache of expert slots.
+
+Per layer and forward pass (T tokens routed to k experts each):
+
+1. The routing ids (and the lookahead's candidates for the next layers, and x for CPU compute) start copying to
+   pinned host buffers right after the router.
+2. Speculative hit pass (overlap on, dense pool): ids are remapped to slots through the device table and the
+   fused kernel computes every cached expert at once; uncached pairs point at the zero null slot with weight 0.
+   Nothing in it waits for the host.
+3. The host waits for the routing ids only, splits the layer's experts into hits and misses, and either copies
+   each miss into a slot (copy stream; evicting per policy, never a pinned expert of the layer) or, by the cost
+   model, computes it on the CPU. The miss pass waits on the copies' event; the hits are already computing.
+   When more experts are needed at once than the layer has slots, they are served in rounds that reuse slots.
+4. Prefetch: the lookahead's candidates for the next layers are copied behind the misses.
+5. The partial results (float32 when there are several) are summed.
+
+On CUDA the host waits once per MoE layer for the routing ids, so decoding runs eagerly (no CUDA graphs) while
+offloading is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from moerun import ops
+from moerun.engine.kv_cache import KVCache
+from moerun.engine.memory import available_bytes
+from moerun.moe.offload.cache import SlotTable
+from moerun.moe.offload.config import OffloadConfig
+from moerun.moe.offload.cpu_compute import CostModel, cpu_partial, measure_cpu, measure_h2d
+from moerun.moe.offload.policies import make_policy
+from moerun.moe.offload.pool import SlotPool
+from moerun.moe.offload.prefetch import RouterLookahead
+from moerun.moe.offload.stats import OffloadStats
+from moerun.moe.offload.store import HostExpertStore
+from moerun.moe.offload.transfer import Copier, StagingRing, to_device_async
+
+logger = logging.getLogger("moerun")
+
+
+def _resolve_backend(backend: str | None, device: torch.device) -> str:
+    if backend is not None:
+        return backend
+    return "triton" if device.type == "cuda" and ops.moe.triton_available() else "torch"
+
+
+class ExpertOffload:
+    """The cache (slot table + device pools), host store, copier, policy, lookahead and statistics."""
+
+    def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device, dtype: torch.dtype,
+                 top_k: int, gates: list[torch.Tensor], config: OffloadConfig | None = None,
+                 backend: str | None = None, kv_bytes: int | None = None) -> None:
+        config = config or OffloadConfig()
+        L, E, S = store.num_layers, store.num_experts, slots_per_layer
+        if len(gates) != L:
+            raise ValueError(f"expected one router per offloaded MoE layer ({L}), got {len(gates)}")
+        if S == 0 and config.cpu_compute != "always":
+            raise ValueError("an expert cache of 0 slots per layer needs cpu_compute='always'")
+        if not 0 <= S <= E:
+            raise ValueError(f"slots_per_layer must be in [0, {E}], got {S}")
+        self.store, self.config, self.device, self.dtype = store, config, device, dtype
+        self.num_layers, self.num_experts, self.slots_per_layer, self.top_k = L, E, S, top_k
+        self.backend = backend
+        self.kv_bytes = kv_bytes  # KV-cache budget of the placement; None: sized from free memory
+        self.stats = OffloadStats()
+        self.policy = make_policy(config.policy, L, E)
+        self.table = SlotTable(L, E, S, device, self.policy, self.stats)
+        self.pool = SlotPool(store.specs, S, device) if S > 0 else None
+        staging = None
+        if device.type == "cuda" and not store.pinned:
+            staging = StagingRing(max(store.expert_bytes(i) for i in range(L)) + 4096, config.staging_buffers)
+        self.copier = Copier(device, staging)
+        per_layer = top_k if config.prefetch_per_layer is None else config.prefetch_per_layer
+        self.lookahead = (RouterLookahead([g.detach() for g in gates], config.prefetch_depth, per_layer)
+                          if config.prefetch and S > 0 and L > 1 else None)
+        self.overlap = device.type == "cuda" if config.overlap is None else config.overlap
+        resolved = _resolve_backend(backend, device)
+        # the Triton path on quantized slots dequantises only the slots a pass computes, so it needs the host
+        self.compact = self.pool is not None and self.pool.quantized and resolved == "triton"
+        self.speculative = self.overlap and self.pool is not None and not self.compact
+        self.cost: CostModel | None = None
+        if config.cpu_compute == "auto":
+            self.cost = self._cost_model()
+
+    # ---- per-layer forward ----
+    def forward_layer(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
+        T = x.shape[0]
+        st = self.stats
+        if layer == 0:
+            st.forward_passes += 1
+            st.tokens += T
+        cpu_on = self.config.cpu_compute != "off"
+        proposal = self.lookahead.propose(layer, x) if self.lookahead is not None else None
+        sent = [topk_ids] + (list(proposal) if proposal is not None else []) + ([x, topk_weights] if cpu_on else [])
+        ticket = self.copier.to_host(sent)
+        partials: list[torch.Tensor] = []
+        if self.speculative:
+            self.copier.wait_layer(layer)
+            slots = self.table.device_table[layer][topk_ids.long()]  # [T, k], -1 where not cached
+            hit = slots >= 0
+            w = torch.where(hit, topk_weights, torch.zeros_like(topk_weights))
+            partials.append(self._run(layer, x, self.pool.weights(layer),
+                                      w, torch.where(hit, slots, self.table.null_slot), fp32=True))
+        t0 = time.perf_counter()
+        host = ticket.wait()
+        st.routing_wait_s += time.perf_counter() - t0
+        ids_h = host[0].numpy()
+        experts, counts = np.unique(ids_h, return_counts=True)
+        cached = self.table.lookup(layer, experts) >= 0
+        st.lookups += len(experts)
+        st.hits += int(cached.sum())
+        st.misses += int((~cached).sum())
+        self.table.routed(layer, experts)
+        self.policy.touch(layer, experts, counts)
+        resident = experts[cached]
+        cpu_experts, gpu_experts = self._split(layer, experts[~cached], counts[~cached])
+        st.misses_cpu += len(cpu_experts)
+        st.misses_copied += len(gpu_experts)
+        self.table.pin(layer, resident)
+        if not self.speculative:
+            self.copier.wait_layer(layer)
+        rounds = self._rounds(resident, gpu_experts)
+        n_passes = len(partials) + sum(1 for _, _, c in rounds if c) + (1 if cpu_experts else 0)
+        fp32 = n_passes > 1 or bool(partials)
+        routed_all = len(cpu_experts) == 0
+        for reuse, admit, compute in rounds:
+            if reuse:
+                self.table.unpin(layer)
+                self.copier.after_compute()
+            self._admit(layer, admit, prefetch=False)
+            self.table.pin(layer, np.asarray(admit, dtype=np.int64))
+            if compute:
+                everything = routed_all and len(compute) == len(experts)
+                partials.append(self._pass(layer, x, topk_weights, topk_ids, compute, fp32, everything))
+        if len(rounds) > 1 and any(r for r, _, _ in rounds):
+            st.chunked_layers += 1
+        if proposal is not None:
+            self._prefetch(layer, host[1].numpy(), host[2].numpy())
+        if cpu_experts:
+            partials.append(self._cpu(layer, host[-2], host[-1], ids_h, cpu_experts))
+        self.table.unpin(layer)
+        if not partials:  # nothing routed (cannot happen with T > 0) or an empty batch
+            return torch.zeros_like(x)
+        out = partials[0]
+        for p in partials[1:]:
+            out = out + p
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _split(self, layer: int, missing: np.ndarray, counts: np.ndarray) -> tuple[list[int], list[int]]:
+        """(missed experts for the CPU, missed experts to copy)."""
+        mode = self.config.cpu_compute
+        if mode == "off" or len(missing) == 0:
+            order = np.argsort(-counts, kind="stable")
+            return [], [int(e) for e in missing[order]]
+        if mode == "always" or self.slots_per_layer == 0:
+            return [int(e) for e in missing], []
+        return self.cost.split(missing, counts, self.store.expert_bytes(layer))
+
+    def _rounds(self, resident: np.ndarray, misses: list[int]) -> list[tuple[bool, list[int], list[int]]]:
+        """(reuse slots, experts to admit, experts to compute) per pass of a layer.
+
+        The first round only fills slots that no pinned expert holds; later rounds (more experts than slots)
+        reuse every slot once the compute stream has finished with them. With overlap the cached experts are a
+        pass of their own (the speculative pass, or the first pass here), so they compute while misses copy.
+        """
+        S = self.slots_per_layer
+        res = [int(e) for e in resident]
+        rounds: list[tuple[bool, list[int], list[int]]] = []
+        carry = [] if self.speculative else res
+        if self.overlap and carry:
+            rounds.append((False, [], carry))
+            carry = []
+        room = S - len(res)
+        first = misses[: max(room, 0)]
+        if first or carry:
+            rounds.append((False, first, carry + first))
+        rest = misses[len(first):]
+        for i in range(0, len(rest), max(S, 1)):
+            chunk = rest[i : i + S]
+            rounds.append((True, chunk, chunk))
+        return rounds
+
+    def _admit(self, layer: int, experts: list[int], prefetch: bool) -> None:
+        """Gives ``experts`` slots of ``layer``, queues their copies and the table update; the compute stream
+        waits for the copies (misses) or the layer's next pass does (prefetch)."""
+        if not experts:
+            return
+        admitted = self.table.admit(layer, np.asarray(experts, dtype=np.int64), prefetch=prefetch)
+        nbytes = self.store.expert_bytes(layer)
+        for a in admitted:
+            self.copier.copy_expert(self.pool.slot_views(layer, a.slot), self.store.expert_parts(layer, a.expert))
+        st = self.stats
+        st.copies += len(admitted)
+        st.bytes_copied += len(admitted) * nbytes
+        if prefetch:
+            st.prefetch_issued += len(admitted)
+            st.bytes_copied_prefetch += len(admitted) * nbytes
+        else:
+            st.bytes_copied_miss += len(admitted) * nbytes
+        self.table.flush(self._to_device)
+        if admitted:
+            event = self.copier.record()
+            if prefetch:
+                self.copier.prefetched(layer, event)
+            else:
+                self.copier.compute_wait(event)
+
+    def _prefetch(self, layer: int, ids: np.ndarray, conf: np.ndarray) -> None:
+        """Copies the lookahead's candidates [D, P] for the layers after ``layer`` (best first, bounded by the
+        target layer's unpinned slots; the layer in flight is never a target)."""
+        min_conf = self.config.prefetch_min_confidence
+        for d, target in enumerate(self.lookahead.targets(layer)):
+            room = self.slots_per_layer - self.table.num_pinned(target)
+            cands = [int(e) for e, c in zip(ids[d], conf[d])
+                     if c >= min_conf and self.table.slot_of[target, e] < 0][: max(room, 0)]
+            self._admit(target, cands, prefetch=True)
+
+    def _pass(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              compute: list[int], fp32: bool, everything: bool) -> torch.Tensor:
+        """The fused kernel over the routing pairs whose expert is in ``compute`` (all cached now)."""
+        E = self.num_experts
+        idx = np.asarray(compute, dtype=np.int64)
+        if self.compact:
+            slots = self.table.slot_of[layer, idx].tolist()
+            lut = np.full(E, len(slots), dtype=np.int32)
+            lut[idx] = np.arange(len(slots), dtype=np.int32)
+            weights = self.pool.dense_subset(layer, slots, self.dtype)
+            null = len(slots)
+        else:
+            lut = np.full(E, self.table.null_slot, dtype=np.int32)
+            lut[idx] = self.table.slot_of[layer, idx]
+            weights = self.pool.weights(layer)
+            null = self.table.null_slot
+        sid = self._to_device(lut)[topk_ids.long()]  # [T, k] slot ids
+        w = topk_weights if everything else torch.where(sid != null, topk_weights, torch.zeros_like(topk_weights))
+        return self._run(layer, x, weights, w, sid, fp32)
+
+    def _run(self, layer: int, x: torch.Tensor, weights: tuple[object, object], topk_weights: torch.Tensor,
+             slot_ids: torch.Tensor, fp32: bool) -> torch.Tensor:
+        w13, w2 = weights
+        dense = isinstance(w13, torch.Tensor)
+        h = x.float() if fp32 and dense else x  # the kernels cast x to the weights' dtype; the sum stays fp32
+        out = ops.fused_moe(h, w13, w2, topk_weights, slot_ids, backend=self.backend)
+        return out.float() if fp32 else out
+
+    def _cpu(self, layer: int, x_h: torch.Tensor, w_h: torch.Tensor, ids_h: np.ndarray,
+             experts: list[int]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        w13, w2 = self.store.weights(layer)
+        ids = torch.from_numpy(ids_h)
+        y = cpu_partial(x_h, w13, w2, w_h, ids, experts, self.dtype)  # [T, H] float32 on the host
+        self.stats.cpu_compute_s += time.perf_counter() - t0
+        self.stats.cpu_pairs += int(np.isin(ids_h, experts).sum())
+        if self.device.type == "cuda":
+            return y.pin_memory().to(self.device, non_blocking=True)
+        return y
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device_async(array, self.device)
+
+    # ---- setup helpers ----
+    def _cost_model(self) -> CostModel:
+        c = self.config
+        h2d = c.pcie_gbps * 1e9 if c.pcie_gbps else measure_h2d(self.store, self.device)
+        if c.cpu_expert_ms is not None and c.cpu_token_ms is not None:
+            per_expert, per_token = c.cpu_expert_ms / 1e3, c.cpu_token_ms / 1e3
+        else:
+            per_expert, per_token = measure_cpu(self.store, self.dtype)
+            per_expert = c.cpu_expert_ms / 1e3 if c.cpu_expert_ms is not None else per_expert
+            per_token = c.cpu_token_ms / 1e3 if c.cpu_token_ms is not None else per_token
+        model = CostModel(h2d, per_expert, per_token)
+        logger.info("expert cost model: copy %.3f ms per expert, CPU %.3f ms + %.3f ms per token",
+                    1e3 * model.copy_s(self.store.expert_bytes(0)), 1e3 * per_expert, 1e3 * per_token)
+        return model
+
+    # ---- engine hooks ----
+    def new_request(self) -> None:
+        """A request was added: the activation-aware policy starts a new activation matrix."""
+        self.policy.new_request()
+
+    def kv_slots(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
+                 max_num_seqs: int) -> int:
+        """How many sequences the KV cache holds within the placement's KV budget (or free memory)."""
+        per_seq = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * max_model_len
+        budget = self.kv_bytes if self.kv_bytes is not None else int(available_bytes(self.device) * 0.9)
+        slots = min(max_num_seqs, budget // per_seq)
+        if slots < 1:
+            raise ValueError(
+                f"the KV cache for one sequence of max_model_len={max_model_len} tokens needs "
+                f"{per_seq / 2**30:.3f} GiB but the offloading placement leaves {budget / 2**30:.3f} GiB for it; "
+                "lower max_model_len or raise gpu_memory_gb"
+            )
+        return int(slots)
+
+    def stats_dict(self) -> dict:
+        """Counters and rates (see stats.py) plus the cache's configuration."""
+        self.stats.copy_stall_s = self.copier.stall_seconds()
+        d = self.stats.as_dict()
+        d.update(
+            offloading=True, policy=self.config.policy, prefetch=self.lookahead is not None,
+            cpu_compute=self.config.cpu_compute, overlap=self.overlap, slots_per_layer=self.slots_per_layer,
+            experts_per_layer=self.num_experts, num_moe_layers=self.num_layers,
+            cache_bytes=SlotPool.nbytes(self.store.specs, self.slots_per_layer) if self.slots_per_layer else 0,
+            host_bytes=self.store.total_bytes, pinned=self.store.pinned,
+            expert_bytes=self.store.expert_bytes(0),
+        )
+        if self.cost is not None:
+            d["cost_model"] = self.cost.as_dict()
+        return d
+
+    def reset_stats(self) -> None:
+        self.copier.stall_seconds()
+        self.copier.stall_s = 0.0
+        self.stats.reset()

@@ -1,0 +1,111 @@
+"""Puts a model in offloaded form: experts into the host store, everything else onto the device, each MoE
+layer's ``Experts`` replaced by ``OffloadedExperts`` served by one ExpertOffload (model.expert_offload)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moerun.config import EngineConfig, ModelConfig
+from moerun.engine.memory import available_bytes
+from moerun.layers.quantized import QuantizedWeight, dense_or_dequantized
+from moerun.moe.offload.config import OffloadConfig
+from moerun.moe.offload.manager import ExpertOffload
+from moerun.moe.offload.offloaded_experts import OffloadedExperts
+from moerun.moe.offload.planner import Placement, footprint_of_config, footprint_of_gguf, plan_placement
+from moerun.moe.offload.store import HostExpertStore
+
+logger = logging.getLogger("moerun")
+
+
+def plan_for_checkpoint(path: str | Path, mc: ModelConfig, ec: EngineConfig, gpu_memory_gb: float | None,
+                        expert_cache_gb: float | None, config: OffloadConfig) -> Placement:
+    """The placement of a checkpoint folder or GGUF file on the engine's device (reads only metadata)."""
+    from moerun.models.gguf_checkpoint import is_gguf
+
+    fp = footprint_of_gguf(path, mc, ec.dtype) if is_gguf(path) else footprint_of_config(mc, ec.dtype)
+    return plan_placement(fp, mc, ec.dtype, ec.max_model_len, ec.max_num_seqs, ec.max_num_batched_tokens,
+                          int(available_bytes(ec.device) * 0.9), gpu_memory_gb, expert_cache_gb, config)
+
+
+def load_offloaded(path: str | Path, ec: EngineConfig, placement: Placement, config: OffloadConfig,
+                   progress: bool = True):
+    """Loads a checkpoint into host memory, then offloads it onto the engine's device (a LoadedModel)."""
+    from moerun.models.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(path, torch.device("cpu"), ec.dtype, ec.moe_backend, progress=progress)
+    offload_model(loaded.model, ec.device, placement.slots_per_layer, config, kv_bytes=placement.kv_bytes)
+    logger.info("%s", placement.describe())
+    return loaded
+
+
+def _pin_all(config: OffloadConfig, nbytes: int, device: torch.device) -> bool:
+    if device.type != "cuda" or config.pin == "staged":
+        return False
+    if config.pin == "all":
+        return True
+    return nbytes <= available_bytes(torch.device("cpu")) // 2
+
+
+def offload_model(model: nn.Module, device: torch.device, slots_per_layer: int, config: OffloadConfig,
+                  kv_bytes: int | None = None) -> ExpertOffload:
+    """Moves a model held in host memory to ``device`` except its experts, which the host store keeps."""
+    blocks = model.moe_blocks()
+    if not blocks:
+        raise ValueError("the model has no MoE layers: there are no experts to offload")
+    old = [b.experts for b in blocks]
+    nbytes = sum(p.numel() * p.element_size() for ex in old for p in _expert_tensors(ex))
+    store = HostExpertStore.from_experts(old, pin=_pin_all(config, nbytes, device))
+    backend = old[0].backend
+    for i, b in enumerate(blocks):
+        b.experts = OffloadedExperts(None, i, old[i].num_experts, old[i].hidden_size, old[i].intermediate_size,
+                                     backend)
+    del old
+    model.to(device)
+    _move_quantized(model, device)
+    return attach_offload(model, store, slots_per_layer, device, config, kv_bytes)
+
+
+def attach_offload(model: nn.Module, store: HostExpertStore, slots_per_layer: int, device: torch.device,
+                   config: OffloadConfig, kv_bytes: int | None = None) -> ExpertOffload:
+    """Creates the ExpertOffload of a model whose MoE layers already hold OffloadedExperts."""
+    blocks = model.moe_blocks()
+    mc = model.config
+    gates = [dense_or_dequantized(b.gate, "weight", mc.dtype) for b in blocks]
+    manager = ExpertOffload(store, slots_per_layer, device, mc.dtype, mc.num_experts_per_tok, gates, config,
+                            backend=blocks[0].experts.backend, kv_bytes=kv_bytes)
+    for b in blocks:
+        if not isinstance(b.experts, OffloadedExperts):
+            raise TypeError(f"layer {b.layer}: expected OffloadedExperts, found {type(b.experts).__name__}")
+        b.experts.__dict__["manager"] = manager
+    model.__dict__["expert_offload"] = manager
+    return manager
+
+
+def _expert_tensors(experts: nn.Module) -> list[torch.Tensor]:
+    out = []
+    for which in ("w13", "w2"):
+        q = experts.__dict__.get(f"q_{which}")
+        out.extend([p.raw for p in q.parts] if q is not None else [getattr(experts, which)])
+    return out
+
+
+def _move_quantized(model: nn.Module, device: torch.device) -> None:
+    """Moves the QuantizedWeights that layers keep outside their parameters (GGUF models), sharing kept."""
+    moved: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        for key, value in list(module.__dict__.items()):
+            if key.startswith("q_") and isinstance(value, QuantizedWeight):
+                if id(value) not in moved:
+                    moved[id(value)] = QuantizedWeight([p.to(device) for p in value.parts])
+                module.__dict__[key] = moved[id(value)]
+
+
+def offload_options(config: OffloadConfig | None, policy: str | None = None) -> OffloadConfig:
+    """The OffloadConfig with ``policy`` (when given) overriding its eviction policy."""
+    config = config or OffloadConfig()
+    return dataclasses.replace(config, policy=policy) if policy is not None else config

@@ -1,0 +1,115 @@
+"""Offloaded generation is token-for-token the non-offloaded engine's, under every cache configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import GREEDY, prompts
+from moerun import LLM
+from moerun.moe.offload import OffloadConfig
+from moerun.moe.offload.planner import footprint_of_config, footprint_of_gguf
+
+OPTS = dict(device="cpu", max_model_len=128, max_num_seqs=4)
+
+
+def cache_gb(path, slots: int, gguf: bool = False) -> float:
+    """expert_cache_gb holding ``slots`` experts per layer."""
+    from moerun.config import ModelConfig
+    from moerun.models.gguf_checkpoint import read_gguf_config
+
+    if gguf:
+        fp = footprint_of_gguf(path, read_gguf_config(path), torch.float32)
+    else:
+        fp = footprint_of_config(ModelConfig.from_json_file(path / "config.json"), torch.float32)
+    return (fp.pool_bytes(slots) + 16) / 2**30
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    return [o.token_ids for o in LLM(str(hf_model), **OPTS).generate(prompts(), GREEDY)]
+
+
+def run_offloaded(path, gb: float, **config) -> LLM:
+    llm = LLM(str(path), expert_cache_gb=gb, offload=OffloadConfig(**config), **OPTS)
+    assert llm.stats()["offloading"]
+    return llm
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "activation"])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("cpu_compute", ["off", "always"])
+def test_identical_to_the_resident_engine(hf_model, reference, policy, prefetch, cpu_compute):
+    # overlap alternates so that both the single pass and the hit/miss split run under every policy
+    overlap = prefetch == (cpu_compute == "off")
+    llm = run_offloaded(hf_model, cache_gb(hf_model, 3), policy=policy, prefetch=prefetch,
+                        cpu_compute=cpu_compute, overlap=overlap)
+    outs = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+    assert outs == reference
+    stats = llm.stats()
+    assert stats["slots_per_layer"] == 3 and stats["lookups"] > 0
+    if cpu_compute == "always":
+        assert stats["misses_cpu"] == stats["misses"] > 0
+    else:
+        assert stats["misses_copied"] == stats["misses"] > 0 and stats["chunked_layers"] > 0
+    if prefetch:
+        assert stats["prefetch_issued"] > 0
+    llm.model.expert_offload.table.check()
+
+
+def test_cost_model_splits_misses_between_cpu_and_copies(hf_model, reference):
+    # rates chosen so that one copy costs about as much as a 3-token CPU expert: both paths get work
+    llm = run_offloaded(hf_model, cache_gb(hf_model, 4), policy="lru", cpu_compute="auto", pcie_gbps=1.0,
+                        cpu_expert_ms=0.01, cpu_token_ms=0.01, overlap=True)
+    stats_expert_ms = 1e3 * llm.model.expert_offload.store.expert_bytes(0) / 1e9
+    assert 0.01 < stats_expert_ms
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+    stats = llm.stats()
+    assert stats["misses_cpu"] > 0 and stats["misses_copied"] > 0
+    assert stats["cost_model"]["h2d_GBps"] == pytest.approx(1.0)
+
+
+def test_model_that_does_not_fit_offloads_by_itself(hf_model, reference, caplog):
+    from moerun.config import ModelConfig
+    from moerun.moe.offload.planner import workspace_bytes
+
+    opts = dict(OPTS, max_model_len=64)
+    mc = ModelConfig.from_json_file(hf_model / "config.json")
+    fp = footprint_of_config(mc, torch.float32)
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4 * opts["max_model_len"] * opts["max_num_seqs"]
+    need = fp.non_expert_bytes + workspace_bytes(mc, torch.float32, 8192, opts["max_num_seqs"]) + kv
+    budget = (need + fp.pool_bytes(4) + 1024) / 2**30  # room for the KV cache and 4 of 8 experts per layer
+    assert fp.pool_bytes(4) + kv < fp.experts_total + kv // opts["max_num_seqs"]  # so the whole model does not fit
+    llm = LLM(str(hf_model), gpu_memory_gb=budget, **opts)
+    stats = llm.stats()
+    assert stats["offloading"] and stats["slots_per_layer"] == 4
+    assert llm.engine.cache.num_slots == opts["max_num_seqs"]
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+
+
+def test_model_that_fits_is_not_offloaded(hf_model):
+    llm = LLM(str(hf_model), gpu_memory_gb=16, **OPTS)
+    assert llm.stats() == {"offloading": False}
+    assert not any(type(b.experts).__name__ == "OffloadedExperts" for b in llm.model.moe_blocks())
+
+
+@pytest.fixture(scope="module")
+def gguf_reference(gguf_model):
+    return [o.token_ids for o in LLM(str(gguf_model), **OPTS).generate(prompts(1), GREEDY)]
+
+
+@pytest.mark.parametrize("policy,prefetch,cpu_compute", [("lru", True, "off"), ("lfu", False, "off"),
+                                                         ("activation", True, "always")])
+def test_gguf_experts_offloaded_as_blocks(gguf_model, gguf_reference, policy, prefetch, cpu_compute):
+    llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **OPTS,
+              offload=OffloadConfig(policy=policy, prefetch=prefetch, cpu_compute=cpu_compute, overlap=prefetch))
+    manager = llm.model.expert_offload
+    assert manager.pool.quantized and manager.slots_per_layer == 3
+    qtypes = {s.qtype for layer in manager.store.specs for s in layer}
+    assert None not in qtypes and len(qtypes) >= 2  # Q4_K gate/up, Q6_K down on some layers
+    assert all(t.dtype == torch.uint8 for layer in manager.pool.parts for t in layer)
+    assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == gguf_reference
+    stats = llm.stats()
+    if cpu_compute == "off":
+        assert stats["misses_copied"] > 0
+        assert stats["bytes_copied"] == stats["bytes_copied_miss"] + stats["bytes_copied_prefetch"] > 0

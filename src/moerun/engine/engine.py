@@ -27,7 +27,7 @@ class Engine:
                              mc.dtype, self.device)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, num_slots, use_graphs=config.cuda_graphs)
-        self.runner.capture()
+        self.runner.capture(config.max_num_batched_tokens)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + mc.eos_token_ids))
 

@@ -1,4 +1,5 @@
-"""Runs the model's forward passes: prefill eagerly, decode through CUDA graphs captured per batch bucket.
+"""Runs the model's forward passes: decode through CUDA graphs captured per batch bucket; prefill of a single
+new prompt through graphs per token bucket (engine/prefill_graphs.py), other prefills eagerly.
 
 A decode graph is captured for each bucket size (1, 2, 4, ... up to max_num_seqs) with static input buffers;
 a batch of B sequences replays the smallest bucket >= B, padding rows pointing at the KV cache's scratch slot
@@ -12,6 +13,7 @@ from torch import nn
 
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
+from moerun.engine.prefill_graphs import PrefillGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -26,9 +28,12 @@ class ModelRunner:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._static: dict[str, torch.Tensor] = {}
+        self.prefill_graphs: PrefillGraphs | None = None
 
     def prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
-        """Runs the batch's tokens eagerly; returns float32 logits [len(rows), V] of the given rows."""
+        """Runs the batch's tokens; returns float32 logits [len(rows), V] of the given rows."""
+        if self.prefill_graphs is not None and len(rows) == 1 and self.prefill_graphs.fits(batch):
+            return self.prefill_graphs.run(input_ids, batch)
         hidden = self.model(input_ids, batch, self.cache)  # [T, H]
         return self.model.compute_logits(hidden[rows]).float()
 
@@ -68,10 +73,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, max_prefill_tokens: int = 8192) -> None:
         """Captures one decode graph per bucket, largest first, sharing one memory pool."""
         if not self.use_graphs:
             return
+        self.prefill_graphs = PrefillGraphs(self.model, self.cache, max_prefill_tokens)
         n = self.buckets[-1]
         V = self.model.config.vocab_size
         dev = self.device

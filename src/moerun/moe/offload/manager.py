@@ -43,9 +43,9 @@ logger = logging.getLogger("moerun")
 
 
 def _resolve_backend(backend: str | None, device: torch.device) -> str:
-    if backend is not None:
-        return backend
-    return "triton" if device.type == "cuda" and ops.moe.triton_available() else "torch"
+    from moerun.ops.dispatch import pick_backend
+
+    return pick_backend(backend, device, "MoE")
 
 
 class ExpertOffload:
@@ -79,7 +79,9 @@ class ExpertOffload:
                           if config.prefetch and S > 0 and L > 1 else None)
         self.overlap = device.type == "cuda" if config.overlap is None else config.overlap
         resolved = _resolve_backend(backend, device)
-        # the Triton path on quantized slots dequantises only the slots a pass computes, so it needs the host
+        # Quantized slots on the Triton path: each pass dequantises the slots it computes (so it needs the host)
+        # and runs the dense kernels. The fused quantized kernels cache a repacked copy of a weight on first use,
+        # which would go stale as slots are overwritten, so the pool is never handed to them.
         self.compact = self.pool is not None and self.pool.quantized and resolved == "triton"
         self.speculative = self.overlap and self.pool is not None and not self.compact
         self.cost: CostModel | None = None

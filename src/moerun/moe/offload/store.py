@@ -129,7 +129,9 @@ class HostExpertStore:
         copies = []
         for layer, ts in enumerate(self.parts):
             for i, t in enumerate(ts):
-                if not (t.is_contiguous() and _register(t, self._registered)):
+                # raw GGUF blocks usually view a read-only memory map, which cannot be page-locked: copy them
+                in_place = t.dtype != torch.uint8 and t.is_contiguous()
+                if not (in_place and _register(t, self._registered)):
                     copies.append((layer, i))
         if copies:
             total = sum(_aligned(self.parts[layer][i].numel() * self.parts[layer][i].element_size())
@@ -174,6 +176,9 @@ def _register(t: torch.Tensor, registry: list[int]) -> bool:
     except (AttributeError, RuntimeError):
         return False
     if int(err) != 0:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:  # a failed call leaves the runtime's last error set; a later launch check reads it
+            clear()
         return False
     registry.append(t.data_ptr())
     return True

@@ -1,0 +1,414 @@
+"""Expert offloading on one GPU: decode speed and cache behaviour of a Qwen3-30B-A3B-shaped model with random
+weights at several GPU memory budgets (experts in pinned host memory, a device cache of expert slots).
+
+Rows: bf16 experts at each --budgets GiB (LRU; uniform routing from the random routers, and a skewed routing trace),
+policy / prefetch / CPU-compute variants at the middle budget, and a GGUF Q4_K_M-shaped variant (experts copied as
+blocks) at the budgets llama.cpp needs with --n-cpu-moe 24 and 48 (non-expert weights + KV + half / none of the
+experts). ``--vs transformers`` adds transformers with accelerate offloading (device_map from the same max_memory).
+
+Skewed trace: each MoE layer ranks its experts by a random permutation and routes with Zipf(--zipf) popularity over
+that ranking; with probability --locality a token keeps the previous token's (same batch row's) expert set at that
+layer (temporal locality). The routers are replaced by this sampler, so router-lookahead prefetch cannot predict
+it and is off for those rows.
+
+The copy floor is the decode rate if nothing but copying the missed experts took time, at the pinned host-to-device
+bandwidth measured in the same run.
+
+    python benchmarks/bench_offload.py [--quick] [--vs transformers] [--out bench-offload]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerun.api import LLM
+from moerun.config import ModelConfig, parse_dtype
+from moerun.engine.memory import available_bytes
+from moerun.models.presets import preset_config
+from moerun.moe.offload import OffloadConfig
+from moerun.moe.offload.planner import Footprint, GiB, footprint_of_config, plan_placement, workspace_bytes
+from moerun.moe.offload.random_build import expert_specs, random_expert_store, random_offloaded_model
+from moerun.moe.offload.placement import attach_offload
+from moerun.sampling_params import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, help="use only this many layers of the preset")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budgets", default="8,16,24", help="GPU memory budgets in GiB")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per row")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the skewed routing trace")
+    p.add_argument("--locality", type=float, default=0.5, help="probability a token keeps the previous experts")
+    p.add_argument("--quick", action="store_true", help="fewer steps and no variant rows (about half the time)")
+    p.add_argument("--no-gguf", action="store_true", help="skip the Q4_K_M-shaped variant")
+    p.add_argument("--vs", choices=["transformers"], help="also time transformers + accelerate offloading")
+    p.add_argument("--hf-tokens", type=int, default=3, help="decode tokens timed for transformers")
+    p.add_argument("--hf-budgets", help="budgets for transformers (default: all --budgets)")
+    p.add_argument("--out", default="bench-offload")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps = min(args.steps, 6)
+    return args
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+# ---- measurements ----
+def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
+    """Host-to-device GB/s from pinned and from pageable memory (median of 5 copies of ``nbytes``)."""
+    if device.type != "cuda":
+        return {"pinned_GBps": 0.0, "pageable_GBps": 0.0}
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for kind, pin in (("pinned_GBps", True), ("pageable_GBps", False)):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        src.fill_(1)
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out[kind] = nbytes / sorted(times[1:])[2] / 1e9
+        del src
+    del dst
+    torch.cuda.empty_cache()
+    return out
+
+
+class SkewedRouter:
+    """Replaces a block's router: Zipf popularity over a random ranking of the experts, with temporal locality.
+    Sampling stays on the device (no host synchronisation of its own)."""
+
+    def __init__(self, num_experts: int, k: int, zipf: float, locality: float, seed: int, device: torch.device):
+        g = torch.Generator().manual_seed(seed)
+        ranks = torch.randperm(num_experts, generator=g)
+        p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf
+        probs = torch.empty(num_experts, dtype=torch.float64)
+        probs[ranks] = p / p.sum()
+        self.probs, self.k, self.locality, self.prev = probs.float().to(device), k, locality, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        T, E = x.shape[0], self.probs.shape[0]
+        ids = torch.multinomial(self.probs.expand(T, E), self.k, replacement=False)  # [T, k]
+        if self.prev is not None and self.prev.shape[0] == T:
+            keep = torch.rand(T, 1, device=x.device) < self.locality
+            ids = torch.where(keep, self.prev, ids)
+        self.prev = ids
+        logits = torch.full((T, E), -4.0, dtype=x.dtype, device=x.device)
+        return logits.scatter_(1, ids, (4.0 + torch.rand(T, self.k, device=x.device)).to(x.dtype))  # [T, E]
+
+
+def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) -> None:
+    mc = model.config
+    for i, b in enumerate(model.moe_blocks()):
+        b.__dict__.pop("router_logits", None)
+        if routing == "skewed":
+            b.__dict__["router_logits"] = SkewedRouter(mc.num_experts, mc.num_experts_per_tok, args.zipf,
+                                                       args.locality, 1000 + i, next(model.parameters()).device)
+
+
+def measure_decode(llm: LLM, B: int, args: argparse.Namespace) -> dict[str, Any]:
+    """tok/s of whole engine steps at batch B plus the offloading statistics of the timed steps."""
+    engine, rng = llm.engine, random.Random(B)
+    manager = llm.model.expert_offload
+    params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True, detokenize=False)
+    seqs = [engine.add_request([rng.randrange(llm.model_config.vocab_size) for _ in range(args.prompt_len)], params)
+            for _ in range(B)]
+    while any(s.num_computed < len(s.prompt_ids) for s in seqs):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    dev = engine.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    manager.reset_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+    stats = llm.stats()
+    for s in seqs:
+        if not s.is_finished:
+            engine.abort(s)
+    return {"tok_s": B * args.steps / seconds, "step_ms": 1e3 * seconds / args.steps, "stats": stats}
+
+
+def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConfig, routing: str, tokenizer,
+             args: argparse.Namespace, base: dict[str, Any], bandwidth: float) -> list[dict[str, Any]]:
+    attach_offload(model, store, slots, torch.device(args.device), config, kv_bytes)
+    set_routing(model, routing, args)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM.from_model(model, tokenizer, max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes),
+                         max_num_batched_tokens=max(batch_sizes) * args.prompt_len)
+    rows = []
+    for B in batch_sizes:
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        r = measure_decode(llm, B, args)
+        s = r.pop("stats")
+        miss_per_token = s["bytes_copied_miss"] / max(s["tokens"], 1)
+        rows.append({**base, "routing": routing, "policy": config.policy, "prefetch": config.prefetch,
+                     "cpu_compute": config.cpu_compute, "slots_per_layer": slots, "batch": B, **r,
+                     "hit_rate": s["hit_rate"], "bytes_copied_per_token": s["bytes_copied_per_token"],
+                     "miss_bytes_per_token": miss_per_token,
+                     "copy_floor_tok_s": bandwidth / miss_per_token if miss_per_token and bandwidth else None,
+                     "copy_stall_ms_per_token": s["copy_stall_ms_per_token"],
+                     "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
+                     "misses_cpu": s["misses_cpu"], "misses_copied": s["misses_copied"],
+                     "cost_model": s.get("cost_model"),
+                     "peak_gib": torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else None})
+        print(_row_line(rows[-1]), flush=True)
+    del llm
+    _free(model)
+    return rows
+
+
+def _free(model) -> None:
+    model.__dict__.pop("expert_offload", None)
+    for b in model.moe_blocks():
+        b.experts.__dict__["manager"] = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- transformers + accelerate ----
+def hf_offload_rate(model, store, hf_config: dict, budget_gib: float, tokens: int, device: torch.device) -> dict:
+    """tok/s of transformers' model at batch 1 under accelerate's offloading (device_map from max_memory)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from torch import nn
+
+    from moerun.bench.hf_baseline import hf_model_sharing_weights
+
+    params = dict(model.named_parameters())
+    for i, layer in enumerate(model.config.moe_layers):  # experts: views of the host store, not copies
+        params[f"model.layers.{layer}.mlp.experts.w13"] = nn.Parameter(store.parts[i][0], requires_grad=False)
+        params[f"model.layers.{layer}.mlp.experts.w2"] = nn.Parameter(store.parts[i][1], requires_grad=False)
+    shim = nn.Module()
+    shim.config = model.config
+    shim.named_parameters = lambda: iter(params.items())
+    shim.parameters = lambda: iter(params.values())
+    hf = hf_model_sharing_weights(shim, hf_config)
+    device_map = infer_auto_device_map(hf, max_memory={0: int(budget_gib * GiB), "cpu": 2**50},
+                                       no_split_module_classes=hf._no_split_modules, dtype=torch.bfloat16)
+    for name, where in device_map.items():
+        if where != "cpu":
+            (hf.get_submodule(name) if name else hf).to(device)
+    hf = dispatch_model(hf, device_map=device_map, main_device=device.index or 0)
+    on_gpu = sum(1 for w in device_map.values() if w != "cpu")
+    with torch.inference_mode():
+        ids = torch.randint(0, hf.config.vocab_size, (1, 8), device=device)
+        out = hf(ids, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            out = hf(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+    del hf, out, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"tok_s": tokens / seconds, "s_per_token": seconds / tokens, "modules_on_gpu": on_gpu}
+
+
+# ---- report ----
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+HEADER = (f"{'variant':<24} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} {'pf':>2} {'cpu':<6} {'B':>2} "
+          f"{'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} {'peak':>6}")
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    return (f"{r['variant']:<24} {_fmt(r.get('budget_gib'), '6.1f')} {r.get('slots_per_layer', 0):>5} "
+            f"{r.get('routing', '-'):<7} {r.get('policy', '-'):<10} {('y' if r.get('prefetch') else 'n'):>2} "
+            f"{r.get('cpu_compute', '-'):<6} {r['batch']:>2} {_fmt(r.get('tok_s'), '8.2f')} "
+            f"{_fmt(100 * r['hit_rate'] if r.get('hit_rate') is not None else None, '6.1f')} "
+            f"{_fmt(r['bytes_copied_per_token'] / 2**20 if r.get('bytes_copied_per_token') is not None else None, '8.1f')} "
+            f"{_fmt(r.get('copy_floor_tok_s'), '8.1f')} {_fmt(r.get('copy_stall_ms_per_token'), '6.2f')} "
+            f"{_fmt(r.get('prefetch_accuracy'), '6.2f')} {_fmt(r.get('peak_gib'), '6.1f')}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    main = [r for r in rows if r["variant"] == "bf16 LRU"]
+    for routing in ("random", "skewed"):
+        for B in sorted({r["batch"] for r in main}):
+            pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main
+                         if r["routing"] == routing and r["batch"] == B)
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            a.plot(xs, [p[1] for p in pts], marker="o", label=f"{routing}, batch {B}")
+            b.plot(xs, [100 * p[2] for p in pts], marker="o", label=f"{routing}, batch {B}")
+    a.set(xlabel="expert cache (GiB)", ylabel="decode tok/s", title="decode throughput")
+    b.set(xlabel="expert cache (GiB)", ylabel="hit rate (%)", title="expert cache hit rate")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ---- main ----
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    t_start = time.perf_counter()
+    hf_config = preset_config(args.preset, args.layers)
+    hf_config["torch_dtype"] = "bfloat16"
+    mc = ModelConfig.from_hf_dict(hf_config)
+    hf_config["max_position_embeddings"] = mc.max_position_embeddings
+    dtype = parse_dtype("bfloat16")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_seqs, chunk = max(batch_sizes), max(batch_sizes) * args.prompt_len
+    bw = measure_h2d(device)
+    print(f"host->device: pinned {bw['pinned_GBps']:.1f} GB/s, pageable {bw['pageable_GBps']:.1f} GB/s", flush=True)
+    pinned_bps = bw["pinned_GBps"] * 1e9
+
+    from moerun.models.tiny import qwen3_tokenizer_dir
+    from moerun.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(qwen3_tokenizer_dir())
+    fp = footprint_of_config(mc, dtype)
+    t0 = time.perf_counter()
+    store = random_expert_store(mc, device)
+    model = random_offloaded_model(mc, device, mc.num_experts_per_tok, store=store)
+    _free(model)
+    build_s = time.perf_counter() - t0
+    print(f"built: non-expert {fp.non_expert_bytes / GiB:.2f} GiB on {device}, experts {store.total_bytes / GiB:.2f}"
+          f" GiB in {'pinned ' if store.pinned else ''}host memory ({build_s:.1f} s)", flush=True)
+    free = int(available_bytes(device) * 0.9)
+
+    def placement(budget_gib: float, footprint: Footprint, cfg: OffloadConfig):
+        return plan_placement(footprint, mc, dtype, args.max_model_len, max_seqs, chunk, free, budget_gib,
+                              None, replace(cfg, force=True))
+
+    rows: list[dict[str, Any]] = []
+    print(HEADER, flush=True)
+    budgets = _floats(args.budgets)
+    lru = OffloadConfig(policy="lru", prefetch=True)
+    for budget in budgets:
+        pl = placement(budget, fp, lru)
+        base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
+        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, lru, "random", tokenizer, args, base,
+                         pinned_bps)
+        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(lru, prefetch=False), "skewed",
+                         tokenizer, args, base, pinned_bps)
+    if not args.quick:
+        mid = budgets[len(budgets) // 2]
+        pl = placement(mid, fp, lru)
+        variants = [("bf16 no prefetch", replace(lru, prefetch=False), "random"),
+                    ("bf16 LFU", OffloadConfig(policy="lfu", prefetch=False), "skewed"),
+                    ("bf16 activation-aware", OffloadConfig(policy="activation", prefetch=False), "skewed")]
+        for name, cfg, routing in variants:
+            base = {"variant": name, "budget_gib": mid, "cache_gib": pl.cache_bytes / GiB}
+            rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, routing, tokenizer, args, base,
+                             pinned_bps)
+        low = budgets[0]
+        pl = placement(low, fp, lru)
+        cpu_args = argparse.Namespace(**{**vars(args), "batch_sizes": "1"})
+        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(lru, cpu_compute="auto"), "random",
+                         tokenizer, cpu_args, {"variant": "bf16 CPU-compute auto", "budget_gib": low,
+                                               "cache_gib": pl.cache_bytes / GiB}, pinned_bps)
+    if args.vs == "transformers":
+        hf_budgets = _floats(args.hf_budgets) if args.hf_budgets else budgets
+        set_routing(model, "random", args)
+        for budget in hf_budgets:
+            try:
+                r = hf_offload_rate(model, store, hf_config, budget, args.hf_tokens, device)
+            except Exception as exc:  # an accelerate / transformers version this script does not handle
+                r = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rows.append({"variant": "transformers+accelerate", "budget_gib": budget, "batch": 1, "routing": "random",
+                         **r})
+            print(_row_line(rows[-1]) if "tok_s" in r else f"transformers at {budget} GiB: {r['error']}", flush=True)
+    del model, store
+    gc.collect()
+    if mc.hidden_size % 256 or mc.moe_intermediate_size % 256:
+        print(f"skipping Q4_K_M: rows of {mc.hidden_size} / {mc.moe_intermediate_size} are not whole Q4_K blocks")
+    elif not args.no_gguf:
+        rows += run_gguf(mc, device, args, tokenizer, pinned_bps, fp, free, max_seqs, chunk)
+    result = {"model": args.preset + (f" ({args.layers} layers)" if args.layers else ""),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "h2d": bw, "build_seconds": build_s,
+              "total_seconds": time.perf_counter() - t_start, "steps": args.steps, "prompt_len": args.prompt_len,
+              "skew": {"zipf": args.zipf, "locality": args.locality}, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_offload.json").write_text(json.dumps(result, indent=2, default=str))
+    png = plot(rows, out / "bench_offload.png")
+    print(f"\ntotal {result['total_seconds']:.0f} s; wrote {out / 'bench_offload.json'}" + (f", {png}" if png else ""))
+    return 0
+
+
+def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, tokenizer, pinned_bps: float,
+             fp: Footprint, free: int, max_seqs: int, chunk: int) -> list[dict[str, Any]]:
+    """Q4_K_M-shaped experts (copied as blocks) at llama.cpp's --n-cpu-moe 24 / 48 device memory."""
+    specs = expert_specs(mc, "Q4_K_M")
+    qfp = Footprint(fp.non_expert_bytes, tuple(sum(s.nbytes for s in layer) for layer in specs), mc.num_experts,
+                    mc.num_experts_per_tok)
+    dtype = mc.dtype
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * args.max_model_len * max_seqs
+    ws = workspace_bytes(mc, dtype, chunk, max_seqs)
+    store = random_expert_store(mc, device, quant="Q4_K_M")
+    model = random_offloaded_model(mc, device, mc.num_experts_per_tok, store=store)
+    _free(model)
+    rows = []
+    n_moe = len(mc.moe_layers)
+    for n_cpu in (n_moe // 2, n_moe):
+        gpu_layers = n_moe - n_cpu
+        budget = (fp.non_expert_bytes + kv + ws + sum(qfp.expert_bytes[:gpu_layers]) * mc.num_experts) / GiB
+        cfg = OffloadConfig(policy="lru", prefetch=True)
+        try:
+            pl = plan_placement(qfp, mc, dtype, args.max_model_len, max_seqs, chunk, free, budget, None,
+                                replace(cfg, force=True))
+            slots, kv_bytes, note = pl.slots_per_layer, pl.kv_bytes, ""
+        except ValueError:  # no room for even top-k slots per layer: run the smallest cache, over the budget
+            slots, kv_bytes = mc.num_experts_per_tok, kv
+            note = f" (+{qfp.pool_bytes(slots) / GiB:.2f} GiB cache)"
+        base = {"variant": f"Q4_K_M n-cpu-moe {n_cpu}{note}", "budget_gib": budget,
+                "cache_gib": qfp.pool_bytes(slots) / GiB}
+        rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
+        if n_cpu == n_moe // 2 and not args.quick:
+            one = argparse.Namespace(**{**vars(args), "batch_sizes": "1"})
+            rows += run_rows(model, store, slots, kv_bytes, replace(cfg, cpu_compute="auto"), "random", tokenizer,
+                             one, {**base, "variant": f"Q4_K_M n-cpu-moe {n_cpu} CPU auto"}, pinned_bps)
+    del model, store
+    gc.collect()
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerun.layers.quantized import dense_or_dequantized
-
 ShardIndex = tuple  # an index into a parameter's leading dimensions (all but the last)
 
 
@@ -46,7 +44,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dense_or_dequantized(self, "weight", x.dtype), self.bias)
+        q = self.__dict__.get("q_weight")
+        if q is not None:
+            from moerun.ops.quant import quant_linear
+
+            return quant_linear(x, q, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

@@ -107,6 +107,10 @@ def _build(f: GGUFFile, config: ModelConfig, device: torch.device, moe_backend: 
             model.lm_head.weight = model.model.embed_tokens.weight
     dense = [(gguf_to_hf(n), n) for p, lst in sources.items() if p not in quantized for _, n in lst]
     load_weights(model, _float_tensors(f, dense), source=str(f.path))
+    if device.type == "cuda":
+        from moerun.ops.quant import pack_model
+
+        pack_model(model)  # the kernels' layout, made once before any CUDA graph is captured
     return model.eval()
 
 

@@ -32,12 +32,14 @@ def fused_moe(
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
 
     w13 / w2 may be quantized weights (layers/quantized.py): the torch path dequantises the touched experts;
-    the Triton path dequantises the layer and runs the dense kernels.
+    the Triton path runs kernels that read the repacked GGUF blocks and dequantise in registers (ops/quant.py).
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
-        w13, w2 = w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype)
+        from moerun.ops.quant import fused_moe_quantized
+
+        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids)
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)

@@ -1,10 +1,10 @@
 """Tile configs of the quantized kernels: tuned JSON tables per (type, MoE shape, device) and defaults by M.
 
-Keys are those of kernels/tile_configs.py; BLOCK_K / BLOCK_K2 count K elements per loop step (a multiple of
-64, shrunk to divide the padded row). For the tile path BLOCK_N is the number of weight rows per program (the
-decoded weight is the left tl.dot operand) and BLOCK_M the number of token rows.
-Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type
-of the gate projection.
+Keys are those of kernels/tile_configs.py, plus the path "gemv_dot" (fused_moe_quant.py). BLOCK_K / BLOCK_K2
+count K elements per loop step (multiples of 64, lowered to divide the padded row). In the tl.dot paths
+BLOCK_N is the number of weight rows per program (the decoded weight is the left operand) and BLOCK_M the
+number of token rows. Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by
+M, TYPE being the type of the gate projection.
 """
 
 from __future__ import annotations
@@ -22,6 +22,21 @@ from moerun.kernels.tile_configs import (
 )
 
 
+PATHS = ("gemv", "gemv_dot", "tile")
+
+
+def normalize_config(cfg: Config) -> Config:
+    """tile_configs.normalize, also accepting the gemv_dot path (tile-kernel keys, slot reduction by sum)."""
+    path = cfg.get("path", "tile")
+    if path not in PATHS:
+        raise ValueError(f"unknown quantized MoE kernel path {path!r}; expected one of {PATHS}")
+    if path == "gemv_dot":
+        out = normalize({"reduce": "sum", **cfg, "path": "tile"})
+        out["path"] = path
+        return out
+    return normalize(cfg)
+
+
 def moe_config_file_name(qtype: str, E: int, H: int, I: int, device: str) -> str:  # noqa: E741
     """File name of the tuned table of one quant type, expert shape and device."""
     return f"quant_{qtype}_E={E},H={H},I={I},device={device}.json"
@@ -35,7 +50,7 @@ def load_moe_table(qtype: str, E: int, H: int, I: int, device: str) -> dict[int,
         return None
     with path.open() as f:
         raw = json.load(f)
-    return {int(m): normalize(cfg) for m, cfg in raw.items()}
+    return {int(m): normalize_config(cfg) for m, cfg in raw.items()}
 
 
 def default_moe_config(m: int, k: int, interpret: bool | None = None) -> Config:
@@ -45,13 +60,14 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None) -> Config:
     if interpret:
         # The interpreter runs programs one by one: few programs with big tiles.
         if pairs <= 16:
-            return normalize({"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "sum"})
-        return normalize({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "reduce": "atomic"})
+            return normalize_config({"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "sum"})
+        return normalize_config({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "atomic"})
     if pairs <= 32:
-        # Decode: one program per (slot, 16 rows) is 384 programs for GEMM1 at one token, ~3 per SM; each
-        # iteration loads 4 pairs x 16 rows of gate and up codes (16 B per thread per matrix for 4-bit types).
-        cfg: Config = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2,
-                       "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum"}  # fmt: skip
+        # Decode: one program per (slot, 16 rows) is 384 programs for GEMM 1 at one token, ~3 per SM. A step
+        # covers 1024 inputs (four [16, 4, 32] tiles unrolled: 64 B of 4-bit codes per thread and matrix) so
+        # enough loads are in flight per SM; GEMM 2 takes a 768-long row (I) in one step.
+        cfg: Config = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2,
+                       "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}  # fmt: skip
     elif m <= 64:
         cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                "num_warps": 4, "num_stages": 3}  # fmt: skip
@@ -64,10 +80,12 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None) -> Config:
     else:
         cfg = {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
                "num_warps": 8, "num_stages": 3, "BLOCK_N2": 128}  # fmt: skip
-    return normalize(cfg)
+    return normalize_config(cfg)
 
 
-def get_moe_config(qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None) -> Config:  # noqa: E741
+def get_moe_config(
+    qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None  # noqa: E741
+) -> Config:
     """Tuned config of the nearest M bucket for this type, shape and device, else the default for m."""
     if not interpreting():
         table = load_moe_table(qtype, E, H, I, device or _current_device_name())
@@ -85,7 +103,7 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None) -> Conf
         return {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 1}  # fmt: skip
     if m <= 4:
-        return {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}
+        return {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
     if m <= 16:
         cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4}
     elif m <= 64:
@@ -97,10 +115,24 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None) -> Conf
     return {"path": "tile", "BLOCK_K": 128, "num_stages": 3, **cfg}
 
 
-def pairs_per_step(block_k: int, kq: int) -> int:
-    """64-element pairs per loop step: block_k / 64 halved until it divides the kq pairs of a row."""
-    p = 1 << max(0, (block_k // 64).bit_length() - 1)  # a power of two: it sizes a tl.arange
+def gemv_steps(block_k: int, kq: int, max_pairs: int = 4) -> tuple[int, int]:
+    """(pairs decoded together as one [.., pairs, 32] tile, such tiles unrolled per loop step) of the GEMV
+    kernels for about block_k elements per step; both divide the kq pairs of a row, pairs is a power of two.
+
+    The tile, hence the accumulator, stays at most max_pairs wide; longer steps unroll instead."""
+    n = max(1, block_k // 64)
+    p = 1 << (min(n, max_pairs).bit_length() - 1)
     while kq % p:
         p //= 2
-    return p
+    u = max(1, n // p)
+    while (kq // p) % u:
+        u -= 1
+    return p, u
 
+
+def dot_steps(block_k: int, kq: int) -> int:
+    """Pairs per loop step of the tl.dot kernels: block_k / 64 lowered to a divisor of kq."""
+    n = max(1, min(block_k // 64, kq))
+    while kq % n:
+        n -= 1
+    return n

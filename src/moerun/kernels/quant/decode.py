@@ -31,7 +31,8 @@ def supported(qtype: QuantType) -> bool:
 def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ):
     """float32 values (elements 64q + lane, elements 64q + 32 + lane) of `rows`; see the module docstring."""
     # Written as one function without nested jit calls: the interpreter re-patches triton.language on every
-    # call of a jit function, which would dominate the tests. Conventions: c0/c1 are the int32 codes of the
+    # call of a jit function, which would dominate the tests. Boolean chains stay two operands long (older
+    # Triton front ends reject `A or B or C`). Conventions: c0/c1 are the int32 codes of the
     # two planes; (c | 0x4B000000) bitcast to float32 is 2^23 + c, so subtracting 2^23 + bias gives c - bias
     # exactly; a 16-element sub-block scale is chosen per lane with tl.where(lane < 16, ...).
     if QTYPE == 8:  # Q8_0: codes [.., 64 KQ], scale d [.., 2 KQ]
@@ -47,7 +48,7 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
         b = tl.load(codes + rows * (KQ * 32) + q * 32 + lane).to(tl.int32)
         c0 = b & 15
         c1 = b >> 4
-    if QTYPE == 6 or QTYPE == 7 or QTYPE == 13 or QTYPE == 11:  # one high bit [.., 8 KQ]: Q5_0, Q5_1, Q5_K, Q3_K
+    if (QTYPE == 6 or QTYPE == 7) or (QTYPE == 13 or QTYPE == 11):  # one high bit [.., 8 KQ]: Q5_0, Q5_1, Q5_K, Q3_K
         h = tl.load(high + rows * (KQ * 8) + (q // 4) * 32 + lane).to(tl.int32)
         s = (q % 4) * 2
         if QTYPE == 11:  # above 2 code bits
@@ -62,7 +63,7 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
         c0 = c0 | (((h >> s) & 3) << 4)
         c1 = c1 | (((h >> (s + 2)) & 3) << 4)
 
-    if QTYPE == 8 or QTYPE == 2 or QTYPE == 6:  # Q8_0, Q4_0, Q5_0: (c - bias) d, fp16 d per 32
+    if (QTYPE == 8 or QTYPE == 2) or QTYPE == 6:  # Q8_0, Q4_0, Q5_0: (c - bias) d, fp16 d per 32
         if QTYPE == 8:
             bias = 8388736.0  # 2^23 + 128
         elif QTYPE == 2:

@@ -1,11 +1,13 @@
 """Fused experts of one MoE layer over repacked GGUF weights (repack.py), decoded in registers (decode.py).
 
 Same semantics as kernels/fused_moe.py's fused_moe_triton: GEMM 1 over gate|up with SiLU(gate)*up in its
-epilogue, GEMM 2 over down with the routing weights, then the sum over the k slots. Two paths, by config:
-  gemv  decode: one program per (token-slot, N-tile) streams the slot's expert rows once; each step decodes
-        [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
-  tile  prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
-        that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
+epilogue, GEMM 2 over down with the routing weights, then the sum over the k slots. Three paths, by config:
+  gemv      decode: one program per (token-slot, N-tile) streams the slot's expert rows once; each step decodes
+            [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
+  gemv_dot  decode, same grid, but the decoded [BLOCK_N, 32] planes go through tl.dot against the slot's
+            activations padded to BLOCK_M columns: tensor cores take the multiply-adds off the FMA pipe.
+  tile      prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
+            that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
 Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
 Nothing reads back to the host, so a decode step can be captured in a CUDA graph.
 """
@@ -20,23 +22,13 @@ import triton.language as tl
 
 from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid
-from moerun.kernels.quant.configs import get_moe_config, pairs_per_step
+from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.tile_configs import Config, interpreting, normalize
+from moerun.kernels.tile_configs import Config, interpreting
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _mma(w, xt, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + w @ xt with w rounded to the activation dtype first, as dequantize(dtype) rounds."""
-    w = w.to(xt.dtype)
-    if UPCAST:
-        # The interpreter multiplies 16-bit dot operands as raw bits; only there, dot in float32.
-        w = w.to(tl.float32)
-        xt = xt.to(tl.float32)
-    return tl.dot(w, xt, acc, input_precision=PRECISION)
+RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
 
 
 # -------------------------------------------------------------------------------------------------- gemv
@@ -63,6 +55,7 @@ def _gemm1_gemv_kernel(
     QU: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAIRS: tl.constexpr,
+    UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
@@ -80,21 +73,23 @@ def _gemm1_gemv_kernel(
     # Partial products stay 3-D across the K loop; one reduction at the end instead of one per step.
     acc_g = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
-    for it in range(0, KQ // PAIRS):
-        q = it * PAIRS + pair  # [1, PAIRS, 1]
-        k0 = q * 64 + lane  # [1, PAIRS, 32]
-        if EVEN_K:
-            x0 = tl.load(x_row + k0).to(tl.float32)
-            x1 = tl.load(x_row + k0 + 32).to(tl.float32)
-        else:
-            x0 = tl.load(x_row + k0, mask=k0 < H, other=0.0).to(tl.float32)
-            x1 = tl.load(x_row + k0 + 32, mask=k0 + 32 < H, other=0.0).to(tl.float32)
-        g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)
-        acc_g += g0 * x0
-        acc_g += g1 * x1
-        u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
-        acc_u += u0 * x0
-        acc_u += u1 * x1
+    # UNROLL independent tiles per step keep more loads in flight without growing the accumulators.
+    for it in range(0, KQ // (PAIRS * UNROLL)):
+        for un in tl.static_range(UNROLL):
+            q = (it * UNROLL + un) * PAIRS + pair  # [1, PAIRS, 1]
+            k0 = q * 64 + lane  # [1, PAIRS, 32]
+            if EVEN_K:
+                x0 = tl.load(x_row + k0).to(tl.float32)
+                x1 = tl.load(x_row + k0 + 32).to(tl.float32)
+            else:
+                x0 = tl.load(x_row + k0, mask=k0 < H, other=0.0).to(tl.float32)
+                x1 = tl.load(x_row + k0 + 32, mask=k0 + 32 < H, other=0.0).to(tl.float32)
+            g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)
+            acc_g += g0 * x0
+            acc_g += g1 * x1
+            u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
+            acc_u += u0 * x0
+            acc_u += u1 * x1
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # [BLOCK_N]
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     act = _silu_mul(gate, up)
@@ -117,6 +112,7 @@ def _gemm2_gemv_kernel(
     QW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAIRS: tl.constexpr,
+    UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr,
 ):  # fmt: skip
@@ -129,18 +125,19 @@ def _gemm2_gemv_kernel(
     lane = tl.arange(0, 32)[None, None, :]
     a_row = inter_ptr + slot.to(tl.int64) * stride_it
     acc = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
-    for it in range(0, KQ // PAIRS):
-        q = it * PAIRS + pair
-        k0 = q * 64 + lane
-        if EVEN_K:
-            a0 = tl.load(a_row + k0).to(tl.float32)
-            a1 = tl.load(a_row + k0 + 32).to(tl.float32)
-        else:
-            a0 = tl.load(a_row + k0, mask=k0 < I, other=0.0).to(tl.float32)
-            a1 = tl.load(a_row + k0 + 32, mask=k0 + 32 < I, other=0.0).to(tl.float32)
-        w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
-        acc += w0 * a0
-        acc += w1 * a1
+    for it in range(0, KQ // (PAIRS * UNROLL)):
+        for un in tl.static_range(UNROLL):
+            q = (it * UNROLL + un) * PAIRS + pair
+            k0 = q * 64 + lane
+            if EVEN_K:
+                a0 = tl.load(a_row + k0).to(tl.float32)
+                a1 = tl.load(a_row + k0 + 32).to(tl.float32)
+            else:
+                a0 = tl.load(a_row + k0, mask=k0 < I, other=0.0).to(tl.float32)
+                a1 = tl.load(a_row + k0 + 32, mask=k0 + 32 < I, other=0.0).to(tl.float32)
+            w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
+            acc += w0 * a0
+            acc += w1 * a1
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(topk_w_ptr + slot).to(tl.float32)  # [BLOCK_N]
     if ATOMIC:
         token = (slot // top_k).to(tl.int64)
@@ -153,13 +150,34 @@ def _gemm2_gemv_kernel(
 
 
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
+@triton.jit
+def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr):
+    """(expert, flat pair index, validity, row of the intermediate) of each column of M-block pid_m.
+
+    Sorted: block_expert_ptr holds each block's expert (-1 when unused) and the intermediate has one row per
+    padded position. PER_SLOT: block pid_m is token-slot pid_m alone (column 0; the others are masked),
+    block_expert_ptr is the flat topk ids and the intermediate has one row per slot.
+    """
+    cols = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if PER_SLOT:
+        row_ok = cols == 0
+        pair = tl.where(row_ok, pid_m, num_pairs)
+        irow = tl.where(row_ok, pid_m, 0)
+    else:
+        irow = pid_m * BLOCK_M + cols
+        pair = tl.load(sorted_ids_ptr + irow)
+        row_ok = pair < num_pairs
+    return expert, pair, row_ok, irow.to(tl.int64)
+
+
+# Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gemm1_tile_kernel(
     x_ptr,  # [T, H]
-    inter_ptr,  # [P, I] one row per padded sorted position
+    inter_ptr,  # [P, I] one row per padded sorted position (PER_SLOT: per token-slot)
     sorted_ids_ptr,  # [P]
-    block_expert_ptr,  # [P / BLOCK_M]
-    num_padded_ptr,  # [1]
+    block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
     gc, gh, gs, gd,
     uc, uh, us, ud,
     num_pairs,
@@ -181,18 +199,15 @@ def _gemm1_tile_kernel(
     PAIRS: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    PER_SLOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    # Unused blocks (past the padded length too) have expert -1.
+    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    pair = tl.load(sorted_ids_ptr + rows_m)  # [BLOCK_M]
-    row_ok = pair < num_pairs
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n = (offs_n % I).to(tl.int64)
@@ -201,6 +216,7 @@ def _gemm1_tile_kernel(
     lane_k = tl.arange(0, 32)  # [32]
     lane = lane_k[None, :]  # [1, 32]
     x_cols = x_ptr + token[None, :] * stride_xt  # [1, BLOCK_M]
+    cdt = x_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # gate^T
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for it in range(0, KQ // PAIRS):
@@ -214,26 +230,31 @@ def _gemm1_tile_kernel(
                 xa = tl.load(x_cols + k0, mask=row_ok[None, :] & (k0 < H), other=0.0)
                 xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < H), other=0.0)
             g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)  # [BLOCK_N, 32] each
-            acc_g = _mma(g0, xa, acc_g, UPCAST, DOT_PRECISION)
-            acc_g = _mma(g1, xb, acc_g, UPCAST, DOT_PRECISION)
+            # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
+            xa = xa.to(DOT_DTYPE)
+            xb = xb.to(DOT_DTYPE)
+            acc_g = tl.dot(g0.to(cdt).to(DOT_DTYPE), xa, acc_g, input_precision=DOT_PRECISION)
+            acc_g = tl.dot(g1.to(cdt).to(DOT_DTYPE), xb, acc_g, input_precision=DOT_PRECISION)
             u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
-            acc_u = _mma(u0, xa, acc_u, UPCAST, DOT_PRECISION)
-            acc_u = _mma(u1, xb, acc_u, UPCAST, DOT_PRECISION)
+            acc_u = tl.dot(u0.to(cdt).to(DOT_DTYPE), xa, acc_u, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(u1.to(cdt).to(DOT_DTYPE), xb, acc_u, input_precision=DOT_PRECISION)
 
-    # Padding rows had zero inputs, so they store zeros, which GEMM 2 relies on.
     act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
-    out_ptrs = inter_ptr + rows_m.to(tl.int64)[None, :] * stride_it + offs_n[:, None]
-    tl.store(out_ptrs, act, mask=offs_n[:, None] < I)
+    out_ptrs = inter_ptr + irow[None, :] * stride_it + offs_n[:, None]
+    if PER_SLOT:
+        tl.store(out_ptrs, act, mask=row_ok[None, :] & (offs_n[:, None] < I))
+    else:
+        # Padding rows had zero inputs, so they store zeros, which GEMM 2 relies on.
+        tl.store(out_ptrs, act, mask=offs_n[:, None] < I)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gemm2_tile_kernel(
-    inter_ptr,  # [P, I]
+    inter_ptr,  # [P, I] (PER_SLOT: [T*k, I])
     topk_w_ptr,  # [T*k]
     out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
     sorted_ids_ptr,  # [P]
-    block_expert_ptr,  # [P / BLOCK_M]
-    num_padded_ptr,  # [1]
+    block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
     wc, wh, ws, wd,
     num_pairs,
     top_k,
@@ -249,39 +270,39 @@ def _gemm2_tile_kernel(
     PAIRS: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PER_SLOT: tl.constexpr,
     ATOMIC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    pair = tl.load(sorted_ids_ptr + rows_m)  # [BLOCK_M]
-    row_ok = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
     lane_k = tl.arange(0, 32)
     lane = lane_k[None, :]
-    a_cols = inter_ptr + rows_m.to(tl.int64)[None, :] * stride_it  # [1, BLOCK_M]
+    a_cols = inter_ptr + irow[None, :] * stride_it  # [1, BLOCK_M]
+    cdt = inter_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     for it in range(0, KQ // PAIRS):
         for j in tl.static_range(PAIRS):
             q = it * PAIRS + j
             k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-            # Padding rows of the intermediate hold zeros, so the activations need no row mask.
-            if EVEN_K:
-                aa = tl.load(a_cols + k0)  # [32, BLOCK_M]
+            if PER_SLOT:
+                aa = tl.load(a_cols + k0, mask=row_ok[None, :] & (k0 < I), other=0.0)  # [32, BLOCK_M]
+                ab = tl.load(a_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < I), other=0.0)
+            elif EVEN_K:
+                # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
+                aa = tl.load(a_cols + k0)
                 ab = tl.load(a_cols + k0 + 32)
             else:
                 aa = tl.load(a_cols + k0, mask=k0 < I, other=0.0)
                 ab = tl.load(a_cols + k0 + 32, mask=k0 + 32 < I, other=0.0)
             w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
-            acc = _mma(w0, aa, acc, UPCAST, DOT_PRECISION)
-            acc = _mma(w1, ab, acc, UPCAST, DOT_PRECISION)
+            acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), aa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), ab.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
 
     weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
     acc = acc * weight[None, :]
@@ -297,6 +318,14 @@ def _gemm2_tile_kernel(
 # ------------------------------------------------------------------------------------------------ host side
 
 
+def dot_operand_dtype(dtype: torch.dtype) -> tl.dtype:
+    """tl.dot operand dtype for activations of `dtype`; float32 in the interpreter, which multiplies 16-bit
+    operands as raw bits."""
+    if interpreting():
+        return tl.float32
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
 def _locate(parts: Sequence[PackedWeight], start: int, length: int) -> tuple[PackedWeight, int]:
     """The part holding rows [start, start + length) of the row-stacked parts, and the offset inside it."""
     offset = 0
@@ -307,14 +336,15 @@ def _locate(parts: Sequence[PackedWeight], start: int, length: int) -> tuple[Pac
     raise ValueError(f"rows [{start}, {start + length}) straddle the parts {[p.shape for p in parts]}")
 
 
-def split_gate_up(w13: Sequence[PackedWeight] | PackedWeight) -> tuple[tuple[PackedWeight, int], tuple[PackedWeight, int]]:
+def split_gate_up(w13: Sequence[PackedWeight] | PackedWeight) -> tuple[RowsOf, RowsOf]:
     """((gate part, first row), (up part, first row)) of w13 given as row-stacked parts of [E, 2I, H]."""
     parts = [w13] if isinstance(w13, PackedWeight) else list(w13)
     two_i = sum(p.n for p in parts)
     return _locate(parts, 0, two_i // 2), _locate(parts, two_i // 2, two_i // 2)
 
 
-def _gemv(x, gate, up, w2, weights, ids, cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:
+def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
+          cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """gemv path: one program per (token-slot, N-tile), no sorting."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
@@ -325,24 +355,28 @@ def _gemv(x, gate, up, w2, weights, ids, cfg: Config, out_dtype: torch.dtype) ->
     flat_ids = ids.reshape(-1)  # [T*k]
     inter = torch.empty(slots, I, dtype=x.dtype, device=x.device)  # [T*k, I]
     bn1 = cfg["BLOCK_N"]
+    p1, u1 = gemv_steps(cfg["BLOCK_K"], gw.kq)
     _gemm1_gemv_kernel[(slots, triton.cdiv(I, bn1))](
         x, flat_ids, inter, *gw.kernel_args(), *uw.kernel_args(), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq,
         x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_N=bn1,
-        PAIRS=pairs_per_step(cfg["BLOCK_K"], gw.kq), EVEN_K=gw.k_pad == H,
+        PAIRS=p1, UNROLL=u1, EVEN_K=gw.k_pad == H,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, atomic, x.device)
     bn2 = cfg["BLOCK_N2"]
+    p2, u2 = gemv_steps(cfg["BLOCK_K2"], w2.kq)
     _gemm2_gemv_kernel[(slots, triton.cdiv(H, bn2))](
         inter, flat_ids, weights.reshape(-1), acc, *w2.kernel_args(), k, H, I, w2.kq, inter.stride(0),
-        acc.stride(0), QW=int(w2.qtype), BLOCK_N=bn2, PAIRS=pairs_per_step(cfg["BLOCK_K2"], w2.kq),
-        EVEN_K=w2.k_pad == I, ATOMIC=atomic, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+        acc.stride(0), QW=int(w2.qtype), BLOCK_N=bn2, PAIRS=p2, UNROLL=u2, EVEN_K=w2.k_pad == I, ATOMIC=atomic,
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
 
 
-def _tile(x, gate, up, w2, weights, ids, cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:
-    """tile path: align token-slots by expert, then two grouped GEMMs over M-blocks."""
+def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
+          cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """tile path (token-slots aligned by expert, grouped GEMMs over M-blocks) and gemv_dot path (one token-slot
+    per M-block, no sorting: tensor cores at decode)."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
     E = w2.shape[0]
@@ -351,26 +385,33 @@ def _tile(x, gate, up, w2, weights, ids, cfg: Config, out_dtype: torch.dtype) ->
     slots = T * k
     atomic = cfg["reduce"] == "atomic"
     block_m = cfg["BLOCK_M"]
-    upcast = interpreting()
-    precision = _dot_precision(x.dtype)
-    align = align_tokens(ids, E, block_m)
-    num_pid_m = align.block_expert.numel()
-    inter = torch.empty(align.sorted_ids.numel(), I, dtype=x.dtype, device=x.device)  # [P, I]
+    per_slot = cfg["path"] == "gemv_dot"
+    if per_slot:
+        flat_ids = ids.reshape(-1)
+        sorted_ids, block_expert, num_pid_m, group_m = flat_ids, flat_ids, slots, 1
+        inter_rows = slots
+    else:
+        align = align_tokens(ids, E, block_m)
+        sorted_ids, block_expert, group_m = align.sorted_ids, align.block_expert, cfg["GROUP_M"]
+        num_pid_m = block_expert.numel()
+        inter_rows = sorted_ids.numel()
+    dot = dict(PER_SLOT=per_slot, DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype))
+    inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
     _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
-        x, inter, align.sorted_ids, align.block_expert, align.num_padded, *gw.kernel_args(), *uw.kernel_args(),
+        x, inter, sorted_ids, block_expert, *gw.kernel_args(), *uw.kernel_args(),
         slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m, x.stride(0), inter.stride(0),
         QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
-        PAIRS=pairs_per_step(cfg["BLOCK_K"], gw.kq), GROUP_M=cfg["GROUP_M"], EVEN_K=gw.k_pad == H,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, **dot,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, atomic, x.device)
     bn2 = cfg["BLOCK_N2"]
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
-        inter, weights.reshape(-1), acc, align.sorted_ids, align.block_expert, align.num_padded,
-        *w2.kernel_args(), slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
-        QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2, PAIRS=pairs_per_step(cfg["BLOCK_K2"], w2.kq),
-        GROUP_M=cfg["GROUP_M"], EVEN_K=w2.k_pad == I, ATOMIC=atomic, UPCAST=upcast, DOT_PRECISION=precision,
+        inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(),
+        slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
+        QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
+        GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
@@ -398,8 +439,9 @@ def fused_moe_quant(
             raise ValueError(f"{name} weight type {p.qtype.name} has no quantized kernel")
     if gw.k != H or uw.k != H or gw.kq != uw.kq:
         raise ValueError(f"gate/up rows have {gw.k}/{uw.k} inputs; expected H = {H}")
-    if gate[1] + I > gw.n or up[1] + I > uw.n:
-        raise ValueError(f"w13 parts {gw.shape}, {uw.shape} do not hold 2 x I = {2 * I} rows")
+    two_i = sum(p.n for p in ([w13] if isinstance(w13, PackedWeight) else w13))
+    if two_i != 2 * I:
+        raise ValueError(f"w13 has {two_i} rows; expected 2 x I = {2 * I} (I from w2 {w2.shape})")
     if tuple(topk_weights.shape) != (T, k):
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     if hidden.dtype not in _SUPPORTED_DTYPES:
@@ -410,6 +452,6 @@ def fused_moe_quant(
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
-    cfg = normalize(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
-    run = _gemv if cfg["path"] == "gemv" else _tile
+    cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
+    run = _gemv if cfg["path"] == "gemv" else _tile  # tile and gemv_dot share the tl.dot kernels
     return run(x, gate, up, w2, weights, ids, cfg, hidden.dtype)

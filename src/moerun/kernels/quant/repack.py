@@ -136,7 +136,7 @@ class PackedWeight:
         if len(self.shape) < 3:
             raise IndexError(f"indexing needs a leading dim besides [N, K], shape is {self.shape}")
         parts = [None if t is None else t[index] for t in self.tensors()]
-        lead = self.codes[index].shape[: len(self.shape) - 2]
+        lead = tuple(self.codes[index].shape[:-2])
         return PackedWeight(self.qtype, (*lead, *self.shape[-2:]), self.k_pad, *parts)
 
     def to(self, device: torch.device | str) -> "PackedWeight":

@@ -1,0 +1,290 @@
+"""Benchmark (and optionally tune) the quantized fused-MoE kernels on one Qwen3-30B-A3B MoE layer.
+
+For each quant type it times, per token count M: the quantized kernels (kernels/quant/fused_moe_quant.py) on
+repacked GGUF weights; the former Triton path for quantized experts, dequantise the layer to bf16 then
+fused_moe_triton; and fused_moe_triton on bf16 weights dequantised beforehand (the bf16 reference time).
+Capturable implementations are replayed from CUDA graphs of several calls that rotate over weight copies and
+routing sets, so the 60 MB L2 does not hold the touched experts between calls. Bandwidth counts the GGUF bytes
+of the experts actually touched; the HBM read ceiling (bf16 sum over 2 GiB) is measured in the same run.
+With --tune, a handful of configs per M bucket are timed first for the --tune-types and the fastest written to
+src/moerun/kernels/configs/quant_<TYPE>_E=..,H=..,I=..,device=....json (then used by the benchmark).
+
+    python benchmarks/bench_quant_moe.py --tune --out bench_quant_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_moe import DEVICE, empty_cache, measure_ceilings, timed_median  # noqa: E402
+
+from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
+from moerun.kernels.quant import configs as qconfigs  # noqa: E402
+from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
+from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
+from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name, interpreting  # noqa: E402
+from moerun.layers.quantized import QuantizedWeight  # noqa: E402
+from moerun.ops.moe_reference import route_reference  # noqa: E402
+from moerun.ops.quant import packed_parts  # noqa: E402
+
+DEFAULT_MS = tuple(2**i for i in range(13))  # 1 .. 4096
+# Pseudo-types for mixed layers: (gate, up, down).
+MIXES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K")}
+L2_BYTES = 60e6
+
+
+# ------------------------------------------------------------------------------------------------- tuning
+
+
+def _gemv(bn, bk, w, bn2, bk2) -> Config:
+    return {"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 2, "BLOCK_N2": bn2,
+            "BLOCK_K2": bk2, "num_warps2": w, "num_stages2": 2, "reduce": "sum"}  # fmt: skip
+
+
+def _dot(path, bm, bn, bk, g, w, s, bn2=None, red="atomic") -> Config:
+    cfg = {"path": path, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g, "num_warps": w,
+           "num_stages": s, "reduce": red}  # fmt: skip
+    if bn2:
+        cfg["BLOCK_N2"] = bn2
+    return cfg
+
+
+# A small pool shared by the buckets, so each config compiles once per type.
+POOL: dict[str, Config] = {
+    "g16": _gemv(16, 1024, 4, 32, 768),
+    "g16k256": _gemv(16, 256, 4, 32, 256),
+    "g16w8": _gemv(16, 2048, 8, 32, 768),
+    "g32": _gemv(32, 1024, 4, 64, 768),
+    "d32": _dot("gemv_dot", 16, 32, 128, 1, 4, 2, 64, "sum"),
+    "d32w2": _dot("gemv_dot", 16, 32, 256, 1, 2, 2, 64, "sum"),
+    "d64": _dot("gemv_dot", 16, 64, 256, 1, 4, 2, 64, "sum"),
+    "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
+    "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
+    "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
+    "t64x128": _dot("tile", 64, 128, 128, 8, 8, 3),
+    "t128x64": _dot("tile", 128, 64, 128, 8, 8, 3, 128),
+    "t128x128": _dot("tile", 128, 128, 128, 8, 8, 3),
+}
+
+
+def tune_candidates(m: int) -> list[str]:
+    """Names of the POOL configs tried at m tokens (k = 8)."""
+    if m <= 4:
+        return ["g16", "g16k256", "g16w8", "g32", "d32", "d32w2", "d64"]
+    if m <= 8:
+        return ["g16", "d32", "t16x64"]
+    if m <= 32:
+        return ["t16x64", "t16x128", "d32"]
+    if m <= 128:
+        return ["t16x64", "t16x128", "t32x128"]
+    if m <= 512:
+        return ["t32x128", "t64x128"]
+    return ["t64x128", "t128x64", "t128x128"]
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+
+def build_layer(types: tuple[str, str, str], E: int, H: int, I: int, gen: torch.Generator):  # noqa: E741
+    """(QuantizedWeight w13 = [gate, up], QuantizedWeight w2) with random valid blocks on the device."""
+    g, u, d = (random_quantized(t, shape, DEVICE, gen) for t, shape in zip(types, ((E, I, H), (E, I, H), (E, H, I))))
+    return QuantizedWeight([g, u]), QuantizedWeight([d])
+
+
+def expert_gguf_bytes(w13: QuantizedWeight, w2: QuantizedWeight, E: int) -> float:
+    return (w13.nbytes + w2.nbytes) / E
+
+
+def make_sets(m: int, E: int, H: int, k: int, n_sets: int):
+    """Routing sets: (hidden [m, H] bf16, topk_weights [m, k], topk_ids [m, k])."""
+    sets = []
+    for _ in range(n_sets):
+        weights, ids = route_reference(torch.randn(m, E, device=DEVICE), k, True)
+        sets.append((torch.randn(m, H, device=DEVICE, dtype=torch.bfloat16), weights, ids))
+    return sets
+
+
+def time_quant(layers, sets, cfg: Config | None, args) -> tuple[float, str]:
+    """Median seconds per call of fused_moe_quant, rotating weight copies and routing sets."""
+    per_graph = 8 if sets[0][0].shape[0] <= 256 else 4
+    calls = []
+    for i in range(per_graph):
+        (p13, p2), (x, w, ids) = layers[i % len(layers)], sets[i % len(sets)]
+        calls.append(lambda p13=p13, p2=p2, x=x, w=w, ids=ids: fused_moe_quant(x, p13, p2, w, ids, cfg))
+    return timed_median(calls, args.budget_s, args.max_runs)
+
+
+def tune_type(name: str, layers, E: int, H: int, I: int, k: int, args) -> dict[int, Config]:  # noqa: E741
+    """Fastest POOL config per M bucket, checked against the bf16-dequantised reference once."""
+    best: dict[int, Config] = {}
+    print(f"\ntuning {name}: M, best us, default us, best config")
+    for m in args.m:
+        sets = make_sets(m, E, H, k, 4)
+        (p13, p2) = layers[0]
+        x, w, ids = sets[0]
+        ref = fused_moe_quant(x, p13, p2, w, ids, qconfigs.default_moe_config(m, k, interpret=False)).float()
+        scale = ref.abs().max().item() + 1e-6
+        timings = {}
+        for cname in ["default"] + tune_candidates(m):
+            cfg = qconfigs.default_moe_config(m, k, interpret=False) if cname == "default" else POOL[cname]
+            try:
+                err = (fused_moe_quant(x, p13, p2, w, ids, cfg).float() - ref).abs().max().item()
+                if not err <= 3e-2 * scale:
+                    print(f"  M={m} {cname}: mismatch {err:.3g} (scale {scale:.3g})", file=sys.stderr)
+                    continue
+                timings[cname] = time_quant(layers, sets, cfg, args)[0]
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory or registers: skip the candidate
+                print(f"  M={m} {cname}: {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr)
+        if not timings:
+            continue
+        win = min(timings, key=timings.get)
+        best[m] = qconfigs.default_moe_config(m, k, interpret=False) if win == "default" else POOL[win]
+        print(f"  {m:>5} {1e6 * timings[win]:8.1f} {1e6 * timings.get('default', float('nan')):8.1f}  {win}")
+    return best
+
+
+# ------------------------------------------------------------------------------------------------- bench
+
+
+def bench_type(name: str, types: tuple[str, str, str], args, ceilings: dict[str, float]) -> list[dict[str, Any]]:
+    E, H, I, k = args.E, args.H, args.I, args.k  # noqa: E741
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    first = build_layer(types, E, H, I, gen)
+    layer_bytes = first[0].nbytes + first[1].nbytes
+    copies = max(2, min(args.max_copies, math.ceil(4 * L2_BYTES / layer_bytes)))
+    raw_layers = [first] + [build_layer(types, E, H, I, gen) for _ in range(copies - 1)]
+    layers = [(packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw_layers]
+    per_expert = expert_gguf_bytes(*first, E)
+
+    if args.tune and name in args.tune_types:
+        table = tune_type(name, layers, E, H, I, k, args)
+        if table and DEVICE == "cuda":
+            path = CONFIG_DIR / qconfigs.moe_config_file_name(types[0], E, H, I, device_name())
+            path.write_text(json.dumps({str(m): cfg for m, cfg in table.items()}, indent=1) + "\n")
+            print(f"  wrote {path}")
+            qconfigs.load_moe_table.cache_clear()
+
+    # bf16 weights dequantised once (two copies, rotated like the quantized ones).
+    dense = [(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)) for w13, w2 in raw_layers[:2]]
+    rows = []
+    for m in args.m:
+        sets = make_sets(m, E, H, k, args.routing_sets)
+        touched = statistics.mean(len(torch.unique(s[2])) for s in sets)
+        qbytes = touched * per_expert
+        cfg = qconfigs.get_moe_config(types[0], E, H, I, k, m)
+        row: dict[str, Any] = {"type": name, "M": m, "experts_touched": touched, "gguf_bytes": qbytes,
+                               "path": cfg["path"], "config": cfg}  # fmt: skip
+        x, w, ids = sets[0]
+        ref = fused_moe_triton(x, dense[0][0], dense[0][1], w, ids).float()
+        out = fused_moe_quant(x, *layers[0], w, ids).float()
+        row["max_rel_err_vs_bf16"] = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+
+        sec, mode = time_quant(layers, sets, None, args)
+        row["quant"] = {"us": 1e6 * sec, "mode": mode, "GBps": qbytes / sec / 1e9}
+        per_graph = 8 if m <= 256 else 4
+        calls = [(lambda s=s, d=d: fused_moe_triton(s[0], d[0], d[1], s[1], s[2]))
+                 for s, d in zip((sets * per_graph)[:per_graph], dense * per_graph)]  # fmt: skip
+        sec, mode = timed_median(calls, args.budget_s, args.max_runs)
+        row["bf16"] = {"us": 1e6 * sec, "mode": mode}
+        w13, w2 = raw_layers[0]
+
+        def deq_then_bf16(s=sets[0], w13=w13, w2=w2):
+            return fused_moe_triton(s[0], w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), s[1], s[2])
+
+        # The torch dequantiser allocates per call, so this one is timed eagerly.
+        sec, mode = timed_median([deq_then_bf16], args.budget_s / 2, 20, capture=False)
+        row["deq_bf16"] = {"us": 1e6 * sec, "mode": mode}
+        rows.append(row)
+        print(format_row(row, ceilings), flush=True)
+    del layers, raw_layers, dense
+    empty_cache()
+    return rows
+
+
+def header() -> str:
+    cols = ["type", "M", "experts", "path", "quant us", "deq+bf16 us", "bf16 us", "quant GB/s", "%HBM-read",
+            "quant/bf16", "vs deq+bf16", "rel err"]  # fmt: skip
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def format_row(row: dict[str, Any], ceilings: dict[str, float]) -> str:
+    q, b, d = row["quant"], row["bf16"], row["deq_bf16"]
+    star = lambda r: "" if r["mode"] == "graph" else "*"  # noqa: E731
+    cells = [row["type"], str(row["M"]), f"{row['experts_touched']:.0f}", row["path"],
+             f"{q['us']:.1f}{star(q)}", f"{d['us']:.0f}{star(d)}", f"{b['us']:.1f}{star(b)}", f"{q['GBps']:.0f}",
+             f"{100 * q['GBps'] / ceilings['read_GBps']:.0f}%", f"{q['us'] / b['us']:.2f}x",
+             f"{d['us'] / q['us']:.1f}x", f"{row['max_rel_err_vs_bf16']:.1e}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", nargs="+", default=["Q4_K", "Q5_K", "Q6_K", "Q8_0"],
+                   help=f"quant types (any of {[t.name for t in QuantType if t.is_quantized]}) or {list(MIXES)}")
+    p.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_MS))
+    p.add_argument("--E", type=int, default=128)
+    p.add_argument("--H", type=int, default=2048)
+    p.add_argument("--I", type=int, default=768)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--tune", action="store_true", help="quick tuning of --tune-types first; writes config tables")
+    p.add_argument("--tune-types", nargs="+", default=["Q4_K"])
+    p.add_argument("--out", default="bench_quant_out", help="directory for bench_quant_moe.json / .md")
+    p.add_argument("--routing-sets", type=int, default=8)
+    p.add_argument("--max-copies", type=int, default=4)
+    p.add_argument("--budget-s", type=float, default=0.1, help="timing budget per (M, implementation)")
+    p.add_argument("--max-runs", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if DEVICE != "cuda" and not interpreting():
+        sys.exit("bench_quant_moe.py needs a CUDA device (or TRITON_INTERPRET=1 with tiny --E/--H/--I/--m)")
+    start = time.perf_counter()
+    ceilings = measure_ceilings() if DEVICE == "cuda" else measure_ceilings(1 << 20, 256)
+    print(f"device {device_name()}  torch {torch.__version__}  E={args.E} H={args.H} I={args.I} k={args.k}")
+    print(f"HBM read ceiling {ceilings['read_GBps']:.0f} GB/s (bf16 sum over 2 GiB); %HBM-read = GGUF bytes of the "
+          f"touched experts / time / ceiling; * = eager timing\n")  # fmt: skip
+    print(header())
+    rows = []
+    for name in args.types:
+        types = MIXES.get(name, (name, name, name))
+        rows += bench_type(name, types, args, ceilings)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device_name(), "torch": torch.__version__, "ceilings": ceilings,
+            "shape": {"E": args.E, "H": args.H, "I": args.I, "k": args.k}}  # fmt: skip
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    (out / "bench_quant_moe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    notes = (
+        f"device {meta['device']}, torch {meta['torch']}, triton {meta.get('triton')}; one MoE layer E={args.E} "
+        f"H={args.H} I={args.I} k={args.k}, bf16 activations.\n\nHBM read ceiling {ceilings['read_GBps']:.0f} GB/s. "
+        "quant = fused dequantising kernels; deq+bf16 = dequantise the layer to bf16 then fused_moe_triton (the "
+        "former quantized path); bf16 = fused_moe_triton on bf16 weights. GB/s and %HBM-read count the GGUF bytes "
+        "of the touched experts. Times in us per layer; * = eager timing.\n\n"
+    )
+    (out / "bench_quant_moe.md").write_text(notes + header() + "\n" + "\n".join(format_row(r, ceilings) for r in rows)
+                                            + "\n")  # fmt: skip
+    took = time.perf_counter() - start
+    print(f"\nwrote {out / 'bench_quant_moe.json'} and {out / 'bench_quant_moe.md'} in {took:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""y = x @ W^T for repacked GGUF weights W [N, K] (attention projections, lm_head), decoded in registers.
+
+Two paths, by config:
+  gemv  few rows of x: one program per (N-tile, row of x) streams its weight rows once, FMAs into a
+        [BLOCK_N, pairs, 32] accumulator (decode.py's 3-D form) and reduces at the end.
+  tile  tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped so
+        a band of weight tiles is reused from L2.
+A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
+output columns; parts that are float types use torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moerun.kernels.fused_moe import _dot_precision, _tile_pid
+from moerun.kernels.quant.configs import default_matmul_config, dot_steps, gemv_steps
+from moerun.kernels.quant.decode import dequant_pair, supported
+from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
+from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.tile_configs import Config
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K]
+    y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
+    bias_ptr,  # [N_total] or a dummy
+    wc, wh, ws, wd,  # weight arrays (repack.py)
+    N,
+    K,
+    KQ,
+    col_off,
+    stride_xm,
+    stride_ym,
+    QW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows = (offs_n % N).to(tl.int64)[:, None, None]  # [BLOCK_N, 1, 1]; wrapped rows are dropped at the store
+    pair = tl.arange(0, PAIRS)[None, :, None]  # [1, PAIRS, 1]
+    lane = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
+    x_row = x_ptr + m * stride_xm
+    acc = tl.zeros([BLOCK_N, PAIRS, 32], dtype=tl.float32)
+    # UNROLL independent tiles per step keep more loads in flight without growing the accumulator.
+    for it in range(0, KQ // (PAIRS * UNROLL)):
+        for un in tl.static_range(UNROLL):
+            q = (it * UNROLL + un) * PAIRS + pair
+            k0 = q * 64 + lane  # [1, PAIRS, 32]
+            if EVEN_K:
+                x0 = tl.load(x_row + k0).to(tl.float32)
+                x1 = tl.load(x_row + k0 + 32).to(tl.float32)
+            else:
+                x0 = tl.load(x_row + k0, mask=k0 < K, other=0.0).to(tl.float32)
+                x1 = tl.load(x_row + k0 + 32, mask=k0 + 32 < K, other=0.0).to(tl.float32)
+            w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
+            acc += w0 * x0
+            acc += w1 * x1
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + col_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + col_off + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# The row count of x follows the batch, so it is not specialised on.
+@triton.jit(do_not_specialize=["M"])
+def _tile_kernel(
+    x_ptr,  # [M, K]
+    y_ptr,  # [M, N_total]
+    bias_ptr,
+    wc, wh, ws, wd,
+    M,
+    N,
+    K,
+    KQ,
+    col_off,
+    stride_xm,
+    stride_ym,
+    QW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m_ok = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows = (offs_n % N).to(tl.int64)[:, None]  # [BLOCK_N, 1]
+    lane_k = tl.arange(0, 32)
+    lane = lane_k[None, :]  # [1, 32]
+    x_cols = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
+    cdt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T
+    for it in range(0, KQ // PAIRS):
+        for j in tl.static_range(PAIRS):
+            q = it * PAIRS + j
+            k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+            if EVEN_K:
+                xa = tl.load(x_cols + k0, mask=m_ok[None, :], other=0.0)  # [32, BLOCK_M]
+                xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :], other=0.0)
+            else:
+                xa = tl.load(x_cols + k0, mask=m_ok[None, :] & (k0 < K), other=0.0)
+                xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :] & (k0 + 32 < K), other=0.0)
+            w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)  # [BLOCK_N, 32] each
+            # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
+            acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), xa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), xb.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + col_off + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
+                 cfg: Config) -> None:  # fmt: skip
+    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias)."""
+    M, K = x.shape
+    has_bias = bias is not None
+    b = bias if has_bias else y
+    common = dict(QW=int(w.qtype), HAS_BIAS=has_bias, BLOCK_N=cfg["BLOCK_N"], EVEN_K=w.k_pad == K,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    if cfg["path"] == "gemv":
+        grid = (triton.cdiv(w.n, cfg["BLOCK_N"]), M)
+        pairs, unroll = gemv_steps(cfg["BLOCK_K"], w.kq)
+        _gemv_kernel[grid](x, y, b, *w.kernel_args(), w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
+                           PAIRS=pairs, UNROLL=unroll, **common)  # fmt: skip
+        return
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(w.n, cfg["BLOCK_N"]),)
+    _tile_kernel[grid](
+        x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], PAIRS=dot_steps(cfg["BLOCK_K"], w.kq),
+        DOT_DTYPE=dot_operand_dtype(x.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype), **common,
+    )  # fmt: skip
+
+
+def quant_matmul_triton(
+    x: torch.Tensor,
+    parts: Sequence[PackedWeight] | PackedWeight,
+    bias: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types)."""
+    parts = [parts] if isinstance(parts, PackedWeight) else list(parts)
+    M, K = x.shape
+    n_total = sum(p.n for p in parts)
+    for p in parts:
+        if len(p.shape) != 2 or p.k != K:
+            raise ValueError(f"weight part of shape {p.shape} does not take inputs of length {K}")
+        if not p.is_dense and not supported(p.qtype):
+            raise ValueError(f"weight type {p.qtype.name} has no quantized kernel")
+    if bias is not None and tuple(bias.shape) != (n_total,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match {n_total} outputs")
+    y = torch.empty(M, n_total, dtype=x.dtype, device=x.device)  # [M, N]
+    if M == 0:
+        return y
+    x = x.contiguous()
+    cfg = config or default_matmul_config(M, n_total)
+    col = 0
+    for p in parts:
+        if p.is_dense:
+            b = None if bias is None else bias[col : col + p.n]
+            y[:, col : col + p.n] = F.linear(x, p.codes.to(x.dtype), b)
+        else:
+            _launch_part(x, y, p, bias, col, cfg)
+        col += p.n
+    return y

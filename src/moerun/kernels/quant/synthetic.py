@@ -1,0 +1,66 @@
+"""Random valid GGUF blocks (random code bytes, finite fp16 scales) for the kernel tests and benchmarks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from moerun.formats.quants import QuantizedTensor, QuantType
+
+# Byte offsets of the fp16 fields of one block: the scale d, then dmin (K-quants) or m (Q4_1, Q5_1).
+FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
+    QuantType.Q8_0: (0,),
+    QuantType.Q4_0: (0,),
+    QuantType.Q4_1: (0, 2),
+    QuantType.Q5_0: (0,),
+    QuantType.Q5_1: (0, 2),
+    QuantType.Q2_K: (80, 82),
+    QuantType.Q3_K: (108,),
+    QuantType.Q4_K: (0, 2),
+    QuantType.Q5_K: (0, 2),
+    QuantType.Q6_K: (208,),
+}
+
+# Largest |code x sub-block scale| of each type (and of its min term), so that d = 1 / (that * sqrt(K))
+# gives weights of order 1 / sqrt(K) and activations of order one.
+_CODE_RANGE = {QuantType.Q8_0: 128, QuantType.Q4_0: 8, QuantType.Q4_1: 16, QuantType.Q5_0: 16, QuantType.Q5_1: 32,
+               QuantType.Q2_K: 45, QuantType.Q3_K: 128, QuantType.Q4_K: 945, QuantType.Q5_K: 1953,
+               QuantType.Q6_K: 4096}  # fmt: skip
+_MIN_RANGE = {QuantType.Q4_1: 1, QuantType.Q5_1: 1, QuantType.Q2_K: 15, QuantType.Q4_K: 63, QuantType.Q5_K: 63}
+
+
+def _finite_half_bits(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """n random fp16 bit patterns with inf/NaN exponents cleared, as an fp16 tensor."""
+    bits = torch.randint(0, 1 << 16, (n,), generator=generator, device=device, dtype=torch.int32)
+    bits = torch.where((bits & 0x7C00) == 0x7C00, bits & ~0x4000, bits)
+    return bits.to(torch.int16).view(torch.float16)
+
+
+def random_quantized(
+    qtype: QuantType | str,
+    shape: Sequence[int],
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+    any_scales: bool = False,
+) -> QuantizedTensor:
+    """A QuantizedTensor of logical `shape` with random code bytes; fp16 scales small (weights ~ 1/sqrt(K),
+    either sign), or any finite fp16 bit pattern with any_scales (for bit-exactness tests)."""
+    qt = qtype if isinstance(qtype, QuantType) else QuantType[qtype]
+    device = torch.device(device)
+    shape = tuple(int(s) for s in shape)
+    n_blocks = math.prod(shape) // qt.block_elems
+    raw = torch.randint(0, 256, (n_blocks, qt.block_bytes), generator=generator, device=device,
+                        dtype=torch.int32).to(torch.uint8)  # fmt: skip
+    k = shape[-1]
+    for i, off in enumerate(FP16_FIELDS[qt]):
+        if any_scales:
+            half = _finite_half_bits(n_blocks, generator, device)
+        else:
+            mag = torch.rand(n_blocks, generator=generator, device=device) * 0.5 + 0.5
+            sign = torch.randint(0, 2, (n_blocks,), generator=generator, device=device) * 2 - 1
+            rng = _CODE_RANGE[qt] if i == 0 else _MIN_RANGE[qt]
+            half = (mag * sign / (rng * math.sqrt(k))).to(torch.float16)
+        raw[:, off : off + 2] = half.view(torch.uint8).view(n_blocks, 2)
+    return QuantizedTensor(raw.reshape(-1), qt, shape)

@@ -1,0 +1,99 @@
+"""Entry points for GGUF-quantized weights: repacking once per weight, quantized linear layers and MoE experts.
+
+A QuantizedWeight (layers/quantized.py) is repacked on first use, on its own device, into PackedWeights
+(kernels/quant/repack.py) cached on it as the attribute `packed`: consecutive parts of one type are merged
+along the rows, so gate|up or q|k|v of one type become one tensor. `pack_model` does this up front (call it
+after loading a GGUF model on CUDA, before capturing CUDA graphs). The torch backend (CPU) dequantises.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moerun.kernels.quant.repack import PackedWeight, cat_rows, pack
+from moerun.layers.quantized import QuantizedWeight
+from moerun.ops.dispatch import pick_backend
+
+Weight = QuantizedWeight | PackedWeight
+
+
+def packed_parts(weight: Weight) -> list[PackedWeight]:
+    """The repacked parts of a weight (row-stacked), created once and cached on the QuantizedWeight."""
+    if isinstance(weight, PackedWeight):
+        return [weight]
+    cached = weight.__dict__.get("packed")
+    if cached is not None and cached[0].device == weight.device:
+        return cached
+    packed = []
+    for _, run in itertools.groupby(weight.parts, key=lambda p: p.qtype):
+        packed.append(cat_rows([pack(p) for p in run]))
+    weight.packed = packed
+    return packed
+
+
+def pack_model(model: nn.Module) -> int:
+    """Repack every QuantizedWeight of the model's layers (module.q_<attr>) now; returns how many.
+
+    Embedding tables are left alone (they decode looked-up rows), unless another layer shares the weight,
+    as a tied lm_head does.
+    """
+    from moerun.layers.embedding import Embedding
+
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Embedding):
+            continue
+        for name, value in list(module.__dict__.items()):
+            if name.startswith("q_") and isinstance(value, QuantizedWeight) and id(value) not in seen:
+                seen.add(id(value))
+                packed_parts(value)
+    return len(seen)
+
+
+def quant_matmul(
+    x: torch.Tensor, weight: Weight, backend: str | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for a quantized W [N, K] -> [..., N] in x's dtype (Triton on CUDA or in the
+    interpreter with backend="triton"; dequantise + F.linear with the torch backend)."""
+    if pick_backend(backend, x.device, "quantized matmul") == "torch":
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    from moerun.kernels.quant.matmul_quant import quant_matmul_triton
+
+    K = x.shape[-1]
+    y = quant_matmul_triton(x.reshape(-1, K), packed_parts(weight), bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def quant_linear(x: torch.Tensor, qweight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear.forward for a quantized weight: the Triton kernels on CUDA, dequantise + F.linear on CPU."""
+    return quant_matmul(x, qweight, bias=bias)
+
+
+def fused_moe_quantized(
+    hidden: torch.Tensor,
+    w13: Weight,
+    w2: Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Triton path of ops.fused_moe for quantized experts: the fused dequantising kernels when every part has
+    one (else dequantise the layer and run the dense kernels)."""
+    from moerun.kernels.quant.decode import supported
+    from moerun.kernels.quant.fused_moe_quant import fused_moe_quant, split_gate_up
+
+    p13, p2 = packed_parts(w13), packed_parts(w2)
+    usable = len(p2) == 1 and all(not p.is_dense and supported(p.qtype) for p in p13 + p2)
+    if usable:
+        try:
+            split_gate_up(p13)
+        except ValueError:  # a part straddles the gate/up boundary
+            usable = False
+    if usable:
+        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids)
+    from moerun.kernels.fused_moe import fused_moe_triton
+
+    return fused_moe_triton(hidden, w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype), topk_weights, topk_ids)

@@ -1,0 +1,145 @@
+"""Quantized dense matmul (gemv and tile paths) against x @ dequantize(W).T, per quant type and for mixed parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("triton")
+
+from moerun.formats.quants import QuantizedTensor, QuantType  # noqa: E402
+from moerun.kernels.quant.configs import default_matmul_config  # noqa: E402
+from moerun.kernels.quant.matmul_quant import quant_matmul_triton  # noqa: E402
+from moerun.kernels.quant.repack import PACKED_TYPES, pack  # noqa: E402
+from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
+from moerun.layers.quantized import QuantizedWeight, set_quantized  # noqa: E402
+from moerun.ops.quant import pack_model, packed_parts, quant_linear, quant_matmul  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_CUDA = DEVICE.type == "cuda"
+
+if ON_CUDA:
+    GEMV = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}
+    TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2, "num_warps": 4,
+            "num_stages": 2}  # fmt: skip
+else:
+    # BLOCK_K = 512 unrolls two [64, 4, 32] tiles per step on 512-long rows.
+    GEMV = {"path": "gemv", "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1}
+    TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 2, "num_warps": 4,
+            "num_stages": 1}  # fmt: skip
+CONFIGS = {"gemv": GEMV, "tile": TILE}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def k_for(qt: QuantType) -> int:
+    """Two 256-element super-blocks for K-quants; a padded, uneven row for the 32-element types."""
+    return 512 if qt.is_k_quant else 288
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T in x's dtype from weights dequantised in float32 and rounded once."""
+    return F.linear(x, w.to(x.dtype), bias)
+
+
+def assert_matches(seed, out, ref, dtype, what) -> None:
+    tol = TOLERANCE[dtype]
+    scale = ref.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what} seed={seed}: {m}"
+    )
+
+
+# On CUDA every type's decoder is already covered by the MoE and decoder tests; a subset bounds compile time.
+TYPES = PACKED_TYPES if not ON_CUDA else (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q3_K, QuantType.Q8_0,
+                                          QuantType.Q5_0)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_each_type_matches_reference(seed, qt, path) -> None:
+    N, K = 48, k_for(qt)  # N is not a multiple of BLOCK_N: wrapped rows are dropped
+    M = 2 if path == "gemv" else 19  # 19 rows span two 16-row blocks
+    t = random_quantized(qt, (N, K), DEVICE)
+    x = torch.randn(M, K, device=DEVICE).bfloat16()
+    out = quant_matmul_triton(x, pack(t), config=CONFIGS[path])
+    assert out.shape == (M, N) and out.dtype == x.dtype
+    assert_matches(seed, out, reference(x, t.dequantize()), x.dtype, f"{qt.name} {path}")
+
+
+@pytest.mark.parametrize("path", ["gemv", "tile"])
+def test_qkv_parts_of_different_types_with_bias(seed, path) -> None:
+    K = 256
+    parts = [random_quantized(QuantType.Q4_K, (64, K), DEVICE), random_quantized(QuantType.Q6_K, (16, K), DEVICE),
+             random_quantized(QuantType.Q8_0, (16, K), DEVICE)]  # fmt: skip
+    w = QuantizedWeight(parts)
+    assert [p.qtype for p in packed_parts(w)] == [QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0]
+    bias = torch.randn(96, device=DEVICE).bfloat16()
+    M = 1 if path == "gemv" else 17
+    x = torch.randn(M, K, device=DEVICE).bfloat16()
+    out = quant_matmul_triton(x, packed_parts(w), bias, config=CONFIGS[path])
+    assert_matches(seed, out, reference(x, w.dequantize(torch.float32), bias), x.dtype, path)
+
+
+def test_same_type_parts_merge_into_one() -> None:
+    parts = [random_quantized(QuantType.Q5_K, (n, 256), DEVICE) for n in (32, 8, 8)]
+    packed = packed_parts(QuantizedWeight(parts))
+    assert len(packed) == 1 and packed[0].shape == (48, 256)
+
+
+@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_activation_dtypes(seed, dtype, path) -> None:
+    t = random_quantized(QuantType.Q4_K, (32, 256), DEVICE)
+    x = torch.randn(2 if path == "gemv" else 5, 256, device=DEVICE).to(dtype)
+    out = quant_matmul_triton(x, pack(t), config=CONFIGS[path])
+    assert_matches(seed, out, reference(x, t.dequantize()), dtype, str(dtype))
+
+
+def test_float_part_uses_torch(seed) -> None:
+    dense = torch.randn(8, 256).half()
+    f16 = QuantizedTensor(dense.view(torch.uint8).reshape(-1), QuantType.F16, (8, 256)).to(DEVICE)
+    w = QuantizedWeight([random_quantized(QuantType.Q8_0, (16, 256), DEVICE), f16])
+    x = torch.randn(2, 256, device=DEVICE).bfloat16()
+    out = quant_matmul_triton(x, packed_parts(w), config=GEMV)
+    assert_matches(seed, out, reference(x, w.dequantize(torch.float32)), x.dtype, "f16 part")
+
+
+def test_quant_linear_dispatch(seed) -> None:
+    w = QuantizedWeight([random_quantized(QuantType.Q6_K, (40, 256), DEVICE)])
+    x = torch.randn(2, 1, 256, device=DEVICE).bfloat16()  # any leading dims
+    bias = torch.randn(40, device=DEVICE).bfloat16()
+    out = quant_matmul(x, w, backend="triton", bias=bias)
+    ref = quant_matmul(x, w, backend="torch", bias=bias)
+    assert out.shape == (2, 1, 40)
+    assert_matches(seed, out, ref, x.dtype, "dispatch")
+    if ON_CUDA:
+        assert torch.equal(quant_linear(x, w, bias), out)
+
+
+def test_pack_model_packs_each_weight_once() -> None:
+    model = nn.Module()
+    model.a, model.b = nn.Linear(4, 4), nn.Linear(4, 4)
+    shared = QuantizedWeight([random_quantized(QuantType.Q4_0, (8, 64))])
+    set_quantized(model.a, "weight", shared)
+    set_quantized(model.b, "weight", shared)
+    assert pack_model(model) == 1
+    first = shared.packed
+    packed_parts(shared)
+    assert shared.packed is first
+
+
+def test_default_config_paths() -> None:
+    assert default_matmul_config(1, 4096, interpret=False)["path"] == "gemv"
+    assert default_matmul_config(512, 4096, interpret=False)["path"] == "tile"
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("qt", [QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_attention_sized_projection_default_config(seed, qt, M) -> None:
+    t = random_quantized(qt, (5120, 2048), DEVICE)  # Qwen3-30B-A3B q|k|v
+    x = torch.randn(M, 2048, device=DEVICE, dtype=torch.bfloat16)
+    out = quant_matmul_triton(x, pack(t))
+    assert_matches(seed, out, reference(x, t.dequantize()), x.dtype, f"{qt.name} M={M}")

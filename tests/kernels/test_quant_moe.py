@@ -1,0 +1,195 @@
+"""Quantized fused MoE (gemv and tile paths) against dequantise + fused_moe_reference, per quant type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.kernels.quant.configs import default_moe_config  # noqa: E402
+from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
+from moerun.kernels.quant.repack import PACKED_TYPES, pack  # noqa: E402
+from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
+from moerun.kernels.router import route_triton  # noqa: E402
+from moerun.layers.quantized import QuantizedWeight  # noqa: E402
+from moerun.ops import moe as moe_ops  # noqa: E402
+from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
+from moerun.ops.quant import packed_parts  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_CUDA = DEVICE.type == "cuda"
+
+# The interpreter runs programs one by one, so there one N-tile covers the tests' I and H; GPUs get real tiles.
+if ON_CUDA:
+    GEMV = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum"}
+    TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 4, "reduce": "atomic"}
+    GEMV_DOT = {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "reduce": "sum"}
+else:
+    # BLOCK_K = 512 unrolls two [256, 4, 32] tiles per step where a row has 512 inputs.
+    GEMV = {"path": "gemv", "BLOCK_N": 256, "BLOCK_K": 512, "BLOCK_N2": 256, "BLOCK_K2": 256, "reduce": "sum"}
+    TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "atomic"}
+    GEMV_DOT = {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "sum"}
+CONFIGS = {"gemv": GEMV, "tile": TILE, "gemv_dot": GEMV_DOT, "gemv-atomic": {**GEMV, "reduce": "atomic"},
+           "tile-sum": {**TILE, "reduce": "sum"}, "gemv_dot-atomic": {**GEMV_DOT, "reduce": "atomic"}}  # fmt: skip
+
+# Error allowed relative to the largest reference magnitude: the reference rounds the dequantised weights and
+# every GEMM output to the activation dtype; the kernels keep float32 longer.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def dims(qt: QuantType) -> tuple[int, int]:
+    """(H, I): multiples of 256 for K-quants; for 32-element types rows that need padding."""
+    return (256, 256) if qt.is_k_quant else (96, 160)
+
+
+def make_experts(E: int, H: int, I: int, gate_t, up_t=None, down_t=None):  # noqa: E741
+    """QuantizedWeights w13 = [gate, up] parts [E, I, H] each and w2 [E, H, I]."""
+    gate = random_quantized(gate_t, (E, I, H), DEVICE)
+    up = random_quantized(up_t or gate_t, (E, I, H), DEVICE)
+    down = random_quantized(down_t or gate_t, (E, H, I), DEVICE)
+    return QuantizedWeight([gate, up]), QuantizedWeight([down])
+
+
+def random_routing(T: int, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def check(seed, hidden, w13, w2, weights, ids, config) -> None:
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, config)
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    tol = TOLERANCE[hidden.dtype]
+    scale = ref.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed} config={config}: {m}"
+    )
+
+
+@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
+def test_each_type_matches_reference(seed, qt, path) -> None:
+    T, E, k = 3, 3, 2
+    H, I = dims(qt)  # noqa: E741
+    w13, w2 = make_experts(E, H, I, qt)
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
+
+
+@pytest.mark.parametrize("path", ["gemv", "gemv_dot", "tile"])
+def test_mixed_types_gate_up_down(seed, path) -> None:
+    # A Q4_K_M-like layer with distinct gate and up types: three pointer sets.
+    T, E, H, I, k = 1, 8, 256, 256, 8  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K)
+    assert len(packed_parts(w13)) == 2
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
+
+
+@pytest.mark.parametrize(
+    "dtype,config",
+    [(torch.float32, "gemv"), (torch.float32, "tile"), (torch.float32, "gemv_dot"),
+     (torch.float16, "gemv-atomic"), (torch.float16, "tile-sum"), (torch.float16, "gemv_dot-atomic")],
+)  # fmt: skip
+def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
+    T, E, H, I, k = 1, 3, 512, 256, 1  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K)
+    # One packed tensor holds gate and up: rows [0, I) and [I, 2I) of the same arrays.
+    assert len(packed_parts(w13)) == 1
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H, device=DEVICE).to(dtype), w13, w2, weights, ids, CONFIGS[config])
+
+
+def test_tile_path_many_blocks_and_empty_experts(seed) -> None:
+    # 35 tokens on expert 4 span three 16-row blocks; the other 6 experts get nothing.
+    T, E, H, I = 35, 7, 256, 256  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q8_0)
+    ids = torch.full((T, 1), 4, dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(T, 1, device=DEVICE)
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TILE)
+
+
+def test_dispatch_through_fused_moe(seed) -> None:
+    E, H, I, k = 4, 256, 256, 2  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q6_K)
+    for T in (1, 9):  # the default config picks gemv, then tile
+        logits = torch.randn(T, E, device=DEVICE)
+        weights, ids = moe_ops.route(logits, k, True, backend="triton")
+        hidden = torch.randn(T, H, device=DEVICE).bfloat16()
+        out = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="triton")
+        ref = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="torch")
+        scale = ref.float().abs().max().item()
+        tol = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{seed}: {m}")
+    assert w13.packed[0].device == w13.device  # packed once, cached on the weight
+
+
+def test_empty_batch_and_shape_errors() -> None:
+    w13, w2 = make_experts(3, 256, 256, QuantType.Q4_0)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    hidden = torch.zeros(0, 256, device=DEVICE)
+    empty = torch.zeros(0, 2, device=DEVICE)
+    assert fused_moe_quant(hidden, p13, p2, empty, empty.int()).shape == (0, 256)
+    # Parts of 200 and 100 rows: the up rows [150, 300) straddle them.
+    split = [pack(random_quantized(QuantType.Q4_0, (3, n, 256), DEVICE)) for n in (200, 100)]
+    with pytest.raises(ValueError, match="straddle"):
+        fused_moe_quant(hidden, split, p2, empty, empty.int())
+
+
+def test_default_configs() -> None:
+    assert default_moe_config(1, 8, interpret=False)["path"].startswith("gemv")
+    assert default_moe_config(4096, 8, interpret=False)["path"] == "tile"
+    assert default_moe_config(1, 2, interpret=True)["path"] == "gemv"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA only: the Qwen3-30B-A3B expert shape with the default/tuned configs, and CUDA-graph capture.
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "qt,T", [(QuantType.Q4_K, 1), (QuantType.Q4_K, 4), (QuantType.Q4_K, 64), (QuantType.Q4_K, 1024),
+             (QuantType.Q6_K, 1), (QuantType.Q6_K, 1024)], ids=lambda v: getattr(v, "name", str(v))
+)  # fmt: skip
+def test_qwen3_30b_shape(seed, qt, T) -> None:
+    E, H, I, k = 128, 2048, 768, 8  # noqa: E741
+    w13, w2 = make_experts(E, H, I, qt)
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16), w13, w2, weights, ids, None)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("config", ["gemv", "gemv_dot", "tile", "default"])
+@pytest.mark.parametrize("T", [2, 40])
+def test_cuda_graph_capture_and_replay(seed, config, T) -> None:
+    E, H, I, k = 16, 512, 256, 4  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q4_K, QuantType.Q6_K)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    hidden = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+    cfg = CONFIGS.get(config)
+
+    def step() -> torch.Tensor:
+        weights, ids = route_triton(logits, k, True)
+        return fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    tol = TOLERANCE[torch.bfloat16]
+    for _ in range(3):
+        hidden.copy_(torch.randn(T, H, device=DEVICE))
+        logits.copy_(torch.randn(T, E, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fused_moe_reference(hidden, w13, w2, *route_reference(logits, k, True))
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{seed}: {m}")

@@ -46,6 +46,7 @@ def _ints(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     batch_sizes = _ints(args.batch_sizes)
+    ceilings = measure_ceilings(device)  # before the model and its KV cache take the memory
     t0 = time.perf_counter()
     hf_config = None
     if args.model:
@@ -63,7 +64,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              max_num_seqs=max(batch_sizes), cuda_graphs=not args.no_graphs)
         name = args.preset + (f" ({args.layers} layers)" if args.layers else "")
     setup_s = time.perf_counter() - t0
-    ceilings = measure_ceilings(device)
     result: dict[str, Any] = {
         "model": name,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -157,3 +157,20 @@ def test_bad_prompts(tiny_llm):
     with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
         tiny_llm.generate(["a"], [SamplingParams(), SamplingParams()])
     assert tiny_llm.engine.cache.num_free == tiny_llm.engine.cache.num_slots
+
+
+def test_filter_probs_per_row_settings():
+    import torch
+
+    from moerun.engine.sampler import filter_probs
+
+    logits = torch.randn(4, 64)
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=1e-6), SamplingParams(), SamplingParams(min_p=0.5)]
+    probs = filter_probs(logits.clone(), params)
+    assert int((probs[0] > 0).sum()) == 3 and set(probs[0].nonzero().flatten().tolist()) == set(
+        logits[0].topk(3).indices.tolist())
+    assert int((probs[1] > 0).sum()) == 1 and int(probs[1].argmax()) == int(logits[1].argmax())
+    assert torch.allclose(probs[2], logits[2].softmax(-1))
+    full = logits[3].softmax(-1)
+    assert torch.equal(probs[3] > 0, full >= 0.5 * full.max())
+    assert torch.allclose(probs.sum(-1), torch.ones(4))

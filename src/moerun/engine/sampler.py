@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moerun.engine.sequence import Sequence
+from moerun.sampling_params import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -19,22 +20,28 @@ def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     return logits
 
 
-def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities [B, V] after temperature, top-k, top-p and min-p (each a per-row [B] setting)."""
+def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities [B, V] after each row's temperature, top-k, top-p and min-p.
+
+    Which filters run is decided from the host-side params, so sampling never waits on the device.
+    """
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev)  # [B]
     logits = logits / temperature[:, None]
     V = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)  # [B]
+        top_p = torch.tensor([p.top_p for p in params], device=dev)  # [B]
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
-        rank = torch.arange(V, device=logits.device)[None, :]
-        k = torch.where(top_k > 0, top_k, V)[:, None]
-        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        rank = torch.arange(V, device=dev)[None, :]
+        sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
         sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)  # [B]
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -66,18 +73,14 @@ class Sampler:
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
-            params = [seqs[i].params for i in sampled_rows]
-            dev = logits.device
-            probs = filter_probs(
-                logits[rows],
-                torch.tensor([p.temperature for p in params], device=dev),
-                torch.tensor([p.top_k for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], device=dev),
-                torch.tensor([p.min_p for p in params], device=dev),
-            )
-            picks = []
+            probs = filter_probs(logits[rows], [seqs[i].params for i in sampled_rows])  # [S, V]
+            picks = torch.empty(len(sampled_rows), dtype=torch.int64, device=logits.device)  # [S]
+            shared = [j for j, i in enumerate(sampled_rows) if seqs[i].generator is None]
+            if shared:  # rows without a seed share the engine's generator: one draw for all of them
+                at = torch.tensor(shared, device=logits.device)
+                picks[at] = torch.multinomial(probs[at], 1, generator=self.generator).squeeze(1)
             for j, i in enumerate(sampled_rows):
-                gen = seqs[i].generator or self.generator
-                picks.append(torch.multinomial(probs[j], 1, generator=gen))
-            tokens[rows] = torch.cat(picks)
+                if seqs[i].generator is not None:  # a seeded row draws from its own generator
+                    picks[j] = torch.multinomial(probs[j], 1, generator=seqs[i].generator)[0]
+            tokens[rows] = picks
         return tokens.tolist()

@@ -31,7 +31,8 @@ from tune_moe import DTYPES, MODEL_SHAPES  # noqa: E402
 
 from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from moerun.kernels.router import route_triton  # noqa: E402
-from moerun.kernels.tile_configs import device_name, get_config, interpreting  # noqa: E402
+from moerun.kernels.interpreter import interpreting  # noqa: E402
+from moerun.kernels.tile_configs import device_name, get_config  # noqa: E402
 from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

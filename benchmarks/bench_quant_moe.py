@@ -34,7 +34,8 @@ from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from moerun.kernels.quant import configs as qconfigs  # noqa: E402
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
-from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name, interpreting  # noqa: E402
+from moerun.kernels.interpreter import interpreting  # noqa: E402
+from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
 from moerun.ops.moe_reference import route_reference  # noqa: E402
 from moerun.ops.quant import packed_parts  # noqa: E402

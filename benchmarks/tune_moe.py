@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from moerun.kernels.fused_moe import fused_moe_triton
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import (
     CONFIG_DIR,
     M_BUCKETS,
@@ -31,7 +32,6 @@ from moerun.kernels.tile_configs import (
     config_file_name,
     default_config,
     device_name,
-    interpreting,
     normalize,
 )
 from moerun.ops.moe_reference import fused_moe_reference, route_reference

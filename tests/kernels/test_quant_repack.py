@@ -11,7 +11,7 @@ from moerun.formats.quants import QuantizedTensor, QuantType  # noqa: E402
 from moerun.kernels.quant.decode import dequantize_triton  # noqa: E402
 from moerun.kernels.quant.repack import PACKED_TYPES, cat_rows, pack, padded_k  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
-from moerun.kernels.tile_configs import interpreting  # noqa: E402
+from moerun.kernels.interpreter import interpreting  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.rmsnorm import interpreting, round_to
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.rmsnorm import round_to
 
 # tl.dot needs every tile side >= 16: query-head groups are padded up to this many rows
 MIN_DOT = 16

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.tile_configs import Config, get_config, interpreting, normalize
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.tile_configs import Config, get_config, normalize
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.rmsnorm import interpreting, mean_of_squares, round_to
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.rmsnorm import mean_of_squares, round_to
 
 
 @triton.jit

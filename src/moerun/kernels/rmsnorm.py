@@ -7,23 +7,15 @@ squares differs from torch.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.interpreter import interpreting
+
 # A whole row lives in registers (at most 32 floats per thread with 16 warps); larger rows would spill.
 MAX_HIDDEN = 16384
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter.
-
-    The interpreter truncates float32 -> bfloat16 and multiplies bfloat16 dot operands as raw bits; kernels
-    take this as a constexpr and work around both only there, never on the GPU path.
-    """
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

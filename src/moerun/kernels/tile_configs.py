@@ -15,11 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from moerun.kernels.interpreter import interpreting
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -79,11 +80,6 @@ def nearest_bucket(keys: list[int] | tuple[int, ...], m: int) -> int:
     """Key closest to m on a log scale (ties go to the larger key)."""
     lm = math.log2(max(m, 1))
     return min(keys, key=lambda b: (abs(math.log2(b) - lm), -b))
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_config(m: int, k: int, dtype: torch.dtype, interpret: bool | None = None) -> Config:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import os
-
 import torch
+
+from moerun.kernels.interpreter import interpreting
 
 BACKENDS = ("torch", "triton")
 
@@ -27,6 +27,6 @@ def pick_backend(backend: str | None, device: torch.device, op: str) -> str:
         raise ValueError(f"unknown {op} backend {backend!r}; expected one of {BACKENDS} or None")
     if backend == "triton" and not triton_available():
         raise ValueError(f"{op} backend 'triton' needs the triton package, which is not installed")
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type == "cpu" and not interpreting():
         raise ValueError(f"{op} backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return backend

@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import json
 
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import (
     CONFIG_DIR,
     Config,
     _current_device_name,
-    interpreting,
     nearest_bucket,
     normalize,
 )

@@ -25,7 +25,8 @@ from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mu
 from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.tile_configs import Config, interpreting
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.tile_configs import Config
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it

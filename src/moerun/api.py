@@ -31,7 +31,7 @@ Message = dict[str, Any]
 class LLM:
     """A loaded model ready to generate.
 
-    ``model`` is a Hugging Face checkpoint folder (config.json + safetensors + tokenizer files).
+    ``model`` is a Hugging Face checkpoint folder (config.json + safetensors + tokenizer files) or a GGUF file.
     device None picks CUDA when present, else CPU; dtype None keeps the checkpoint's dtype on CUDA and uses
     float32 on CPU.
 

@@ -1,15 +1,13 @@
 """The KV cache: one preallocated region per sequence slot.
 
-Layout per layer: k, v [S, L, n_kv, D] (S slots, L max tokens per sequence). Attention reaches the cache only
-through ``write`` and ``gather``, so a paged layout (a block table per slot) can replace this one behind the
-same two calls.
+Layout per layer: k, v [S, L, n_kv, D] (S slots, L max tokens per sequence). The cache is written by
+``ops.qk_norm_rope_write`` at (token slot, position) and read by ``gather`` (prefill) and
+``ops.decode_attention`` (slot ids, lengths): the places a paged layout (a block table per slot) would change.
 """
 
 from __future__ import annotations
 
 import torch
-
-from moerun.engine.batch import ForwardBatch
 
 
 class KVCache:
@@ -53,11 +51,6 @@ class KVCache:
         return len(self._free)
 
     # ---- data ----
-    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores k, v [T, n_kv, D] of the batch's tokens at their (slot, position)."""
-        self.k[layer, batch.token_slots, batch.positions] = k
-        self.v[layer, batch.token_slots, batch.positions] = v
-
     def gather(self, layer: int, slot_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, length, n_kv, D] of the given slots (positions past a sequence's end are stale)."""
         return self.k[layer, slot_ids, :length], self.v[layer, slot_ids, :length]

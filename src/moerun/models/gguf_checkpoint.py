@@ -127,8 +127,8 @@ def _quantized_weight(f: GGUFFile, model: nn.Module, pname: str, param: torch.Te
     placed = []
     for shard, name in parts:
         rows = index_of(shard)
-        row_slice = rows[-1] if rows else slice(None)
-        start = row_slice.start or 0 if isinstance(row_slice, slice) else 0
+        row_slice = rows[-1] if rows else slice(None)  # the rows this tensor fills
+        start = row_slice.start or 0
         ti = f.tensors[name]
         expected = tuple(param[rows].shape) if rows else tuple(param.shape)
         if ti.shape != expected:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moerun.formats.quants import (
+    FP16_FIELDS,
     SUPPORTED_TYPES,
     QuantizedTensor,
     QuantType,
@@ -16,20 +17,6 @@ from moerun.formats.quants import (
     quantize,
     tensor_nbytes,
 )
-
-# Byte offsets of the fp16 fields (d, dmin / m) inside one block of each quantised type.
-FP16_FIELDS = {
-    QuantType.Q8_0: (0,),
-    QuantType.Q4_0: (0,),
-    QuantType.Q4_1: (0, 2),
-    QuantType.Q5_0: (0,),
-    QuantType.Q5_1: (0, 2),
-    QuantType.Q2_K: (80, 82),
-    QuantType.Q3_K: (108,),
-    QuantType.Q4_K: (0, 2),
-    QuantType.Q5_K: (0, 2),
-    QuantType.Q6_K: (208,),
-}
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

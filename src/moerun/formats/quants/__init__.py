@@ -4,6 +4,7 @@ from .dequant import dequantize
 from .quantize import fallback_type, quantize
 from .tensor import QuantizedTensor
 from .types import (
+    FP16_FIELDS,
     QK_K,
     SUPPORTED_TYPES,
     QuantType,
@@ -14,6 +15,7 @@ from .types import (
 )
 
 __all__ = [
+    "FP16_FIELDS",
     "QK_K",
     "SUPPORTED_TYPES",
     "QuantType",

@@ -71,6 +71,20 @@ for _t, _geo in _GEOMETRY.items():
 
 SUPPORTED_TYPES: tuple[QuantType, ...] = tuple(_GEOMETRY)
 
+# Byte offsets of the fp16 fields inside one block: the scale d, then dmin (K-quants) or m (Q4_1, Q5_1).
+FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
+    QuantType.Q8_0: (0,),
+    QuantType.Q4_0: (0,),
+    QuantType.Q4_1: (0, 2),
+    QuantType.Q5_0: (0,),
+    QuantType.Q5_1: (0, 2),
+    QuantType.Q2_K: (80, 82),
+    QuantType.Q3_K: (108,),
+    QuantType.Q4_K: (0, 2),
+    QuantType.Q5_K: (0, 2),
+    QuantType.Q6_K: (208,),
+}
+
 
 def _where(tensor_name: str) -> str:
     return f"tensor '{tensor_name}': " if tensor_name else ""

@@ -7,21 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moerun.formats.quants import QuantizedTensor, QuantType
-
-# Byte offsets of the fp16 fields of one block: the scale d, then dmin (K-quants) or m (Q4_1, Q5_1).
-FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
-    QuantType.Q8_0: (0,),
-    QuantType.Q4_0: (0,),
-    QuantType.Q4_1: (0, 2),
-    QuantType.Q5_0: (0,),
-    QuantType.Q5_1: (0, 2),
-    QuantType.Q2_K: (80, 82),
-    QuantType.Q3_K: (108,),
-    QuantType.Q4_K: (0, 2),
-    QuantType.Q5_K: (0, 2),
-    QuantType.Q6_K: (208,),
-}
+from moerun.formats.quants import FP16_FIELDS, QuantizedTensor, QuantType
 
 # Largest |code x sub-block scale| of each type (and of its min term), so that d = 1 / (that * sqrt(K))
 # gives weights of order 1 / sqrt(K) and activations of order one.

@@ -46,9 +46,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.__dict__.get("q_weight")
         if q is not None:
-            from moerun.ops.quant import quant_linear
+            from moerun.ops.quant import quant_matmul
 
-            return quant_linear(x, q, self.bias)
+            return quant_matmul(x, q, bias=self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

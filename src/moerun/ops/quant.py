@@ -68,11 +68,6 @@ def quant_matmul(
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def quant_linear(x: torch.Tensor, qweight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Linear.forward for a quantized weight: the Triton kernels on CUDA, dequantise + F.linear on CPU."""
-    return quant_matmul(x, qweight, bias=bias)
-
-
 def fused_moe_quantized(
     hidden: torch.Tensor,
     w13: Weight,

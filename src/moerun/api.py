@@ -13,6 +13,7 @@ import torch
 from moerun.config import EngineConfig, ModelConfig, parse_dtype
 from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import KVCache
+from moerun.engine.memory import available_bytes
 from moerun.engine.sequence import Sequence
 from moerun.models.checkpoint import load_checkpoint, read_model_config, resolve_dtype
 from moerun.outputs import GenerationOutput
@@ -254,9 +255,6 @@ def _engine_config(
 
 def _kv_slots(mc: ModelConfig, ec: EngineConfig) -> int:
     """How many sequences of max_model_len tokens the KV cache holds: max_num_seqs if memory allows."""
-    from moerun.engine.kv_cache import KVCache
-    from moerun.engine.memory import available_bytes
-
     per_seq = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype) * ec.max_model_len
     budget = int(available_bytes(ec.device) * 0.9)
     slots = min(ec.max_num_seqs, budget // per_seq)

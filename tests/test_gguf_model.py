@@ -122,9 +122,13 @@ def test_quantize_cli_from_hf_and_requantize_a_gguf(hf_checkpoint, tmp_path, cap
         assert {"Q4_K", "Q6_K"} <= types
         assert len(f.metadata["tokenizer.ggml.tokens"]) == 512
     ids = [3, 50, 200, 7]
+    ref = LLM(str(hf_checkpoint), device="cpu", max_model_len=64).logits(ids)
     a = LLM(str(q8), device="cpu", max_model_len=64).logits(ids)
     b = LLM(str(q4), device="cpu", max_model_len=64).logits(ids)
-    assert relative_error(b, a) < 0.5  # a coarser type of the same weights
+    # Both stay near the float model, the finer type nearer (tiny random models amplify quantisation noise:
+    # over seeds Q4_K_M lands at 0.2-0.6 relative error, Q8_0 at 0.01-0.08).
+    assert relative_error(a, ref) < 0.15
+    assert relative_error(a, ref) < relative_error(b, ref) < 1.0
     assert LLM(str(q4), device="cpu", max_model_len=64).tokenizer.encode("Hello") == \
         LLM(str(hf_checkpoint), device="cpu", max_model_len=64).tokenizer.encode("Hello")
     assert main(["quantize", str(hf_checkpoint), str(tmp_path / "x.gguf"), "--type", "Q7_K"]) == 2

@@ -47,21 +47,40 @@ GEMV_MAX_PAIRS = 128
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# GEMM2 tiles (BLOCK_N2, BLOCK_K2, warps) for the "fused" slot reduction, one program per (token, N-tile): k times
+# fewer programs than per token-slot, so thin N-tiles, long K-steps and more warps keep enough loads in flight.
+# Each won at some M in 1..8 on an H200 for Qwen3-30B-A3B (5-12% under the best "sum"); none won at every M.
+FUSED_GEMM2_TILES = [(4, 1024, 8), (8, 1024, 4), (16, 1024, 4), (8, 256, 4), (16, 128, 8), (8, 512, 8)]
+
+
 def gemv_candidates(quick: bool) -> list[Config]:
-    """gemv-path configs: (BLOCK_N, BLOCK_K, warps, stages) of GEMM1 with a wider N-tile for GEMM2 (N = H)."""
+    """gemv-path configs: (BLOCK_N, BLOCK_K, warps, stages) of GEMM1 with a wider N-tile for GEMM2 (N = H) when
+    GEMM2 runs per token-slot, and each of FUSED_GEMM2_TILES when it sums the k slots itself ("fused")."""
     if quick:
         rows = [(16, 256, 4, 2, 32, 256), (32, 256, 4, 2, 32, 256), (8, 512, 4, 2, 16, 512),
                 (16, 128, 4, 3, 16, 256), (32, 128, 8, 3, 64, 128)]  # fmt: skip
-        return [
+        out = [
             normalize({"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s,
                        "BLOCK_N2": bn2, "BLOCK_K2": bk2, "reduce": "sum"})
             for bn, bk, w, s, bn2, bk2 in rows
         ]  # fmt: skip
+        return out + _fused_candidates([(16, 256, 4, 2), (16, 128, 4, 3)])
     out = []
-    for bn, bk, w, s, red in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (2, 3), ("sum", "atomic")):
+    gemm1 = list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (2, 3)))
+    for (bn, bk, w, s), red in itertools.product(gemm1, ("sum", "atomic")):
         out.append(normalize({"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s,
                               "BLOCK_N2": 2 * bn, "BLOCK_K2": bk, "reduce": red}))  # fmt: skip
-    return out
+    return out + _fused_candidates(gemm1)
+
+
+def _fused_candidates(gemm1: list[tuple[int, int, int, int]]) -> list[Config]:
+    """gemv configs with the "fused" slot reduction: each GEMM1 (BLOCK_N, BLOCK_K, warps, stages) with each of
+    FUSED_GEMM2_TILES."""
+    return [
+        normalize({"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s,
+                   "BLOCK_N2": bn2, "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 2, "reduce": "fused"})
+        for (bn, bk, w, s), (bn2, bk2, w2) in itertools.product(gemm1, FUSED_GEMM2_TILES)
+    ]  # fmt: skip
 
 
 def tile_candidates(m: int, k: int, quick: bool) -> list[Config]:
@@ -197,7 +216,7 @@ def compact(cfg: Config) -> str:
     """Short one-line form of a config for the printed table."""
     if cfg["path"] == "gemv":
         return (f"gemv N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} | "
-                f"N{cfg['BLOCK_N2']} K{cfg['BLOCK_K2']} {cfg['reduce']}")  # fmt: skip
+                f"N{cfg['BLOCK_N2']} K{cfg['BLOCK_K2']} w{cfg['num_warps2']} {cfg['reduce']}")  # fmt: skip
     return (f"tile M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} w{cfg['num_warps']} "
             f"s{cfg['num_stages']} {cfg['reduce']}")  # fmt: skip
 

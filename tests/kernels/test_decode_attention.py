@@ -1,4 +1,5 @@
-"""decode_attention (Triton flash-decoding) against the SDPA reference; a CUDA-graph replay of the decode ops."""
+"""decode_attention (Triton flash-decoding, single launch or partial + combine kernels) against the SDPA
+reference; a CUDA-graph replay of the decode ops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from moerun.kernels.decode_attention import decode_attention_triton, default_num_splits  # noqa: E402
+from moerun.kernels.gemv import ticket_counters  # noqa: E402
 from moerun.ops.attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
@@ -42,37 +44,83 @@ def check(
     num_splits: int | None,
     block_n: int | None = None,
     len_dtype: torch.dtype = torch.int64,
+    single_launch: bool = True,
+    pad_rows: int = 0,
+    min_chunk: int | None = None,
 ) -> None:
-    B, S = len(seq_lens), len(seq_lens) + 2
+    """Both calls of the kernel (the second proves the single launch's tickets were reset) against SDPA.
+
+    pad_rows extra rows point at one shared scratch slot with length 1, as a padded graph batch does.
+    min_chunk defaults to block_n here, so that these short sequences still spread over several splits.
+    """
+    B, S = len(seq_lens) + pad_rows, len(seq_lens) + 3
     k_cache, v_cache = make_cache(S, L, n_kv, D, dtype)
     q = (torch.randn(B, n_q, D) * 2).to(dtype).to(DEVICE)  # [B, n_q, D], scaled so softmax is not flat
-    slot_ids = torch.randperm(S)[:B].to(DEVICE)  # [B]
-    lens = torch.tensor(seq_lens, dtype=len_dtype, device=DEVICE)  # [B]
+    slot_ids = torch.cat([torch.randperm(S - 1)[: len(seq_lens)], torch.full((pad_rows,), S - 1)]).to(DEVICE)  # [B]
+    lens = torch.tensor(seq_lens + [1] * pad_rows, dtype=len_dtype, device=DEVICE)  # [B]
     scale = D**-0.5
-    out = decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, num_splits=num_splits, block_n=block_n)
     ref = decode_attention_reference(q, k_cache, v_cache, slot_ids, lens, scale)
-    assert out.dtype == dtype and out.shape == (B, n_q, D)
-    torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"seed={seed}: {m}")
+    for call in range(2):
+        out = decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, scale, num_splits=num_splits,
+                                      block_n=block_n, single_launch=single_launch,
+                                      min_chunk=min_chunk if min_chunk is not None else block_n)
+        assert out.dtype == dtype and out.shape == (B, n_q, D)
+        torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"seed={seed} call {call}: {m}")
+    assert not ticket_counters(DEVICE, B * n_kv, "decode_attention").any(), "tickets must be back at 0"
+
+
+@pytest.fixture(params=[True, False], ids=["single-launch", "two-kernels"])
+def single_launch(request: pytest.FixtureRequest) -> bool:
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gqa3_mixed_lengths(seed: int, dtype: torch.dtype) -> None:
+def test_gqa3_mixed_lengths(seed: int, dtype: torch.dtype, single_launch: bool) -> None:
     # chunks are 16 positions here: 16 and 32 end exactly on a chunk, 17 one past it, 1 and 48 the extremes
-    check([1, 48, 17, 16, 32], n_q=6, n_kv=2, D=32, L=48, dtype=dtype, seed=seed, num_splits=3, block_n=16)
+    check([1, 48, 17, 16, 32], n_q=6, n_kv=2, D=32, L=48, dtype=dtype, seed=seed, num_splits=3, block_n=16,
+          single_launch=single_launch)
 
 
-def test_mha_single_sequence_full_cache(seed: int) -> None:
-    check([40], n_q=2, n_kv=2, D=16, L=40, dtype=torch.float32, seed=seed, num_splits=2, block_n=16)
+def test_mha_single_sequence_full_cache(seed: int, single_launch: bool) -> None:
+    check([40], n_q=2, n_kv=2, D=16, L=40, dtype=torch.float32, seed=seed, num_splits=2, block_n=16,
+          single_launch=single_launch)
 
 
-def test_gqa8_int32_lengths(seed: int) -> None:
+def test_gqa8_int32_lengths(seed: int, single_launch: bool) -> None:
     check([35, 2], n_q=8, n_kv=1, D=64, L=35, dtype=torch.float16, seed=seed, num_splits=2, block_n=16,
-          len_dtype=torch.int32)
+          len_dtype=torch.int32, single_launch=single_launch)
 
 
-def test_qwen3_head_group_more_splits_than_blocks(seed: int) -> None:
+def test_qwen3_head_group_more_splits_than_blocks(seed: int, single_launch: bool) -> None:
     # Qwen3-30B-A3B's group of 8 query heads at D=128; 4 splits but 2 blocks of positions: 2 empty partials
-    check([20], n_q=8, n_kv=1, D=128, L=24, dtype=torch.bfloat16, seed=seed, num_splits=4, block_n=16)
+    check([20], n_q=8, n_kv=1, D=128, L=24, dtype=torch.bfloat16, seed=seed, num_splits=4, block_n=16,
+          single_launch=single_launch)
+
+
+@pytest.mark.parametrize("n_q,n_kv", [(2, 2), (16, 2)], ids=["mha", "gqa8"])
+def test_varied_lengths_with_padding_rows(seed: int, n_q: int, n_kv: int, single_launch: bool) -> None:
+    # one position, a single chunk, a few chunks, the whole cache over all 4 splits; then 2 padding rows
+    check([1, 9, 40, 64], n_q=n_q, n_kv=n_kv, D=32, L=64, dtype=torch.bfloat16, seed=seed, num_splits=4,
+          block_n=16, single_launch=single_launch, pad_rows=2)
+
+
+@pytest.mark.parametrize("min_chunk", [32, 1000])
+def test_min_chunk(seed: int, min_chunk: int) -> None:
+    # 32: two blocks per split, so 9 positions take one split and 64 two; 1000: every sequence in one chunk
+    check([1, 9, 40, 64], n_q=8, n_kv=2, D=32, L=64, dtype=torch.bfloat16, seed=seed, num_splits=4, block_n=16,
+          min_chunk=min_chunk, pad_rows=1)
+
+
+def test_empty_sequence_gives_zeros(seed: int, single_launch: bool) -> None:
+    B, n_q, n_kv, D, L = 2, 4, 2, 16, 32
+    k_cache, v_cache = make_cache(3, L, n_kv, D, torch.float32)
+    q = torch.randn(B, n_q, D, device=DEVICE)
+    lens = torch.tensor([0, 20], device=DEVICE)
+    out = decode_attention_triton(q, k_cache, v_cache, torch.tensor([0, 1], device=DEVICE), lens, 0.25,
+                                  num_splits=2, block_n=16, single_launch=single_launch, min_chunk=16)
+    assert not out[0].any(), f"seed={seed}"
+    ref = decode_attention_reference(q[1:], k_cache, v_cache, torch.tensor([1], device=DEVICE), lens[1:], 0.25)
+    torch.testing.assert_close(out[1:], ref, **TOLERANCE[torch.float32], msg=lambda m: f"seed={seed}: {m}")
 
 
 def test_dispatch_defaults(seed: int) -> None:
@@ -96,8 +144,11 @@ def test_default_num_splits() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_replay(seed: int) -> None:
+def test_cuda_graph_replay(seed: int, single_launch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Captures rms_norm + qk_norm_rope_write + decode_attention once, replays with new inputs and lengths."""
+    import moerun.kernels.decode_attention as kernel
+
+    monkeypatch.setattr(kernel, "SINGLE_LAUNCH", single_launch)
     dtype, eps = torch.bfloat16, 1e-6
     B, H, n_q, n_kv, D, S, L = 3, 256, 8, 2, 128, 5, 256
     dev = torch.device("cuda")

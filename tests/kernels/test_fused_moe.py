@@ -1,4 +1,4 @@
-"""fused_moe_triton (gemv and tile paths, both slot reductions) against fused_moe_reference."""
+"""fused_moe_triton (gemv and tile paths, every slot reduction) against fused_moe_reference."""
 
 from __future__ import annotations
 
@@ -22,9 +22,17 @@ ON_CUDA = DEVICE.type == "cuda"
 # Small tiles (tl.dot needs >= 16 on GPUs); one N-tile covers the test's I so the interpreter runs few programs.
 GEMV_SUM = {"path": "gemv", "BLOCK_N": 64, "BLOCK_K": 32, "BLOCK_N2": 64, "BLOCK_K2": 32, "reduce": "sum"}
 GEMV_ATOMIC = {**GEMV_SUM, "reduce": "atomic"}
+# Narrow GEMM2 tiles so that a program loops over several K-steps per slot and the grid has several N-tiles.
+GEMV_FUSED = {**GEMV_SUM, "BLOCK_N2": 16, "BLOCK_K2": 16, "reduce": "fused"}
 TILE_ATOMIC = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "reduce": "atomic"}
 TILE_SUM = {**TILE_ATOMIC, "BLOCK_N2": 64, "BLOCK_K2": 16, "GROUP_M": 1, "reduce": "sum"}
-CONFIGS = {"gemv-sum": GEMV_SUM, "gemv-atomic": GEMV_ATOMIC, "tile-atomic": TILE_ATOMIC, "tile-sum": TILE_SUM}
+CONFIGS = {
+    "gemv-sum": GEMV_SUM,
+    "gemv-atomic": GEMV_ATOMIC,
+    "gemv-fused": GEMV_FUSED,
+    "tile-atomic": TILE_ATOMIC,
+    "tile-sum": TILE_SUM,
+}
 
 # Error allowed relative to the largest reference magnitude; the reference rounds each expert's output to the
 # weights' dtype before the weighted sum, the kernels keep fp32 there.
@@ -85,6 +93,25 @@ def test_other_slot_reduction(seed, config, dtype) -> None:
     w13, w2 = make_weights(E, H, I, dtype)
     weights, ids = random_routing(T, E, k)
     check(seed, torch.randn(T, H).to(dtype).to(DEVICE), w13, w2, weights, ids, CONFIGS[config])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "T,E,H,I,k",
+    [(1, 7, 48, 40, 2), (3, 13, 33, 23, 8), (8, 9, 40, 24, 1)],
+    ids=["T1-E7-k2", "T3-E13-k8-oddHI", "T8-E9-k1"],
+)
+def test_gemv_fused_slot_reduction(seed, T, E, H, I, k, dtype) -> None:  # noqa: E741
+    w13, w2 = make_weights(E, H, I, dtype)
+    weights, ids = random_routing(T, E, k)
+    hidden = torch.randn(T, H).to(dtype).to(DEVICE)
+    check(seed, hidden, w13, w2, weights, ids, GEMV_FUSED)
+
+
+def test_fused_slot_reduction_needs_gemv_path() -> None:
+    assert tile_configs.normalize(GEMV_FUSED)["reduce"] == "fused"
+    with pytest.raises(ValueError, match="gemv"):
+        tile_configs.normalize({**TILE_ATOMIC, "reduce": "fused"})
 
 
 @pytest.mark.parametrize("config", ["gemv-sum", "tile-atomic"])
@@ -172,7 +199,7 @@ def test_qwen3_30b_shape_default_config(seed, T) -> None:
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("config", ["gemv-sum", "gemv-atomic", "tile-atomic", "tile-sum", "default"])
+@pytest.mark.parametrize("config", [*CONFIGS, "default"])
 @pytest.mark.parametrize("T", [4, 100])
 def test_cuda_graph_capture_and_replay(seed, config, T) -> None:
     E, H, I, k = 16, 256, 128, 4  # noqa: E741

@@ -1,9 +1,17 @@
 """Flash-decoding: one query token per sequence against its slot of the KV cache, split over the positions.
 
-Stage 1 (grid B x n_kv x num_splits) runs an online softmax of all the query heads that share one kv head over
-one chunk of positions (ceil(seq_len / num_splits) rounded up to BLOCK_N, read on the device) and writes a
-partial output with its log-sum-exp; stage 2 (grid B x n_q) merges the chunks. The grid and every buffer depend only on B, n_q, n_kv, D, L and num_splits, never on seq_lens, so the
-host never waits on the device and one CUDA graph serves every step of a batch-size bucket.
+A program of the grid B x n_kv x num_splits runs an online softmax of all the query heads that share one kv
+head over one chunk of positions (ceil(seq_len / num_splits) rounded up to BLOCK_N, and in the single launch
+to at least MIN_CHUNK; seq_len is read on the device).
+The chunks are then merged by their log-sum-exps, in one of two ways (SINGLE_LAUNCH picks the default):
+  single launch  the splits that hold positions ("live" ones: every program of a (sequence, kv head) derives
+                 the same count from seq_len) write partials and take a ticket from a counter per (sequence,
+                 kv head); the last to arrive merges them in split order and resets the counter to 0. Splits
+                 past the end exit at once, and a sequence that fits one chunk writes its output directly.
+  two launches   every split writes a partial (an empty one past the end); a second kernel (grid B x n_q)
+                 merges them.
+The grid and every buffer depend only on B, n_q, n_kv, D, L and num_splits, never on seq_lens, so the host
+never waits on the device and one CUDA graph serves every step of a batch-size bucket.
 """
 
 from __future__ import annotations
@@ -12,12 +20,75 @@ import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.gemv import ticket_counters
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.rmsnorm import round_to
 
 # tl.dot needs every tile side >= 16: query-head groups are padded up to this many rows
 MIN_DOT = 16
 LOG2E = 1.4426950408889634
+# The default merge: True for the single launch, False for the partial + combine kernels (kept to compare).
+SINGLE_LAUNCH = True
+# Single launch: the fewest positions per split (rounded up to BLOCK_N). Short contexts then run as one
+# program per (sequence, kv head) with no merge; long ones merge fewer, longer chunks.
+MIN_CHUNK = 256
+
+
+@triton.jit
+def _chunk_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """(start, end, live splits) of one split's positions. Chunks follow the sequence's own length, so a short
+    sequence in a long cache still spreads over the splits, in chunks of at least MIN_CHUNK (a multiple of
+    BLOCK_N) positions; splits from `live` on hold no position."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq_len), tl.cdiv(seq_len, chunk)
+
+
+@triton.jit
+def _chunk_softmax(q, k_base, v_base, start, end, stride_kl, stride_vl, qk_scale, BLOCK_G: tl.constexpr,
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """Online softmax of q [BLOCK_G, D] over positions [start, end) of one kv head.
+
+    Returns (acc [BLOCK_G, D] = sum exp2(s - m) v, l [BLOCK_G] = sum exp2(s - m), m [BLOCK_G] running max, log2
+    units); l is 0 and m -inf for an empty range.
+    """
+    d = tl.arange(0, D)  # [D]
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache positions
+        n_mask = n < end
+        k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        if INTERPRET:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # every iterated block holds at least one valid position, so m_new is finite
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_G]
+        alpha = tl.math.exp2(m - m_new)  # [BLOCK_G], 0 on the first block
+        p = tl.math.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+        l = l * alpha + tl.sum(p, axis=1)
+        # p rounds to the cache dtype for the second product, as on the GPU's tensor cores
+        p_v = round_to(p, v.dtype, INTERPRET)
+        if INTERPRET:
+            p_v = p_v.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
+        m = m_new
+    return acc, l, m
+
+
+@triton.jit
+def _load_q(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """The query rows of heads [BLOCK_G] of sequence b -> [BLOCK_G, D] (float32 in the interpreter)."""
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
+    if INTERPRET:
+        q = q.to(tl.float32)
+    return q
 
 
 @triton.jit
@@ -48,53 +119,21 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """Two-launch path, stage 1: every split writes its partial (an empty one for splits past the end)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(seq_len_ptr + b).to(tl.int32), max_len)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    # Chunks follow this sequence's own length, so a short sequence in a long cache still spreads over all
-    # splits; programs past the end run no iterations and leave an empty partial.
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-
+    start, end, _ = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, BLOCK_N)
     g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     d = tl.arange(0, D)  # [D]
     g_mask = g < G
     heads = kv_head * G + g  # [BLOCK_G] query heads of this kv head
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
-    if INTERPRET:
-        q = q.to(tl.float32)
-    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
-
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (log2 units)
-    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(s - m)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)  # running sum of exp2(s - m) * v
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache positions
-        n_mask = n < end
-        k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        if INTERPRET:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # every iterated block holds at least one valid position, so m_new is finite
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_G]
-        alpha = tl.math.exp2(m - m_new)  # [BLOCK_G], 0 on the first block
-        p = tl.math.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
-        l = l * alpha + tl.sum(p, axis=1)
-        # p rounds to the cache dtype for the second product, as on the GPU's tensor cores
-        p_v = round_to(p, v.dtype, INTERPRET)
-        if INTERPRET:
-            p_v = p_v.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
-        m = m_new
-
+    q = _load_q(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, INTERPRET)
+    acc, l, m = _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
+                               v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl,
+                               qk_scale, BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)
     has_any = l > 0.0
     out = acc / tl.where(has_any, l, 1.0)[:, None]  # [BLOCK_G, D], zeros for an empty chunk
     lse = tl.where(has_any, m + tl.math.log2(tl.where(has_any, l, 1.0)), float("-inf"))  # [BLOCK_G]
@@ -135,6 +174,115 @@ def _decode_combine_kernel(
     tl.store(out_ptr + bh * D + d, round_to(out, out_ptr.dtype.element_ty, INTERPRET))
 
 
+@triton.jit
+def _merge_live_splits(o_part_ptr, lse_part_ptr, rows, g_mask, live, BLOCK_GM: tl.constexpr, D: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
+    """softmax-weighted sum of the partials of splits [0, live) of rows [BLOCK_GM] -> [BLOCK_GM, D] float32.
+
+    BLOCK_S splits per step (one step at short contexts), merged with a running max in split order, so the
+    result does not depend on which program merges. Partials are read from L2 (.cg): other programs wrote them.
+    """
+    d = tl.arange(0, D)  # [D]
+    m = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_GM], tl.float32)
+    acc = tl.zeros([BLOCK_GM, D], tl.float32)
+    for s0 in range(0, live, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        mask = g_mask[:, None] & (s < live)[None, :]  # [BLOCK_GM, BLOCK_S]
+        lse = tl.load(lse_part_ptr + rows[:, None] + s[None, :], mask=mask, other=float("-inf"),
+                      cache_modifier=".cg")
+        o = tl.load(o_part_ptr + (rows[:, None, None] + s[None, :, None]) * D + d[None, None, :],
+                    mask=mask[:, :, None], other=0.0, cache_modifier=".cg")  # [BLOCK_GM, BLOCK_S, D]
+        lse = tl.where(g_mask[:, None], lse, 0.0)  # padding heads stay finite
+        m_new = tl.maximum(m, tl.max(lse, axis=1))  # [BLOCK_GM], finite: every step holds a live split
+        alpha = tl.math.exp2(m - m_new)  # 0 on the first step
+        w = tl.math.exp2(lse - m_new[:, None])  # [BLOCK_GM, BLOCK_S], 0 for splits past `live`
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        l = l * alpha + tl.sum(w, axis=1)
+        m = m_new
+    return acc / l[:, None]
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,  # [B, n_q, D]
+    k_ptr,  # [S, L, n_kv, D]
+    v_ptr,  # [S, L, n_kv, D]
+    slot_ptr,  # [B]
+    seq_len_ptr,  # [B]
+    o_part_ptr,  # [B, n_q, num_splits, D] float32
+    lse_part_ptr,  # [B, n_q, num_splits] float32, log2 units
+    ticket_ptr,  # [B, n_kv] int32, 0 between launches
+    out_ptr,  # [B, n_q, D]
+    qk_scale,  # softmax scale * log2(e): exp2 replaces exp
+    num_splits,
+    max_len,  # L: longer seq_lens are clamped to it
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kl,
+    stride_kh,
+    stride_vs,
+    stride_vl,
+    stride_vh,
+    N_Q: tl.constexpr,
+    N_KV: tl.constexpr,
+    G: tl.constexpr,  # query heads per kv head
+    BLOCK_G: tl.constexpr,  # >= 16, the rows of the tl.dot tiles
+    BLOCK_GM: tl.constexpr,  # next power of two >= G, the rows of the merge
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,  # positions per split at least: fewer partials to merge at short contexts
+    BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Single-launch path: split-KV partials merged by the last live split of each (sequence, kv head)."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.minimum(tl.load(seq_len_ptr + b).to(tl.int32), max_len)
+    start, end, live = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, MIN_CHUNK)
+    d = tl.arange(0, D)  # [D]
+    if split < live:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+        g_mask = g < G
+        heads = kv_head * G + g  # [BLOCK_G] query heads of this kv head
+        q = _load_q(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, INTERPRET)
+        acc, l, m = _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
+                                   v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl,
+                                   qk_scale, BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)
+        out = acc / tl.where(g_mask, l, 1.0)[:, None]  # [BLOCK_G, D]; a live chunk has l > 0
+        if live == 1:
+            # the whole sequence in one chunk: no partials, no ticket
+            dst = out_ptr + (b * N_Q + heads).to(tl.int64)[:, None] * D + d[None, :]
+            tl.store(dst, round_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=g_mask[:, None])
+        else:
+            row = (b * N_Q + heads).to(tl.int64) * num_splits + split  # [BLOCK_G] into [B, n_q, num_splits]
+            tl.store(o_part_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
+            tl.store(lse_part_ptr + row, m + tl.math.log2(tl.where(g_mask, l, 1.0)), mask=g_mask)
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            # only live splits take a ticket: every program of this (b, kv head) computes the same `live`
+            ticket_at = ticket_ptr + b * N_KV + kv_head
+            if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == live - 1:
+                tl.atomic_xchg(ticket_at, 0)  # all live splits have arrived: reset for the next launch
+                gm = tl.arange(0, BLOCK_GM)  # [BLOCK_GM]
+                gm_mask = gm < G
+                heads_m = kv_head * G + gm
+                rows = (b * N_Q + heads_m).to(tl.int64) * num_splits  # [BLOCK_GM] first split of each head
+                merged = _merge_live_splits(o_part_ptr, lse_part_ptr, rows, gm_mask, live, BLOCK_GM, D, BLOCK_S)
+                dst = out_ptr + (b * N_Q + heads_m).to(tl.int64)[:, None] * D + d[None, :]
+                tl.store(dst, round_to(merged, out_ptr.dtype.element_ty, INTERPRET), mask=gm_mask[:, None])
+    elif live == 0:
+        if split == 0:  # an empty sequence (seq_len 0) outputs zeros
+            gm = tl.arange(0, BLOCK_GM)
+            heads_m = kv_head * G + gm
+            dst = out_ptr + (b * N_Q + heads_m).to(tl.int64)[:, None] * D + d[None, :]
+            tl.store(dst, tl.zeros([BLOCK_GM, D], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=(gm < G)[:, None])
+
+
 def default_num_splits(batch: int, n_kv: int, max_len: int, block_n: int, device: torch.device) -> int:
     """A power of two giving about two programs per SM over B x n_kv x splits, at most one split per block."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -157,10 +305,15 @@ def decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    single_launch: bool | None = None,
+    min_chunk: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence over cache positions [0, seq_lens[b]) of slot slot_ids[b] -> [B, n_q, D].
 
     D must be a power of two >= 16 (tl.dot tiles). seq_lens[b] >= 1 (0 gives zeros; larger than L reads L).
+    single_launch picks the merge by the last split (True) or the separate combine kernel (False); None takes
+    the module's SINGLE_LAUNCH. min_chunk (single launch only, default MIN_CHUNK) is the fewest positions a
+    split takes, rounded up to block_n: a sequence of up to min_chunk positions needs no merge at all.
     """
     B, n_q, D = q.shape
     S, L, n_kv, _ = k_cache.shape
@@ -179,27 +332,27 @@ def decode_attention_triton(
         q = q.contiguous()
     o_part = torch.empty(B, n_q, num_splits, D, dtype=torch.float32, device=q.device)  # [B, n_q, splits, D]
     lse_part = torch.empty(B, n_q, num_splits, dtype=torch.float32, device=q.device)  # [B, n_q, splits]
+    args = (q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part)
+    if SINGLE_LAUNCH if single_launch is None else single_launch:
+        min_chunk = triton.cdiv(MIN_CHUNK if min_chunk is None else min_chunk, block_n) * block_n
+        _launch_single(*args, out, scale, num_splits, block_n, max(block_n, min_chunk))
+    else:
+        _launch_partial(*args, scale, num_splits, block_n)
+        _launch_combine(o_part, lse_part, out, num_splits)
+    return out
+
+
+def _common_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, num_splits: int) -> tuple:
+    """The runtime arguments both split-KV kernels take after their pointers."""
+    return (scale * LOG2E, num_splits, k_cache.shape[1], q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+
+def _common_meta(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> dict:
+    """The compile-time arguments and launch options both split-KV kernels take."""
+    n_q, n_kv, D = q.shape[1], k_cache.shape[2], q.shape[2]
     G = n_q // n_kv
-    interpret = interpreting()
-    _decode_partial_kernel[(B, n_kv, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        slot_ids,
-        seq_lens,
-        o_part,
-        lse_part,
-        scale * LOG2E,
-        num_splits,
-        L,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+    return dict(
         N_Q=n_q,
         G=G,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(G)),
@@ -207,10 +360,63 @@ def decode_attention_triton(
         BLOCK_N=block_n,
         # float32 caches: full-precision products, not TF32
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        INTERPRET=interpret,
+        INTERPRET=interpreting(),
         num_warps=4,
         enable_fp_fusion=True,  # explicit: Triton's default for this differs between releases
     )
+
+
+def _launch_single(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    block_n: int,
+    min_chunk: int,
+) -> None:
+    """One launch: partials, then the merge by the last live split of each (sequence, kv head)."""
+    B, n_q, D = q.shape
+    n_kv = k_cache.shape[2]
+    tickets = ticket_counters(q.device, B * n_kv, "decode_attention")  # [B * n_kv]
+    block_gm = triton.next_power_of_2(n_q // n_kv)
+    # merge tiles of at most 8192 floats: [heads, splits, D]
+    block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_gm * D)))
+    _decode_attention_kernel[(B, n_kv, num_splits)](
+        q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
+        *_common_args(q, k_cache, v_cache, scale, num_splits),
+        N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s, **_common_meta(q, k_cache, block_n),
+    )  # fmt: skip
+
+
+def _launch_partial(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    block_n: int,
+) -> None:
+    """Two-launch path, stage 1: a partial (output, log-sum-exp) per split."""
+    B, n_kv = q.shape[0], k_cache.shape[2]
+    _decode_partial_kernel[(B, n_kv, num_splits)](
+        q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part,
+        *_common_args(q, k_cache, v_cache, scale, num_splits), **_common_meta(q, k_cache, block_n),
+    )  # fmt: skip
+
+
+def _launch_combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Two-launch path, stage 2: one program per (sequence, query head) merges its splits."""
+    B, n_q, D = out.shape
     block_s = triton.next_power_of_2(num_splits)
     _decode_combine_kernel[(B, n_q)](
         o_part,
@@ -220,11 +426,10 @@ def decode_attention_triton(
         D=D,
         BLOCK_S=block_s,
         TILE_S=min(block_s, 16),
-        INTERPRET=interpret,
+        INTERPRET=interpreting(),
         num_warps=1 if D <= 64 else 2,
         enable_fp_fusion=True,
     )
-    return out
 
 
 def _check(

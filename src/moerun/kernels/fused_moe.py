@@ -4,12 +4,15 @@ Two paths, picked by the tile config:
   gemv  one program per (token-slot, N-tile): reads the slot's expert rows once, reduces over K with tl.sum.
         No sorting; meant for decode, where the layer is a bandwidth-bound read of the touched experts.
   tile  tokens sorted by expert and padded to BLOCK_M (see align.py), then grouped GEMMs with tl.dot.
-The k slots of a token are summed either by fp32 atomic adds into [T, H] or by writing [T*k, H] and summing.
+The k slots of a token are summed either by fp32 atomic adds into [T, H], or by writing [T*k, H] and summing,
+or (gemv path, reduce "fused") inside GEMM2 itself: one program per (token, N-tile) walks the token's k slots.
 Nothing reads back to the host: grids come from worst-case sizes and surplus programs exit early, so a decode
 step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,11 +43,35 @@ def _tile_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _expert_base(table_ptr, expert, like_ptr, ALIGN: tl.constexpr):
+    """Pointer to an expert's weights (element type of ``like_ptr``) from an int64 address table.
+
+    The pointer is ``like_ptr`` plus an element offset rather than the address cast to a pointer: the compiler
+    knows a kernel argument's alignment, and the hint on the offset carries ALIGN to the loads (vector loads).
+    """
+    # the element size is written out twice: a compile-time int kept in a local variable would become a tensor
+    offset = tl.load(table_ptr + expert) - like_ptr.to(tl.int64)  # bytes
+    offset = offset // (like_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements
+    return like_ptr + tl.multiple_of(offset, ALIGN // (like_ptr.dtype.element_ty.primitive_bitwidth // 8))
+
+
+@triton.jit
+def _expert_weights(w_ptr, table_ptr, expert, stride_we, like_ptr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr):
+    """First element of an expert's weights: stacked (``w_ptr`` + expert * stride) or through the address table."""
+    if INDIRECT:
+        base = _expert_base(table_ptr, expert, like_ptr, ALIGN)
+    else:
+        base = w_ptr + expert.to(tl.int64) * stride_we
+    return base
+
+
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gemm1_tile_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
+    table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
     inter_ptr,  # [P, I] one row per padded sorted position
     sorted_ids_ptr,  # [P]
     block_expert_ptr,  # [P / BLOCK_M]
@@ -67,7 +94,9 @@ def _gemm1_tile_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+
+    INDIRECT: tl.constexpr,
+    ALIGN: tl.constexpr,):
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -85,7 +114,8 @@ def _gemm1_tile_kernel(
 
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
     g_ptrs = (
-        w_ptr + expert.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wh
+        _expert_weights(w_ptr, table_ptr, expert, stride_we, x_ptr, INDIRECT, ALIGN)
+        + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wh
     )  # [BLOCK_K, BLOCK_N]
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -119,6 +149,7 @@ def _gemm1_tile_kernel(
 def _gemm2_tile_kernel(
     inter_ptr,  # [P, I]
     w_ptr,  # [E, H, I]
+    table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
     topk_w_ptr,  # [T*k]
     out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
     sorted_ids_ptr,  # [P]
@@ -142,7 +173,9 @@ def _gemm2_tile_kernel(
     ATOMIC: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+
+    INDIRECT: tl.constexpr,
+    ALIGN: tl.constexpr,):
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -158,7 +191,8 @@ def _gemm2_tile_kernel(
 
     a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     b_ptrs = (
-        w_ptr + expert.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wi
+        _expert_weights(w_ptr, table_ptr, expert, stride_we, inter_ptr, INDIRECT, ALIGN)
+        + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wi
     )  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
@@ -192,6 +226,7 @@ def _gemm2_tile_kernel(
 def _gemm1_gemv_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
+    table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
     ids_ptr,  # [T*k]
     inter_ptr,  # [T*k, I]
     top_k,
@@ -206,7 +241,9 @@ def _gemm1_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-):
+
+    INDIRECT: tl.constexpr,
+    ALIGN: tl.constexpr,):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -215,7 +252,8 @@ def _gemm1_gemv_kernel(
     offs_wn = offs_n % I
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xh  # [BLOCK_K]
-    g_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wh
+    w_base = _expert_weights(w_ptr, table_ptr, expert, stride_we, x_ptr, INDIRECT, ALIGN)
+    g_ptrs = w_base + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wh
     u_ptrs = g_ptrs + I * stride_wn  # [BLOCK_N, BLOCK_K]
     # Partial products stay 2-D across the K loop; one cross-lane reduction at the end instead of one per step.
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -244,6 +282,7 @@ def _gemm1_gemv_kernel(
 def _gemm2_gemv_kernel(
     inter_ptr,  # [T*k, I]
     w_ptr,  # [E, H, I]
+    table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
     ids_ptr,  # [T*k]
     topk_w_ptr,  # [T*k]
     out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
@@ -259,7 +298,9 @@ def _gemm2_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr,
-):
+
+    INDIRECT: tl.constexpr,
+    ALIGN: tl.constexpr,):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -267,7 +308,8 @@ def _gemm2_gemv_kernel(
     offs_wn = offs_n % H
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     a_ptrs = inter_ptr + slot.to(tl.int64) * stride_it + offs_k  # [BLOCK_K]
-    b_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wi
+    w_base = _expert_weights(w_ptr, table_ptr, expert, stride_we, inter_ptr, INDIRECT, ALIGN)
+    b_ptrs = w_base + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wi
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
@@ -286,6 +328,58 @@ def _gemm2_gemv_kernel(
         tl.atomic_add(out_ptr + token * stride_ot + offs_n, y, mask=offs_n < H, sem="relaxed")
     else:
         tl.store(out_ptr + slot.to(tl.int64) * stride_ot + offs_n, y, mask=offs_n < H)
+
+
+@triton.jit
+def _gemm2_gemv_fused_kernel(
+    inter_ptr,  # [T*k, I]
+    w_ptr,  # [E, H, I]
+    table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
+    ids_ptr,  # [T*k]
+    topk_w_ptr,  # [T*k]
+    out_ptr,  # [T, H] in the output dtype
+    top_k,
+    H,
+    I,  # noqa: E741
+    stride_it,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    stride_ot,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+
+    INDIRECT: tl.constexpr,
+    ALIGN: tl.constexpr,):
+    # One program per (token, N-tile) sums the token's k slots in registers: no atomics, no second kernel.
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_wn = offs_n % H
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for j in range(0, top_k):
+        slot = token * top_k + j
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        # The routing weight scales the activations, so all k slots share one accumulator and one reduction.
+        weight = tl.load(topk_w_ptr + slot).to(tl.float32)
+        a_ptrs = inter_ptr + slot * stride_it + offs_k  # [BLOCK_K]
+        w_base = _expert_weights(w_ptr, table_ptr, expert, stride_we, inter_ptr, INDIRECT, ALIGN)
+        b_ptrs = w_base + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wi
+        for kb in range(0, tl.cdiv(I, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < I - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            acc += b.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wi
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 @triton.jit
@@ -329,36 +423,69 @@ def _new_acc(T: int, k: int, H: int, atomic: bool, device: torch.device) -> torc
     return torch.empty(T * k, H, dtype=torch.float32, device=device)  # [T*k, H]
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Where the kernels find one weight (w13 or w2) of every expert: a stacked [E, N, K] tensor, or a table of
+    int64 addresses of contiguous [N, K] matrices (``indirect``; they may lie in pinned host memory)."""
+
+    tensor: torch.Tensor  # the stacked weights; when indirect, any tensor (unused by the kernels)
+    table: torch.Tensor  # [E] int64 addresses when indirect; else any tensor (unused)
+    strides: tuple[int, int, int]  # (expert, row, column) in elements
+    indirect: bool
+    align: int = 16  # bytes every address is a multiple of (indirect)
+
+    @staticmethod
+    def stacked(w: torch.Tensor) -> "ExpertWeights":
+        return ExpertWeights(w, w, (w.stride(0), w.stride(1), w.stride(2)), False)
+
+    @staticmethod
+    def addresses(table: torch.Tensor, K: int, align: int) -> "ExpertWeights":  # noqa: N803
+        return ExpertWeights(table, table, (0, K, 1), True, align)
+
+    def args(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_ptr, table_ptr) kernel arguments; ``like`` stands in for the unused stacked pointer when indirect."""
+        return (like if self.indirect else self.tensor), self.table
+
+
 def _fused_moe_gemv(
     hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    I: int,  # noqa: E741
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     cfg: Config,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """gemv path: one program per (token-slot, N-tile), no sorting."""
+    """gemv path: one program per (token-slot, N-tile), no sorting; GEMM2 per (token, N-tile) when reduce is fused."""
     T, H = hidden.shape
-    I = w2.shape[2]  # noqa: E741
     k = topk_ids.shape[1]
     pairs = T * k
     atomic = cfg["reduce"] == "atomic"
     ids = topk_ids.reshape(-1)  # [T*k]
-    inter = torch.empty(pairs, I, dtype=w13.dtype, device=hidden.device)  # [T*k, I]
+    inter = torch.empty(pairs, I, dtype=hidden.dtype, device=hidden.device)  # [T*k, I] in the weights' dtype
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
     _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
-        hidden, w13, ids, inter, k, H, I,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0,
+        hidden, *w13.args(hidden), ids, inter, k, H, I,
+        hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
+        BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    acc = _new_acc(T, k, H, atomic, hidden.device)
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
+    if cfg["reduce"] == "fused":
+        out = torch.empty(T, H, dtype=out_dtype, device=hidden.device)  # [T, H]
+        _gemm2_gemv_fused_kernel[(T, triton.cdiv(H, bn2))](
+            inter, *w2.args(inter), ids, topk_weights.reshape(-1), out, k, H, I,
+            inter.stride(0), *w2.strides, out.stride(0),
+            BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, INDIRECT=w2.indirect, ALIGN=w2.align,
+            num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+        )  # fmt: skip
+        return out
+    acc = _new_acc(T, k, H, atomic, hidden.device)
     _gemm2_gemv_kernel[(pairs, triton.cdiv(H, bn2))](
-        inter, w2, ids, topk_weights.reshape(-1), acc, k, H, I,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), acc.stride(0),
-        BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, ATOMIC=atomic,
+        inter, *w2.args(inter), ids, topk_weights.reshape(-1), acc, k, H, I,
+        inter.stride(0), *w2.strides, acc.stride(0),
+        BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, ATOMIC=atomic, INDIRECT=w2.indirect, ALIGN=w2.align,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
@@ -366,8 +493,9 @@ def _fused_moe_gemv(
 
 def _fused_moe_tile(
     hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    I: int,  # noqa: E741
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     cfg: Config,
@@ -375,34 +503,50 @@ def _fused_moe_tile(
 ) -> torch.Tensor:
     """tile path: align token-slots by expert, then two grouped GEMMs over M-blocks."""
     T, H = hidden.shape
-    E = w13.shape[0]
-    I = w2.shape[2]  # noqa: E741
+    E = w13.table.shape[0] if w13.indirect else w13.tensor.shape[0]
     k = topk_ids.shape[1]
     pairs = T * k
     atomic = cfg["reduce"] == "atomic"
     block_m = cfg["BLOCK_M"]
     upcast = interpreting()
-    precision = _dot_precision(w13.dtype)
+    precision = _dot_precision(hidden.dtype)
     align = align_tokens(topk_ids, E, block_m)
     num_pid_m = align.block_expert.numel()
-    inter = torch.empty(align.sorted_ids.numel(), I, dtype=w13.dtype, device=hidden.device)  # [P, I]
+    inter = torch.empty(align.sorted_ids.numel(), I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
     _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
-        hidden, w13, inter, align.sorted_ids, align.block_expert, align.num_padded, pairs, k, H, I, num_pid_m,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        hidden, *w13.args(hidden), inter, align.sorted_ids, align.block_expert, align.num_padded, pairs, k, H, I,
+        num_pid_m, hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"], EVEN_K=H % bk1 == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UPCAST=upcast, DOT_PRECISION=precision, INDIRECT=w13.indirect, ALIGN=w13.align,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, atomic, hidden.device)
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
-        inter, w2, topk_weights.reshape(-1), acc, align.sorted_ids, align.block_expert, align.num_padded,
-        pairs, k, H, I, num_pid_m,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), acc.stride(0),
+        inter, *w2.args(inter), topk_weights.reshape(-1), acc, align.sorted_ids, align.block_expert,
+        align.num_padded, pairs, k, H, I, num_pid_m,
+        inter.stride(0), *w2.strides, acc.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, GROUP_M=cfg["GROUP_M"], EVEN_K=I % bk2 == 0, ATOMIC=atomic,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+        UPCAST=upcast, DOT_PRECISION=precision, INDIRECT=w2.indirect, ALIGN=w2.align,
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
+
+
+def run_fused_moe(
+    x: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    I: int,  # noqa: E741
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: Config,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Runs the path the config names; x [T, H] already in the weights' dtype, ids int32 and contiguous."""
+    run = _fused_moe_gemv if cfg["path"] == "gemv" else _fused_moe_tile
+    return run(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype)
 
 
 def fused_moe_triton(
@@ -432,5 +576,4 @@ def fused_moe_triton(
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
     cfg = normalize(config) if config is not None else get_config(E, H, I, k, w13.dtype, T)
-    run = _fused_moe_gemv if cfg["path"] == "gemv" else _fused_moe_tile
-    return run(x, w13, w2, weights, ids, cfg, hidden.dtype)
+    return run_fused_moe(x, ExpertWeights.stacked(w13), ExpertWeights.stacked(w2), I, weights, ids, cfg, hidden.dtype)

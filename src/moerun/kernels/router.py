@@ -7,6 +7,42 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def softmax_topk(
+    x,
+    col_ok,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Float32 softmax of logits x [BLOCK_T, BLOCK_E] over the columns where col_ok [BLOCK_E] holds, then the K
+    largest probabilities (optionally renormalised to sum 1) -> (weights, ids), both [BLOCK_T, BLOCK_K]."""
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    x = tl.where(col_ok[None, :], x, float("-inf"))
+    x_max = tl.max(x, axis=1)  # [BLOCK_T]
+    num = tl.exp(x - x_max[:, None])
+    probs = num / tl.sum(num, axis=1)[:, None]  # [BLOCK_T, BLOCK_E]
+    # Padding columns drop below any real probability so they are never selected.
+    probs = tl.where(col_ok[None, :], probs, -1.0)
+
+    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(probs, axis=1)  # [BLOCK_T]
+        # Lowest index among the maxima, matching torch.topk on distinct values.
+        best_i = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [BLOCK_T]
+        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, best_i[:, None], top_i)
+        probs = tl.where(cols[None, :] == best_i[:, None], -2.0, probs)
+
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    return top_w, top_i
+
+
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(
     logits_ptr,  # [T, E]
@@ -29,27 +65,9 @@ def _route_kernel(
     ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_E]
     # Rows beyond T load zeros rather than -inf so they stay finite; their results are never stored.
-    x = tl.where(cols[None, :] < E, x, float("-inf"))
-    x_max = tl.max(x, axis=1)  # [BLOCK_T]
-    num = tl.exp(x - x_max[:, None])
-    probs = num / tl.sum(num, axis=1)[:, None]  # [BLOCK_T, BLOCK_E]
-    # Padding columns drop below any real probability so they are never selected.
-    probs = tl.where(mask, probs, -1.0)
+    top_w, top_i = softmax_topk(x, cols < E, K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # [BLOCK_T, BLOCK_K]
 
     slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(K):
-        best = tl.max(probs, axis=1)  # [BLOCK_T]
-        # Lowest index among the maxima, matching torch.topk on distinct values.
-        best_i = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [BLOCK_T]
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, best_i[:, None], top_i)
-        probs = tl.where(cols[None, :] == best_i[:, None], -2.0, probs)
-
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-
     out_mask = row_ok[:, None] & (slots[None, :] < K)
     out_offs = rows.to(tl.int64)[:, None] * K + slots[None, :]
     tl.store(weights_ptr + out_offs, top_w, mask=out_mask)

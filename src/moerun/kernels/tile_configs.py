@@ -6,7 +6,8 @@ A config is a dict with keys:
   BLOCK_N, BLOCK_K, num_warps, num_stages           first GEMM (w13, SiLU*up epilogue)
   BLOCK_N2, BLOCK_K2, num_warps2, num_stages2       second GEMM (w2); default to the first GEMM's values
   GROUP_M     M-blocks that share a band of N-tiles in the launch order (tile path)
-  reduce      "atomic" (fp32 atomic adds into [T, H]) or "sum" (write [T*k, H] fp32, then sum the k slots)
+  reduce      "atomic" (fp32 atomic adds into [T, H]), "sum" (write [T*k, H] fp32, then sum the k slots) or, on
+              the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and sums the k slots in registers)
 Tables are keyed by M, the number of tokens; k is the model's experts per token.
 """
 
@@ -25,7 +26,7 @@ from moerun.kernels.interpreter import interpreting
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PATHS = ("gemv", "tile")
-REDUCTIONS = ("atomic", "sum")
+REDUCTIONS = ("atomic", "sum", "fused")
 
 Config = dict[str, Any]
 
@@ -73,6 +74,8 @@ def normalize(cfg: Config) -> Config:
         raise ValueError(f"unknown MoE kernel path {out['path']!r}; expected one of {PATHS}")
     if out["reduce"] not in REDUCTIONS:
         raise ValueError(f"unknown MoE slot reduction {out['reduce']!r}; expected one of {REDUCTIONS}")
+    if out["reduce"] == "fused" and out["path"] != "gemv":
+        raise ValueError(f"slot reduction 'fused' needs the gemv path, got path {out['path']!r}")
     return out
 
 

@@ -13,6 +13,7 @@ from moerun.engine.kv_cache import KVCache
 from moerun.layers.linear import Linear, MergedLinear
 from moerun.layers.norm import RMSNorm
 from moerun.layers.rotary import RotaryEmbedding
+from moerun.ops.linear import gemv_applies
 
 
 class Qwen3Attention(nn.Module):
@@ -33,9 +34,42 @@ class Qwen3Attention(nn.Module):
         self.scale = D**-0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (n_q + 2 n_kv) D]
-        cos, sin = self.rotary.cos_sin(x.device, x.dtype)
+        return self._attend(self.qkv_proj(x), batch, cache)
+
+    def forward_fused_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        batch: ForwardBatch,
+        cache: KVCache,
+        backend: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm.forward_with_residual(x, residual)`` then ``forward``: (attention output [T, H], new residual).
+
+        At decode with a dense q|k|v weight the residual add and the norm run inside the q|k|v GEMV
+        (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton".
+        """
+        if self._fuse_norm(x, batch, backend):
+            qkv, residual = ops.rms_norm_linear(
+                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend
+            )  # [T, (n_q + 2 n_kv) D], [T, H]
+            return self._attend(qkv, batch, cache), residual
+        h, residual = norm.forward_with_residual(x, residual)
+        return self.forward(h, batch, cache), residual
+
+    def _fuse_norm(self, x: torch.Tensor, batch: ForwardBatch, backend: str | None) -> bool:
+        """Whether forward_fused_norm runs the fused norm + q|k|v GEMV (never for GGUF-block weights)."""
+        if batch.is_prefill or "q_weight" in self.qkv_proj.__dict__ or backend == "torch":
+            return False
+        if backend == "triton":
+            return True
+        return gemv_applies(x, self.qkv_proj.weight, x.shape[0])
+
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H]."""
+        T = qkv.shape[0]
+        cos, sin = self.rotary.cos_sin(qkv.device, qkv.dtype)
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op
         q = ops.qk_norm_rope_write(
             qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moerun import ops
 
 ShardIndex = tuple  # an index into a parameter's leading dimensions (all but the last)
 
@@ -35,7 +36,8 @@ def shard_index_fn(module: nn.Module, param_name: str) -> Callable[[object], Sha
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b), W [out, in]."""
+    """y = x @ W^T (+ b), W [out, in]: ``ops.linear`` for a dense weight (a Triton GEMV for a few tokens on
+    CUDA), ``quant_matmul`` for GGUF blocks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -49,7 +51,7 @@ class Linear(nn.Module):
             from moerun.ops.quant import quant_matmul
 
             return quant_matmul(x, q, bias=self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

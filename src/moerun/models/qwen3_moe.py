@@ -38,8 +38,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output before the residual add, the residual stream so far)."""
-        h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h, batch, cache)
+        # Each norm is fused into the op after it where a kernel exists (decode: q|k|v GEMV, router).
+        h, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp.forward_fused_norm(h, residual, self.post_attention_layernorm)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return self.mlp(h), residual
 

@@ -1,4 +1,8 @@
-"""The sparse MoE block: router (a linear layer + softmax/top-k) then the experts backend."""
+"""The sparse MoE block: router (a linear layer + softmax/top-k) then the experts backend.
+
+``forward_fused_norm`` also takes the residual add and RMSNorm in front of the block; for decode-sized batches on
+the Triton backend these and the whole router run as one kernel (ops.route_fused).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,10 @@ from torch import nn
 from moerun import ops
 from moerun.config import ModelConfig
 from moerun.layers.linear import Linear
+from moerun.layers.norm import RMSNorm
 from moerun.moe.experts import Experts
+from moerun.ops.dispatch import pick_backend
+from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused
 
 
 class SparseMoeBlock(nn.Module):
@@ -30,3 +37,29 @@ class SparseMoeBlock(nn.Module):
         logits = self.router_logits(x)
         topk_weights, topk_ids = ops.route(logits, self.top_k, self.renormalize, backend=self.experts.backend)
         return self.experts(x, topk_weights, topk_ids)
+
+    def forward_fused_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on norm(x + residual) -> (block output [T, H], new residual [T, H]).
+
+        Equal to ``norm.forward_with_residual(x, residual)`` followed by ``forward``; whatever the experts module
+        is (plain, quantized, offloaded), it receives the normalised rows and the routing as usual.
+        """
+        if self._routes_fused(x, norm):
+            x_normed, residual, topk_weights, topk_ids = route_fused(
+                x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+                backend=self.experts.backend,
+            )  # fmt: skip
+            return self.experts(x_normed, topk_weights, topk_ids), residual
+        h, residual = norm.forward_with_residual(x, residual)
+        return self.forward(h), residual
+
+    def _routes_fused(self, x: torch.Tensor, norm: RMSNorm) -> bool:
+        """Whether routing runs as the one fused kernel: the Triton backend, few tokens, dense weights of x's dtype."""
+        if x.dim() != 2 or x.shape[0] > ROUTE_FUSED_MAX_TOKENS:
+            return False
+        if pick_backend(self.experts.backend, x.device, "MoE") != "triton":
+            return False
+        gate = self.gate.weight
+        return "q_weight" not in self.gate.__dict__ and gate.dtype == norm.weight.dtype == x.dtype

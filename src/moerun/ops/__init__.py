@@ -1,7 +1,8 @@
 """Kernel entry points of moerun: each picks a Triton kernel or its torch reference (see ops/dispatch.py)."""
 
 from moerun.ops.attention import decode_attention, qk_norm_rope_write
+from moerun.ops.linear import linear, rms_norm_linear
 from moerun.ops.moe import fused_moe, route
 from moerun.ops.norm import rms_norm
 
-__all__ = ["decode_attention", "fused_moe", "qk_norm_rope_write", "rms_norm", "route"]
+__all__ = ["decode_attention", "fused_moe", "linear", "qk_norm_rope_write", "rms_norm", "rms_norm_linear", "route"]

@@ -12,11 +12,9 @@ BACKENDS = ("torch", "triton")
 
 @functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def pick_backend(backend: str | None, device: torch.device, op: str) -> str:

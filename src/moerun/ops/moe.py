@@ -1,11 +1,16 @@
-"""Public MoE entry points: ``route`` and ``fused_moe``, dispatched to the torch reference or Triton kernels."""
+"""Public MoE entry points: ``route``, ``route_fused`` and ``fused_moe``, dispatched to the torch reference or
+Triton kernels."""
 
 from __future__ import annotations
 
 import torch
 
 from moerun.ops.dispatch import pick_backend
-from moerun.ops.moe_reference import fused_moe_reference, route_reference
+from moerun.ops.moe_reference import fused_moe_reference, route_fused_reference, route_reference
+
+# Up to this many tokens, route_fused's one kernel beats RMSNorm + router GEMM + softmax/top-k; beyond it each
+# of its programs re-reads the router weights for one token, and callers keep the unfused path.
+ROUTE_FUSED_MAX_TOKENS = 16
 
 
 def route(
@@ -19,6 +24,32 @@ def route(
     from moerun.kernels.router import route_triton
 
     return route_triton(router_logits, k, renormalize)
+
+
+def route_fused(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    k: int,
+    renormalize: bool,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm + router logits + softmax/top-k (+ renormalise) of x [T, H] in one step.
+
+    Returns (x_normed [T, H], residual_out [T, H], topk_weights [T, k] float32, topk_ids [T, k] int32), as
+    ``rms_norm(x, norm_weight, eps, residual)`` then ``route(F.linear(x_normed, gate_weight), k, renormalize)``
+    with gate_weight [E, H]; residual_out is x + residual in a new buffer (x itself when residual is None).
+    The Triton kernel is correct for any T but meant for T <= ROUTE_FUSED_MAX_TOKENS.
+    """
+    if not 1 <= k <= gate_weight.shape[0]:
+        raise ValueError(f"k must be in [1, {gate_weight.shape[0]}], got {k}")
+    if pick_backend(backend, x.device, "MoE") == "torch":
+        return route_fused_reference(x, residual, norm_weight, eps, gate_weight, k, renormalize)
+    from moerun.kernels.router_fused import route_fused_triton
+
+    return route_fused_triton(x, residual, norm_weight, eps, gate_weight, k, renormalize)
 
 
 def fused_moe(
@@ -43,3 +74,33 @@ def fused_moe(
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the pointer tables are defined with the expert offloading that builds them
+    from moerun.moe.offload.pointers import ExpertPointers
+
+
+def fused_moe_indirect(
+    hidden: torch.Tensor,
+    pointers: "ExpertPointers",
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Experts of one MoE layer found through address tables (moe/offload/pointers.py): hidden [T, H],
+    routing [T, k] -> [T, H] in hidden's dtype.
+
+    Expert e's w13 [2I, H] and w2 [H, I] start at ``pointers.w13[e]`` / ``pointers.w2[e]``: a device slot or a
+    pinned host copy that the Triton kernels read in place (zero-copy); the torch reference resolves the addresses
+    within ``pointers.regions``. Dense weights only.
+    """
+    if pick_backend(backend, hidden.device, "MoE") == "torch":
+        from moerun.moe.offload.pointers import fused_moe_indirect_reference
+
+        return fused_moe_indirect_reference(hidden, pointers, topk_weights, topk_ids)
+    from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
+
+    return fused_moe_indirect_triton(hidden, pointers.w13, pointers.w2, pointers.intermediate_size, pointers.dtype,
+                                     topk_weights, topk_ids, pointers.align)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moerun.ops.norm import rms_norm_reference
+
 
 def route_reference(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in float32 over the experts, top-k, optional renormalisation to sum 1."""
@@ -17,6 +19,23 @@ def route_reference(router_logits: torch.Tensor, k: int, renormalize: bool) -> t
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids.to(torch.int32)
+
+
+def route_fused_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unfused routing of a decoder layer: residual add + RMSNorm, router logits in the model dtype, then
+    route_reference -> (x_normed [T, H], residual_out [T, H], topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+    x_normed, residual_out = rms_norm_reference(x, norm_weight, eps, residual)  # [T, H], [T, H]
+    logits = F.linear(x_normed, gate_weight)  # [T, E] in the model dtype, as transformers computes it
+    topk_weights, topk_ids = route_reference(logits, k, renormalize)  # [T, k]
+    return x_normed, residual_out, topk_weights, topk_ids
 
 
 def fused_moe_reference(

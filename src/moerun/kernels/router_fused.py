@@ -1,0 +1,270 @@
+"""Decode-sized routing in one kernel: residual add + RMSNorm + router GEMV + softmax + top-k (+ renormalise).
+
+Grid (T, SPLIT). Every program of a token rebuilds the normalised row itself (H elements, cheaper than a second
+launch) and computes the logits of its share of the E router rows, rounded to the model dtype as F.linear
+returns them, into a float32 scratch [T, E]. A per-token ticket counter elects the last program to finish: it
+reads the scratch back through L2 and does the float32 softmax, top-k and renormalisation, then resets the
+counter to zero so that the next launch (or CUDA-graph replay) starts clean. Program 0 of each token writes
+the normalised row and the new residual. Splitting the 0.5 MB of router weights over SPLIT programs per token
+spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
+
+The roundings follow the unfused path (kernels/rmsnorm.py's, then F.linear in the model dtype, then
+kernels/router.py's softmax_topk), so only float32 summation orders differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.rmsnorm import MAX_HIDDEN, mean_of_squares, round_to
+from moerun.kernels.router import softmax_topk
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Tokens covered by the per-device ticket buffer; larger calls allocate zeroed counters of their own.
+_COUNTER_CAPACITY = 1024
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class FusedRouteConfig:
+    """Launch knobs of the fused router kernel.
+
+    split       programs per token, each computing about E / split router logits (1: no ticket counter)
+    block_rows  router rows per loop step of a program; 0 takes the program's whole share in one step when it
+                is at most 16384 weights (each step waits out one trip to memory: fewer steps, less latency)
+    num_warps   warps per program
+    """
+
+    # H200, Qwen3-30B-A3B router (E=128, H=2048, bf16), per layer inside a CUDA graph (cold L2): split 32 (4 rows a
+    # program, one step) took 6.4-6.7 us for 1-8 tokens and 7.3 us for 16, against 11.7-12.4 us for RMSNorm +
+    # cuBLAS GEMV + softmax/top-k; split 16 was up to 0.4 us slower, split 64 no faster, and split 8 (several
+    # steps a program) about twice as slow.
+    split: int = 32
+    block_rows: int = 0
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.split < 1:
+            raise ValueError(f"split must be >= 1, got {self.split}")
+        if self.block_rows < 0 or self.block_rows & (self.block_rows - 1):
+            raise ValueError(f"block_rows must be 0 or a power of two, got {self.block_rows}")
+
+
+DEFAULT_CONFIG = FusedRouteConfig()
+
+
+@triton.jit
+def _route_fused_kernel(
+    x_ptr,  # [T, H]
+    res_ptr,  # [T, H], or x when HAS_RESIDUAL is false
+    norm_w_ptr,  # [H]
+    gate_ptr,  # [E, H]
+    normed_ptr,  # [T, H] out
+    res_out_ptr,  # [T, H] out, or x when HAS_RESIDUAL is false (never written then)
+    logits_ptr,  # [T, E] float32 scratch
+    counter_ptr,  # [>= T] int32 tickets, zero on entry and left zero
+    weights_ptr,  # [T, K] float32 out
+    ids_ptr,  # [T, K] int32 out
+    eps,
+    stride_x,
+    stride_r,
+    stride_g,
+    H: tl.constexpr,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROWS: tl.constexpr,  # router rows per program, cdiv(E, SPLIT)
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    first = split * ROWS
+    # The first step's router rows are requested before the norm, so their trip to memory overlaps it.
+    g, rows, row_ok = _load_router_rows(gate_ptr, first, 0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
+    normed = _add_rms_norm(
+        x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
+        stride_r, H, HAS_RESIDUAL, BLOCK_H, INTERPRET,
+    )  # fmt: skip
+    _store_logits(logits_ptr, g, normed, token, rows, row_ok, E, INTERPRET)
+    for r0 in range(BLOCK_ROWS, ROWS, BLOCK_ROWS):
+        g_r, rows_r, ok_r = _load_router_rows(gate_ptr, first, r0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
+        _store_logits(logits_ptr, g_r, normed, token, rows_r, ok_r, E, INTERPRET)
+    # The barrier orders every thread's scratch stores before the release of the ticket (taken by one thread).
+    tl.debug_barrier()
+    if SPLIT == 1:
+        _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    else:
+        ticket = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+            tl.store(counter_ptr + token, 0)
+
+
+@triton.jit
+def _add_rms_norm(
+    x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, n_store, eps, stride_x, stride_r,
+    H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """weight * rms_normalise(x + residual) of one row in float32 [BLOCK_H], holding values of x's dtype, as
+    kernels/rmsnorm.py rounds it; its first n_store columns (H in one program of the token, else 0) are stored
+    with the new residual."""
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = cols < H
+    x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_H] in x's dtype
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + token * stride_r + cols, mask=mask, other=0.0)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, INTERPRET)
+        tl.store(res_out_ptr + token * H + cols, x, mask=cols < n_store)
+    xf = x.to(tl.float32)
+    inv_rms = tl.math.rsqrt(mean_of_squares(xf, H, INTERPRET) + eps)
+    normed = round_to(xf * inv_rms, dtype, INTERPRET)
+    w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0)
+    out = round_to(w.to(tl.float32) * normed.to(tl.float32), dtype, INTERPRET)  # [BLOCK_H]
+    tl.store(normed_ptr + token * H + cols, out, mask=cols < n_store)
+    return out.to(tl.float32)
+
+
+@triton.jit
+def _load_router_rows(
+    gate_ptr, first, r0, stride_g,
+    H: tl.constexpr, E: tl.constexpr, ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Router rows first + r0 + [0, BLOCK_ROWS) of this program's ROWS -> (weights [BLOCK_ROWS, BLOCK_H], row
+    indices, row mask)."""
+    offs = r0 + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+    rows = first + offs
+    row_ok = (offs < ROWS) & (rows < E)
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    g_ptrs = gate_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :]
+    g = tl.load(g_ptrs, mask=row_ok[:, None] & (cols[None, :] < H), other=0.0)  # [BLOCK_ROWS, BLOCK_H]
+    return g, rows, row_ok
+
+
+@triton.jit
+def _store_logits(logits_ptr, g, normed, token, rows, row_ok, E: tl.constexpr, INTERPRET: tl.constexpr):
+    """Logits of router rows g [BLOCK_ROWS, BLOCK_H] for one normalised row [BLOCK_H], rounded to the weights'
+    dtype as F.linear returns them, stored as float32 into the token's scratch row."""
+    logit = tl.sum(g.to(tl.float32) * normed[None, :], axis=1)  # [BLOCK_ROWS]
+    logit = round_to(logit, g.dtype, INTERPRET).to(tl.float32)
+    tl.store(logits_ptr + token * E + rows, logit, mask=row_ok)
+
+
+@triton.jit
+def _select_experts(
+    logits_ptr, weights_ptr, ids_ptr, token,
+    E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Softmax + top-k of one token's scratch logits into its routing weights and expert ids."""
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    # .cg reads through L2, where the other programs' logits are, never a stale L1 line.
+    x = tl.load(logits_ptr + token * E + cols, mask=cols < E, other=0.0, cache_modifier=".cg")  # [BLOCK_E]
+    top_w, top_i = softmax_topk(x[None, :], cols < E, K, RENORMALIZE, 1, BLOCK_E, BLOCK_K)  # [1, BLOCK_K]
+    slots = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
+    tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
+
+
+def _ticket_counters(T: int, device: torch.device) -> torch.Tensor:
+    """[>= T] int32 zeros. The kernel leaves its tickets at zero, so one buffer per device serves every call (and
+    every captured graph); it is made outside any capture, else a zeroed buffer of the call's own is used.
+    Launches on one device are assumed not to overlap (one stream): concurrent ones would share tickets."""
+    buf = _counters.get(device)
+    if buf is None and T <= _COUNTER_CAPACITY:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            buf = _counters[device] = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
+    if buf is None or T > _COUNTER_CAPACITY:
+        return torch.zeros(T, dtype=torch.int32, device=device)  # [T]
+    return buf
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    gate_weight: torch.Tensor,
+    k: int,
+) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}; expected one of {_SUPPORTED_DTYPES}")
+    if H > MAX_HIDDEN:
+        raise ValueError(f"hidden size {H} exceeds the one-row-in-registers limit {MAX_HIDDEN}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+        )
+    if norm_weight.shape != (H,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm weight must be [{H}] of {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != H or gate_weight.dtype != x.dtype:
+        raise ValueError(
+            f"gate weight must be [E, {H}] of {x.dtype}, got {tuple(gate_weight.shape)} {gate_weight.dtype}"
+        )
+    if not 1 <= k <= gate_weight.shape[0]:
+        raise ValueError(f"k must be in [1, {gate_weight.shape[0]}], got {k}")
+
+
+def route_fused_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    k: int,
+    renormalize: bool,
+    config: FusedRouteConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_normed [T, H], residual_out [T, H], topk_weights [T, k] float32, topk_ids [T, k] int32) of x [T, H].
+
+    residual_out = x + residual (x itself when residual is None; never the residual buffer), x_normed its
+    RMSNorm with norm_weight [H], and the routing the softmax + top-k of x_normed @ gate_weight^T [E, H].
+    Correct for any T; it pays over the unfused kernels for decode-sized T (ops.moe.ROUTE_FUSED_MAX_TOKENS).
+    """
+    _check_inputs(x, residual, norm_weight, gate_weight, k)
+    cfg = config or DEFAULT_CONFIG
+    T, H = x.shape
+    E = gate_weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    if gate_weight.stride(1) != 1:
+        gate_weight = gate_weight.contiguous()
+    norm_weight = norm_weight.contiguous()
+    device = x.device
+    normed = torch.empty(T, H, dtype=x.dtype, device=device)  # [T, H]
+    residual_out = torch.empty_like(normed) if residual is not None else x  # [T, H]
+    weights = torch.empty(T, k, dtype=torch.float32, device=device)  # [T, k]
+    ids = torch.empty(T, k, dtype=torch.int32, device=device)  # [T, k]
+    if T == 0:
+        return normed, residual_out, weights, ids
+    logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
+    rows = triton.cdiv(E, min(cfg.split, E))  # router rows per program
+    split = triton.cdiv(E, rows)  # no program without rows
+    block_h = triton.next_power_of_2(H)
+    block_rows = min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows))
+    _route_fused_kernel[(T, split)](
+        x, residual if residual is not None else x, norm_weight, gate_weight, normed, residual_out, logits,
+        _ticket_counters(T, device), weights, ids, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0, gate_weight.stride(0),
+        H=H, E=E, K=k, RENORMALIZE=bool(renormalize), HAS_RESIDUAL=residual is not None, SPLIT=split, ROWS=rows,
+        BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(k), INTERPRET=interpreting(), num_warps=cfg.num_warps,
+        # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return normed, residual_out, weights, ids

@@ -1,0 +1,154 @@
+"""fused_moe_indirect (address tables) against fused_moe_reference on the weights the tables point at.
+
+Each table mixes two memories: some experts point into a "pool" of slots, the others at their rows of a "store".
+On CUDA the pool is device memory and the store pinned host memory (read over PCIe in place); in Triton's
+interpreter both are host memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun.ops.moe import fused_moe_indirect  # noqa: E402
+from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton  # noqa: E402
+from moerun.moe.offload.pointers import ExpertPointers, address_alignment, tensor_at  # noqa: E402
+from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+GEMV = {"path": "gemv", "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_N2": 32, "BLOCK_K2": 32, "reduce": "sum"}
+GEMV_ATOMIC = {**GEMV, "reduce": "atomic"}
+GEMV_FUSED = {**GEMV, "reduce": "fused"}
+TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "reduce": "atomic"}
+TILE_SUM = {**TILE, "GROUP_M": 1, "reduce": "sum"}
+CONFIGS = {"gemv": GEMV, "gemv-atomic": GEMV_ATOMIC, "gemv-fused": GEMV_FUSED, "tile": TILE, "tile-sum": TILE_SUM}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+class Layer:
+    """A layer's experts split between a pool of slots and a store; the tables say where each expert is."""
+
+    def __init__(self, E: int, H: int, I: int, dtype: torch.dtype, g: torch.Generator) -> None:  # noqa: E741
+        S = max(1, E // 2)
+        self.store13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)  # [E, 2I, H]
+        self.store2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)  # [E, H, I]
+        self.pool13 = (torch.randn(S, 2 * I, H, generator=g) / H**0.5).to(dtype).to(DEVICE)  # [S, 2I, H]
+        self.pool2 = (torch.randn(S, H, I, generator=g) / I**0.5).to(dtype).to(DEVICE)  # [S, H, I]
+        if DEVICE.type == "cuda":
+            self.store13, self.store2 = self.store13.pin_memory(), self.store2.pin_memory()
+        # experts in a random half sit in distinct slots, the rest are read from the store
+        order = torch.randperm(E, generator=g).tolist()
+        self.slot = {e: s for s, e in enumerate(order[:S])}
+        self.E, self.H, self.I, self.dtype = E, H, I, dtype
+
+    def tables(self) -> ExpertPointers:
+        w13 = [self.pool13[self.slot[e]] if e in self.slot else self.store13[e] for e in range(self.E)]
+        w2 = [self.pool2[self.slot[e]] if e in self.slot else self.store2[e] for e in range(self.E)]
+        addresses = [t.data_ptr() for t in w13 + w2]
+        strides = [t[0].numel() * t.element_size() for t in (self.store13, self.store2)]
+        return ExpertPointers(
+            torch.tensor([t.data_ptr() for t in w13], dtype=torch.int64, device=DEVICE),
+            torch.tensor([t.data_ptr() for t in w2], dtype=torch.int64, device=DEVICE),
+            self.H, self.I, self.dtype, address_alignment(*addresses, *strides),
+            (self.pool13, self.pool2, self.store13, self.store2),
+        )
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights the tables point at, stacked [E, ...] on the device."""
+        w13 = torch.stack([self.pool13[self.slot[e]] if e in self.slot else self.store13[e].to(DEVICE)
+                           for e in range(self.E)])
+        w2 = torch.stack([self.pool2[self.slot[e]] if e in self.slot else self.store2[e].to(DEVICE)
+                          for e in range(self.E)])
+        return w13, w2
+
+
+def routing(T: int, E: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = route_reference(torch.randn(T, E, generator=g), k, True)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def check_close(seed: int, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    tol = TOLERANCE[dtype]
+    scale = ref.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale,
+                               msg=lambda m: f"seed={seed} {what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", ["gemv", "tile"])
+@pytest.mark.parametrize(
+    "T,E,H,I,k",
+    [(1, 7, 48, 40, 2), (3, 13, 33, 17, 8), (1, 5, 64, 32, 1), (35, 9, 32, 48, 2)],
+    ids=["T1-E7-k2", "T3-E13-k8-oddHI", "T1-E5-k1", "T35-E9-k2-blocks"],
+)
+def test_indirect_kernel_matches_reference(seed, T, E, H, I, k, config, dtype) -> None:  # noqa: E741
+    g = torch.Generator().manual_seed(seed)
+    layer = Layer(E, H, I, dtype, g)
+    weights, ids = routing(T, E, k, g)
+    hidden = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    ptrs = layer.tables()
+    out = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, dtype, weights, ids, ptrs.align,
+                                    CONFIGS[config])
+    ref = fused_moe_reference(hidden, *layer.stacked(), weights, ids)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    check_close(seed, out, ref, dtype, f"config={config} align={ptrs.align}")
+
+
+@pytest.mark.parametrize("config", ["gemv-atomic", "gemv-fused", "tile-sum"])
+def test_other_slot_reductions(seed, config) -> None:
+    g = torch.Generator().manual_seed(seed)
+    T, E, H, I, k = 3, 6, 32, 32, 2  # noqa: E741
+    layer = Layer(E, H, I, torch.float32, g)
+    weights, ids = routing(T, E, k, g)
+    hidden = torch.randn(T, H, generator=g).to(DEVICE)
+    ptrs = layer.tables()
+    out = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align,
+                                    CONFIGS[config])
+    check_close(seed, out, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.float32, config)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_op_dispatch_and_hidden_in_another_dtype(seed, backend) -> None:
+    g = torch.Generator().manual_seed(seed)
+    T, E, H, I, k = 2, 5, 32, 16, 2  # noqa: E741
+    layer = Layer(E, H, I, torch.float32, g)
+    weights, ids = routing(T, E, k, g)
+    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    out = fused_moe_indirect(hidden, layer.tables(), weights, ids, backend=backend)
+    ref = fused_moe_reference(hidden, *layer.stacked(), weights, ids)
+    assert out.dtype == torch.bfloat16
+    if backend == "torch":  # the reference on pointers computes exactly what it computes on stacked weights
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_tables_can_change_between_calls(seed) -> None:
+    # the same table tensors, re-pointed in place (as the expert cache does between decode steps)
+    g = torch.Generator().manual_seed(seed)
+    T, E, H, I, k = 1, 4, 32, 32, 2  # noqa: E741
+    layer = Layer(E, H, I, torch.float32, g)
+    weights, ids = routing(T, E, k, g)
+    hidden = torch.randn(T, H, generator=g).to(DEVICE)
+    ptrs = layer.tables()
+    before = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align, GEMV)
+    check_close(seed, before, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.float32, "before")
+    layer.slot = {}  # every expert back at its store row
+    moved = layer.tables()
+    ptrs.w13.copy_(moved.w13)
+    ptrs.w2.copy_(moved.w2)
+    after = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align, GEMV)
+    check_close(seed, after, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.float32, "after")
+
+
+def test_address_resolution_errors() -> None:
+    a = torch.zeros(4, 8)
+    assert torch.equal(tensor_at(a[2].data_ptr(), (8,), torch.float32, (a,)), a[2])
+    with pytest.raises(ValueError, match="none of the 1 regions"):
+        tensor_at(a[3].data_ptr(), (16,), torch.float32, (a,))
+    with pytest.raises(ValueError, match="not aligned"):
+        tensor_at(a.data_ptr() + 2, (2,), torch.float32, (a,))
+    assert address_alignment(64, 4096) == 16 and address_alignment(64, 2244) == 4 and address_alignment(6) == 2

@@ -1,0 +1,250 @@
+"""route_fused (add + RMSNorm + router GEMV + softmax/top-k in one kernel) against the unfused reference, and
+SparseMoeBlock.forward_fused_norm against norm.forward_with_residual + forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from moerun.config import ModelConfig  # noqa: E402
+from moerun.kernels import router_fused  # noqa: E402
+from moerun.kernels.router_fused import FusedRouteConfig, route_fused_triton  # noqa: E402
+from moerun.layers.norm import RMSNorm  # noqa: E402
+from moerun.moe import block as block_module  # noqa: E402
+from moerun.moe.block import SparseMoeBlock  # noqa: E402
+from moerun.ops import moe as moe_ops  # noqa: E402
+from moerun.ops.moe_reference import route_fused_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-6
+# One rounding step of the dtype, relative: the normalised rows may differ by one where the float32 sum of squares
+# is added up in another order, and the router logits where their float32 sums round differently.
+ULP = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# Routing probabilities closer than this (relative) count as tied: either may be picked first.
+TIE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make_inputs(T: int, H: int, E: int, dtype: torch.dtype, with_residual: bool):
+    """x, residual (or None), norm weight, gate weight, scaled so the router logits spread over a few units."""
+    x = torch.randn(T, H).to(dtype).to(DEVICE)  # [T, H]
+    residual = torch.randn(T, H).to(dtype).to(DEVICE) if with_residual else None  # [T, H]
+    norm_weight = (1.0 + 0.2 * torch.randn(H)).to(dtype).to(DEVICE)  # [H]
+    gate = (1.5 * torch.randn(E, H) / H**0.5).to(dtype).to(DEVICE)  # [E, H]
+    return x, residual, norm_weight, gate
+
+
+def check_routing(
+    seed: int,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    x_normed: torch.Tensor,
+    gate: torch.Tensor,
+    k: int,
+    renormalize: bool,
+) -> None:
+    """The picks are a top-k of the reference probabilities up to ties, in order, with matching weights."""
+    T = ids.shape[0]
+    tie = TIE[gate.dtype]
+    logits = torch.nn.functional.linear(x_normed, gate)  # [T, E] in the model dtype
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == weights.shape == (T, k)
+    for row in ids.tolist():
+        assert len(set(row)) == k, f"seed={seed}: repeated expert in {row}"
+    picked = probs.gather(1, ids.long())  # [T, k] reference probabilities of the picked experts
+    top = probs.topk(k, dim=-1).values  # [T, k]
+    torch.testing.assert_close(picked, top, rtol=tie, atol=1e-7, msg=lambda m: f"seed={seed} picks: {m}")
+    expected = picked / picked.sum(dim=-1, keepdim=True) if renormalize else picked
+    torch.testing.assert_close(weights, expected, rtol=tie, atol=1e-6, msg=lambda m: f"seed={seed} weights: {m}")
+
+
+def check_norm(seed: int, out, x, residual, norm_weight) -> None:
+    """x_normed to one rounding step of ops.rms_norm's reference; the new residual bit-equal, in its own buffer."""
+    from moerun.ops.norm import rms_norm_reference
+
+    ref_normed, ref_residual = rms_norm_reference(x, norm_weight, EPS, residual)
+    x_normed, residual_out = out[0], out[1]
+    assert x_normed.dtype == residual_out.dtype == x.dtype
+    assert torch.equal(residual_out, ref_residual), f"seed={seed}"
+    if residual is not None:
+        assert residual_out.data_ptr() not in (residual.data_ptr(), x.data_ptr())
+    ulp = ULP[x.dtype]
+    torch.testing.assert_close(
+        x_normed.float(), ref_normed.float(), rtol=ulp, atol=ulp * 1e-2, msg=lambda m: f"seed={seed} normed: {m}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize(
+    "T,H,E,k,split,block_rows,renormalize",
+    [
+        (1, 72, 37, 1, 1, 0, True),  # one program per token
+        (3, 72, 37, 2, 5, 2, False),  # 37 rows over 5 programs: 8 each, the last 5
+        (8, 40, 37, 8, 4, 0, True),
+        (3, 72, 7, 2, 16, 0, True),  # more programs asked than rows: one row each
+        (3, 256, 128, 8, 16, 4, False),  # Qwen3's E and k
+    ],
+    ids=["T1-E37-k1-split1", "T3-E37-k2-split5", "T8-E37-k8-split4", "T3-E7-split16", "T3-E128-k8-split16"],
+)
+def test_route_fused_matches_reference(seed, T, H, E, k, split, block_rows, renormalize, with_residual, dtype):
+    x, residual, norm_weight, gate = make_inputs(T, H, E, dtype, with_residual)
+    cfg = FusedRouteConfig(split=split, block_rows=block_rows)
+    out = route_fused_triton(x, residual, norm_weight, EPS, gate, k, renormalize, cfg)
+    check_norm(seed, out, x, residual, norm_weight)
+    check_routing(seed, out[2], out[3], out[0], gate, k, renormalize)
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_ticket_counters_reset_between_calls(seed, split) -> None:
+    T, H, E, k = 3, 40, 13, 2  # noqa: E741
+    cfg = FusedRouteConfig(split=split)
+    for _ in range(2):  # the second call only routes right if the first left every ticket at zero
+        x, residual, norm_weight, gate = make_inputs(T, H, E, torch.float32, True)
+        out = route_fused_triton(x, residual, norm_weight, EPS, gate, k, True, cfg)
+        ref = route_fused_reference(x, residual, norm_weight, EPS, gate, k, True)
+        assert torch.equal(out[3], ref[3]), f"seed={seed}"
+        torch.testing.assert_close(out[2], ref[2], msg=lambda m: f"seed={seed}: {m}")
+    counters = router_fused._counters[x.device]
+    assert not counters.any()
+
+
+def test_route_fused_dispatch(seed) -> None:
+    T, H, E, k = 2, 40, 13, 3  # noqa: E741
+    x, residual, norm_weight, gate = make_inputs(T, H, E, torch.float32, True)
+    ref = route_fused_reference(x, residual, norm_weight, EPS, gate, k, True)
+    for backend in ("torch", "triton"):
+        out = moe_ops.route_fused(x, residual, norm_weight, EPS, gate, k, True, backend=backend)
+        for got, want in zip(out, ref):
+            torch.testing.assert_close(got, want, msg=lambda m: f"seed={seed} {backend}: {m}")
+    with pytest.raises(ValueError, match="k must be"):
+        moe_ops.route_fused(x, residual, norm_weight, EPS, gate, E + 1, True, backend="triton")
+
+
+def test_route_fused_rejects_mismatched_weights() -> None:
+    x = torch.randn(2, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="gate weight"):
+        route_fused_triton(x, None, torch.ones(40, device=DEVICE), EPS, torch.randn(8, 32, device=DEVICE), 2, True)
+    with pytest.raises(ValueError, match="norm weight"):
+        route_fused_triton(x, None, torch.ones(40, device=DEVICE, dtype=torch.float16), EPS,
+                           torch.randn(8, 40, device=DEVICE), 2, True)  # fmt: skip
+
+
+def test_route_fused_empty_batch() -> None:
+    x = torch.randn(0, 40, device=DEVICE)
+    out = route_fused_triton(x, torch.randn(0, 40, device=DEVICE), torch.ones(40, device=DEVICE), EPS,
+                             torch.randn(8, 40, device=DEVICE), 2, True)  # fmt: skip
+    assert [tuple(t.shape) for t in out] == [(0, 40), (0, 40), (0, 2), (0, 2)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SparseMoeBlock.forward_fused_norm
+
+
+def small_block(dtype: torch.dtype, backend: str = "triton") -> tuple[SparseMoeBlock, RMSNorm]:
+    """A random MoE block (E=13, k=3, H=40, I=24) and its RMSNorm, on the test device."""
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=40, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_experts=13,
+        num_experts_per_tok=3, norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64, dtype=dtype,
+    )  # fmt: skip
+    block = SparseMoeBlock(cfg, 0, backend=backend)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    with torch.no_grad():
+        block.gate.weight.copy_(1.5 * torch.randn(13, 40) / 40**0.5)
+        block.experts.w13.copy_(torch.randn(13, 48, 40) / 40**0.5)
+        block.experts.w2.copy_(torch.randn(13, 40, 24) / 24**0.5)
+        norm.weight.copy_(1.0 + 0.2 * torch.randn(40))
+    return block.to(DEVICE, dtype), norm.to(DEVICE, dtype)
+
+
+class RecordingExperts(nn.Module):
+    """Stands in for an offloaded or quantized experts module: records its inputs, returns weight-scaled x."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        self.calls.append((x, topk_weights, topk_ids))
+        return x * topk_weights.sum(dim=-1, keepdim=True).to(x.dtype)
+
+
+def unfused(block: SparseMoeBlock, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+    h, new_residual = norm.forward_with_residual(x, residual)
+    return block(h), new_residual
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_forward_fused_norm_matches_unfused(seed, monkeypatch, T, with_residual) -> None:
+    block, norm = small_block(torch.float32)
+    calls = []
+    monkeypatch.setattr(block_module, "route_fused", lambda *a, **kw: calls.append(1) or moe_ops.route_fused(*a, **kw))
+    x = torch.randn(T, 40, device=DEVICE)
+    residual = torch.randn(T, 40, device=DEVICE) if with_residual else None
+    out, new_residual = block.forward_fused_norm(x, residual, norm)
+    ref, ref_residual = unfused(block, norm, x, residual)
+    assert calls, "the fused routing kernel was not used"
+    torch.testing.assert_close(new_residual, ref_residual, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_forward_fused_norm_with_replaced_experts(seed) -> None:
+    block, norm = small_block(torch.float32)
+    block.experts = RecordingExperts("triton")
+    x, residual = torch.randn(2, 40, device=DEVICE), torch.randn(2, 40, device=DEVICE)
+    out, _ = block.forward_fused_norm(x, residual, norm)
+    ref, _ = unfused(block, norm, x, residual)
+    (h, w, ids), (ref_h, ref_w, ref_ids) = block.experts.calls
+    assert torch.equal(ids, ref_ids), f"seed={seed}"
+    torch.testing.assert_close(h, ref_h, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(w, ref_w, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(out, ref, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("case", ["many-tokens", "torch-backend"])
+def test_forward_fused_norm_falls_back(seed, monkeypatch, case) -> None:
+    block, norm = small_block(torch.float32, backend="torch" if case == "torch-backend" else "triton")
+    monkeypatch.setattr(block_module, "route_fused", lambda *a, **kw: pytest.fail("route_fused was used"))
+    T = moe_ops.ROUTE_FUSED_MAX_TOKENS + 1 if case == "many-tokens" else 2
+    x, residual = torch.randn(T, 40, device=DEVICE), torch.randn(T, 40, device=DEVICE)
+    out, new_residual = block.forward_fused_norm(x, residual, norm)
+    ref, ref_residual = unfused(block, norm, x, residual)
+    torch.testing.assert_close(new_residual, ref_residual, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(out, ref, msg=lambda m: f"seed={seed}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA only: capture in a CUDA graph and replay with new inputs (the tickets must be back at zero every time).
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("split", [1, 16])
+def test_cuda_graph_capture_and_replay(seed, split) -> None:
+    T, H, E, k = 4, 2048, 128, 8  # noqa: E741
+    x, residual, norm_weight, gate = make_inputs(T, H, E, torch.bfloat16, True)
+    cfg = FusedRouteConfig(split=split)
+
+    def step():
+        return route_fused_triton(x, residual, norm_weight, EPS, gate, k, True, cfg)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn(T, H, device=DEVICE))
+        residual.copy_(torch.randn(T, H, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_norm(seed, out, x, residual, norm_weight)
+        check_routing(seed, out[2], out[3], out[0], gate, k, True)

@@ -10,6 +10,10 @@ With --tune, a handful of configs per M bucket are timed first for the --tune-ty
 src/moerun/kernels/configs/quant_<TYPE>_E=..,H=..,I=..,device=....json (then used by the benchmark).
 
     python benchmarks/bench_quant_moe.py --tune --out bench_quant_out
+
+--compare times chosen configs of the tuning pool against the default instead (e.g. the gemv_v2 decode path):
+
+    python benchmarks/bench_quant_moe.py --types Q4_K_M Q6_K Q8_0 --m 1 4 8 --compare g16 v16 v16k2 v16w8 v32
 """
 
 from __future__ import annotations
@@ -54,6 +58,13 @@ def _gemv(bn, bk, w, bn2, bk2) -> Config:
             "BLOCK_K2": bk2, "num_warps2": w, "num_stages2": 2, "reduce": "sum"}  # fmt: skip
 
 
+def _v2(bn, bk, w, bn2, bk2, w2) -> Config:
+    """gemv_v2 (Q4_K, Q6_K, Q8_0; other types run these blocks on the gemv path): GEMM 1 BLOCK_N rows of
+    gate/up in chunks of BLOCK_K inputs; GEMM 2 BLOCK_N2 output rows of all k slots, chunks of BLOCK_K2."""
+    return {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "BLOCK_N2": bn2,
+            "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 1}  # fmt: skip
+
+
 def _dot(path, bm, bn, bk, g, w, s, bn2=None, red="atomic") -> Config:
     cfg = {"path": path, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g, "num_warps": w,
            "num_stages": s, "reduce": red}  # fmt: skip
@@ -71,6 +82,13 @@ POOL: dict[str, Config] = {
     "d32": _dot("gemv_dot", 16, 32, 128, 1, 4, 2, 64, "sum"),
     "d32w2": _dot("gemv_dot", 16, 32, 256, 1, 2, 2, 64, "sum"),
     "d64": _dot("gemv_dot", 16, 64, 256, 1, 4, 2, 64, "sum"),
+    "v16": _v2(16, 1024, 4, 8, 512, 4),
+    "v16k2": _v2(16, 2048, 4, 8, 1024, 4),
+    "v16w8": _v2(16, 2048, 8, 8, 512, 8),
+    "v16w2": _v2(16, 512, 2, 4, 256, 2),
+    "v32": _v2(32, 1024, 8, 16, 512, 8),
+    "v16n4": _v2(16, 1024, 4, 4, 1024, 4),
+    "v16n16": _v2(16, 1024, 4, 16, 256, 4),
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
     "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
@@ -82,10 +100,11 @@ POOL: dict[str, Config] = {
 
 def tune_candidates(m: int) -> list[str]:
     """Names of the POOL configs tried at m tokens (k = 8)."""
+    v2 = ["v16", "v16k2", "v16w8", "v16w2", "v32", "v16n4", "v16n16"]
     if m <= 4:
-        return ["g16", "g16k256", "g16w8", "g32", "d32", "d32w2", "d64"]
+        return ["g16", "g16k256", "g16w8", "g32", "d32", "d32w2", "d64"] + v2
     if m <= 8:
-        return ["g16", "d32", "t16x64"]
+        return ["g16", "d32", "t16x64"] + v2
     if m <= 32:
         return ["t16x64", "t16x128", "d32"]
     if m <= 128:
@@ -127,19 +146,21 @@ def time_quant(layers, sets, cfg: Config | None, args) -> tuple[float, str]:
     return timed_median(calls, args.budget_s, args.max_runs)
 
 
-def tune_type(name: str, layers, E: int, H: int, I: int, k: int, args) -> dict[int, Config]:  # noqa: E741
-    """Fastest POOL config per M bucket, checked against the bf16-dequantised reference once."""
+def tune_type(name: str, qtype: str, layers, E: int, H: int, I: int,  # noqa: E741
+              k: int, args) -> dict[int, Config]:  # fmt: skip
+    """Fastest POOL config per M bucket (qtype: the gate type), each checked against the default config."""
     best: dict[int, Config] = {}
     print(f"\ntuning {name}: M, best us, default us, best config")
     for m in args.m:
         sets = make_sets(m, E, H, k, 4)
         (p13, p2) = layers[0]
         x, w, ids = sets[0]
-        ref = fused_moe_quant(x, p13, p2, w, ids, qconfigs.default_moe_config(m, k, interpret=False)).float()
+        default = qconfigs.default_moe_config(m, k, interpret=False, qtype=qtype)
+        ref = fused_moe_quant(x, p13, p2, w, ids, default).float()
         scale = ref.abs().max().item() + 1e-6
         timings = {}
         for cname in ["default"] + tune_candidates(m):
-            cfg = qconfigs.default_moe_config(m, k, interpret=False) if cname == "default" else POOL[cname]
+            cfg = default if cname == "default" else POOL[cname]
             try:
                 err = (fused_moe_quant(x, p13, p2, w, ids, cfg).float() - ref).abs().max().item()
                 if not err <= 3e-2 * scale:
@@ -151,9 +172,43 @@ def tune_type(name: str, layers, E: int, H: int, I: int, k: int, args) -> dict[i
         if not timings:
             continue
         win = min(timings, key=timings.get)
-        best[m] = qconfigs.default_moe_config(m, k, interpret=False) if win == "default" else POOL[win]
+        best[m] = default if win == "default" else POOL[win]
         print(f"  {m:>5} {1e6 * timings[win]:8.1f} {1e6 * timings.get('default', float('nan')):8.1f}  {win}")
     return best
+
+
+def compare_configs(name: str, types: tuple[str, str, str], args, ceilings: dict[str, float]) -> list[dict]:
+    """Times the named POOL configs (and the default) per M on one type, each checked against the default."""
+    E, H, I, k = args.E, args.H, args.I, args.k  # noqa: E741
+    qtype = types[0]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    raw = [build_layer(types, E, H, I, gen) for _ in range(2)]
+    layers = [(packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw]
+    per_expert = expert_gguf_bytes(*raw[0], E)
+    rows = []
+    for m in args.m:
+        sets = make_sets(m, E, H, k, 4)
+        touched = statistics.mean(len(torch.unique(s[2])) for s in sets)
+        x, w, ids = sets[0]
+        default = qconfigs.default_moe_config(m, k, interpret=False, qtype=qtype)
+        ref = fused_moe_quant(x, *layers[0], w, ids, default).float()
+        scale = ref.abs().max().item() + 1e-6
+        for cname in ["default"] + args.compare:
+            cfg = default if cname == "default" else POOL[cname]
+            try:
+                err = (fused_moe_quant(x, *layers[0], w, ids, cfg).float() - ref).abs().max().item() / scale
+                sec = time_quant(layers, sets, cfg, args)[0]
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other candidates
+                print(f"  {name} M={m} {cname}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                continue
+            gbps = touched * per_expert / sec / 1e9
+            rows.append({"type": name, "M": m, "config": cname, "path": cfg["path"], "us": 1e6 * sec,
+                         "GBps": gbps, "rel_err_vs_default": err})  # fmt: skip
+            print(f"| {name} | {m} | {cname} | {cfg['path']} | {1e6 * sec:.1f} | {gbps:.0f} | "
+                  f"{100 * gbps / ceilings['read_GBps']:.0f}% | {err:.1e} |", flush=True)
+    del layers, raw
+    empty_cache()
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------- bench
@@ -170,7 +225,7 @@ def bench_type(name: str, types: tuple[str, str, str], args, ceilings: dict[str,
     per_expert = expert_gguf_bytes(*first, E)
 
     if args.tune and name in args.tune_types:
-        table = tune_type(name, layers, E, H, I, k, args)
+        table = tune_type(name, types[0], layers, E, H, I, k, args)
         if table and DEVICE == "cuda":
             path = CONFIG_DIR / qconfigs.moe_config_file_name(types[0], E, H, I, device_name())
             path.write_text(json.dumps({str(m): cfg for m, cfg in table.items()}, indent=1) + "\n")
@@ -241,6 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--tune", action="store_true", help="quick tuning of --tune-types first; writes config tables")
     p.add_argument("--tune-types", nargs="+", default=["Q4_K"])
+    p.add_argument("--compare", nargs="+", metavar="CONFIG", choices=sorted(POOL),
+                   help="only time these tuning-pool configs against the default per type and M (no tuning)")
     p.add_argument("--out", default="bench_quant_out", help="directory for bench_quant_moe.json / .md")
     p.add_argument("--routing-sets", type=int, default=8)
     p.add_argument("--max-copies", type=int, default=4)
@@ -258,6 +315,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {device_name()}  torch {torch.__version__}  E={args.E} H={args.H} I={args.I} k={args.k}")
     print(f"HBM read ceiling {ceilings['read_GBps']:.0f} GB/s (bf16 sum over 2 GiB); %HBM-read = GGUF bytes of the "
           f"touched experts / time / ceiling; * = eager timing\n")  # fmt: skip
+    if args.compare:
+        print("| type | M | config | path | us | GB/s | %HBM-read | rel err vs default |\n" + "|---" * 8 + "|")
+        rows = [r for name in args.types for r in compare_configs(name, MIXES.get(name, (name,) * 3), args, ceilings)]
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return
     print(header())
     rows = []
     for name in args.types:

@@ -1,10 +1,22 @@
-"""``moerun bench`` on the CPU: runs on the tiny preset, writes its JSON, and skips CUDA graphs cleanly."""
+"""``moerun bench`` on the CPU: runs on the tiny preset (dense and Q4_K_M), writes its JSON, and skips CUDA graphs
+cleanly; on CUDA, a Q4_K_M model's graphed decode equals its eager decode."""
 
 from __future__ import annotations
 
 import json
+import random
 
+import pytest
+import torch
+
+from moerun import LLM, SamplingParams
 from moerun.cli import main
+from moerun.config import ModelConfig
+from moerun.engine.batch import ForwardBatch
+from moerun.models.presets import preset_config
+from moerun.models.random_quant import random_quantized_model
+from moerun.models.tiny import qwen3_tokenizer_dir
+from moerun.tokenizer import Tokenizer
 
 
 def test_bench_tiny_on_cpu(tmp_path, capsys):
@@ -21,6 +33,26 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     assert "decode    batch" in capsys.readouterr().out
 
 
+def test_bench_tiny_q4_k_m_on_cpu(tmp_path, capsys):
+    # The preset in llama.cpp's Q4_K_M mix with random valid blocks (the CPU path dequantises each weight per
+    # call, so few forward passes); quantized weights count at their stored size.
+    out = tmp_path / "bench"
+    args = ["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quant", "Q4_K_M",
+            "--prefill-lens", "8", "--batch-sizes", "2", "--prompt-len", "4", "--steps", "1",
+            "--max-model-len", "32", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["quant"] == "Q4_K_M" and result["model"].endswith("Q4_K_M")
+    assert set(result["prefill"]) == {"8"} and set(result["decode"]) == {"2"}
+    step = result["decode"]["2"]
+    assert step["tok_per_s"] > 0
+    # Below half the float32 bytes a step of the same shape reads (Q8_0 output head, 4-6 bit layers).
+    dense_bytes = 4 * ModelConfig.from_hf_dict(preset_config("tiny")).param_counts()["active"]
+    assert 0 < step["bytes_per_step"] < dense_bytes / 2
+    assert 0 < result["weight_bytes"] < dense_bytes / 2
+    assert "tiny Q4_K_M" in capsys.readouterr().out
+
+
 def test_bench_vs_transformers_shares_weights(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill-lens", "16",
@@ -30,3 +62,55 @@ def test_bench_vs_transformers_shares_weights(tmp_path, capsys):
     result = json.loads((out / "bench.json").read_text())
     assert result["hf_logits_check"] < 1e-5  # the same model, computed by both engines
     assert any(e.get("decode", {}).get("1") for e in result["hf"].values())
+
+
+def test_released_blocks_answer_from_the_repacked_copy():
+    # What a CUDA build does to every weight (repack, drop the GGUF blocks), here on the CPU: the torch path then
+    # dequantises the repacked arrays, bit-exact with the blocks; the tied embedding keeps its blocks for lookups.
+    from moerun.ops.quant import pack_model
+
+    cfg = preset_config("tiny")
+    cfg["torch_dtype"] = "float32"
+    model = random_quantized_model(ModelConfig.from_hf_dict(cfg), torch.device("cpu"), "Q4_K_M", seed=1)
+    x = torch.randn(2, cfg["hidden_size"])
+    expert = model.model.layers[0].mlp.experts.__dict__["q_w2"]
+    before = (model.compute_logits(x), expert.expert(3, torch.float32))
+    pack_model(model, release_blocks=True)
+    table = model.model.embed_tokens.__dict__["q_weight"]
+    assert expert.released and not table.released and model.lm_head.__dict__["q_weight"] is table
+    assert torch.equal(model.compute_logits(x), before[0])
+    assert torch.equal(expert.expert(3, torch.float32), before[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_q4_k_m_decode_graphs_equal_eager_and_never_sync():
+    # A small Q4_K_M model (repacked weights only): the graphed decode step gives the eager tokens, and an eager
+    # decode step reads nothing back to the host.
+    cfg = preset_config("qwen3-30b-a3b", layers=3)
+    cfg.update(hidden_size=1024, moe_intermediate_size=256, num_experts=32, intermediate_size=2048,
+               torch_dtype="float32")
+    model = random_quantized_model(ModelConfig.from_hf_dict(cfg), torch.device("cuda"), "Q4_K_M")
+    assert all(q.released for q in _quantized_weights(model.model.layers))
+    tok = Tokenizer.from_folder(qwen3_tokenizer_dir())
+    graphed = LLM.from_model(model, tok, max_model_len=256, max_num_seqs=8, cuda_graphs=True)
+    eager = LLM.from_model(model, tok, max_model_len=256, max_num_seqs=8, cuda_graphs=False)
+    assert graphed.engine.runner.graphs
+    prompts = [[random.randrange(150000) for _ in range(n)] for n in (3, 20, 9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)
+    for a, b in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+    engine = eager.engine
+    slot = engine.cache.allocate()
+    batch = ForwardBatch.build([7], [1], [slot], engine.device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            engine.runner.decode(torch.tensor([5], device=engine.device), batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine.cache.release(slot)
+
+
+def _quantized_weights(module) -> list:
+    return [v for m in module.modules() for k, v in m.__dict__.items() if k.startswith("q_")]

@@ -6,10 +6,12 @@ import random
 import time
 
 import torch
+from torch import nn
 
 from moerun.api import LLM
 from moerun.bench.timing import synchronize, time_call
 from moerun.engine.batch import ForwardBatch
+from moerun.layers.quantized import QuantizedWeight
 from moerun.sampling_params import SamplingParams
 
 
@@ -67,11 +69,12 @@ def measure_decode(llm: LLM, batch_sizes: list[int], prompt_len: int, steps: int
 @torch.inference_mode()
 def decode_step_bytes(llm: LLM, batch_size: int, context_len: int) -> int:
     """Bytes one decode step must read: non-expert weights (one embedding row per token), the experts that
-    the batch's routing actually touches (counted by running the routers), and the KV cache."""
+    the batch's routing actually touches (counted by running the routers), and the KV cache. Quantized weights
+    count the bytes they occupy on the device (repacked or GGUF blocks), not their dense size."""
     model, mc = llm.model, llm.model_config
     elem = torch.empty((), dtype=mc.dtype).element_size()
-    touched: list[int] = []
-    hooks = [b.experts.register_forward_hook(lambda m, inp, out: touched.append(int(inp[2].unique().numel())))
+    touched: list[tuple[nn.Module, int]] = []
+    hooks = [b.experts.register_forward_hook(lambda m, inp, out: touched.append((m, int(inp[2].unique().numel()))))
              for b in model.moe_blocks()]
     engine, rng = llm.engine, random.Random(2)
     slots = [engine.cache.allocate() for _ in range(batch_size)]
@@ -84,8 +87,56 @@ def decode_step_bytes(llm: LLM, batch_size: int, context_len: int) -> int:
             h.remove()
         for s in slots:
             engine.cache.release(s)
-    counts = mc.param_counts()
-    non_expert = counts["non_expert"] - mc.vocab_size * mc.hidden_size * (1 if not mc.tie_word_embeddings else 0)
-    expert_bytes = sum(touched) * 3 * mc.hidden_size * mc.moe_intermediate_size * elem
+    bytes_ = _weight_bytes(model)
+    expert_bytes = sum(n * bytes_["per_expert"][id(m)] for m, n in touched)
     kv = batch_size * context_len * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
-    return non_expert * elem + batch_size * mc.hidden_size * elem + expert_bytes + kv
+    return bytes_["non_expert"] + batch_size * bytes_["embedding_row"] + expert_bytes + kv
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of all the model's weights as they sit in memory (quantized ones at their stored size)."""
+    b = _weight_bytes(model)
+    experts = sum(b["per_expert"].values()) * model.config.num_experts
+    return b["non_expert"] + b["embedding_table"] + experts
+
+
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    return [blk.experts for blk in model.moe_blocks()]
+
+
+def _weight_bytes(model: nn.Module) -> dict:
+    """non_expert: bytes of every weight outside the experts and the embedding table (a tied table counts here,
+    as the output head reads it whole); embedding_table / embedding_row: the untied table and one of its rows;
+    per_expert: {id(experts module): bytes of one expert}."""
+    experts = _experts_modules(model)
+    expert_tensors = {id(t) for m in experts for t in _module_weights(m)}
+    table = model.model.embed_tokens
+    tied = model.config.tie_word_embeddings
+    table_weights = [] if tied else _module_weights(table)
+    skip = expert_tensors | {id(t) for t in table_weights}
+    seen: set[int] = set()
+    non_expert = 0
+    for module in model.modules():
+        for t in _module_weights(module, recurse=False):
+            if id(t) not in seen and id(t) not in skip:
+                seen.add(id(t))
+                non_expert += _nbytes(t)
+    table_bytes = sum(_nbytes(t) for t in table_weights)
+    rows = model.config.vocab_size
+    return {"non_expert": non_expert, "embedding_table": table_bytes, "embedding_row": table_bytes // rows,
+            "per_expert": {id(m): sum(_nbytes(t) for t in _module_weights(m)) // model.config.num_experts
+                           for m in experts}}  # fmt: skip
+
+
+def _module_weights(module: nn.Module, recurse: bool = True) -> list:
+    """The module's weights: dense parameters not replaced by quantized ones, and its QuantizedWeights."""
+    mods = module.modules() if recurse else [module]
+    out = []
+    for m in mods:
+        out += [p for p in m.parameters(recurse=False)]
+        out += [v for k, v in m.__dict__.items() if k.startswith("q_") and isinstance(v, QuantizedWeight)]
+    return out
+
+
+def _nbytes(t) -> int:
+    return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()

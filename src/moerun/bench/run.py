@@ -10,12 +10,13 @@ from typing import Any
 import torch
 
 from moerun.api import LLM
-from moerun.bench.engine_bench import decode_step_bytes, measure_decode, measure_prefill
+from moerun.bench.engine_bench import decode_step_bytes, measure_decode, measure_prefill, model_weight_bytes
 from moerun.bench.report import format_table, write_outputs
 from moerun.bench.timing import measure_ceilings
 from moerun.config import ModelConfig, parse_dtype
 from moerun.models.presets import preset_config
 from moerun.models.random_init import random_model
+from moerun.models.random_quant import QUANT_FILE_TYPES, random_quantized_model
 from moerun.models.tiny import qwen3_tokenizer_dir
 from moerun.tokenizer import Tokenizer
 
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="use only this many layers of the preset (to fit large shapes)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if present)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quant", type=str.upper, choices=QUANT_FILE_TYPES,
+                   help="a preset in this GGUF file type's mix of quant types (llama.cpp's), random valid blocks")
     p.add_argument("--moe-backend", choices=["torch", "triton"])
     p.add_argument("--prefill-lens", default="128,512,2048,8192")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
@@ -46,9 +49,12 @@ def _ints(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     batch_sizes = _ints(args.batch_sizes)
+    quant = getattr(args, "quant", None)
+    if quant and (args.model or args.vs):
+        raise ValueError("--quant builds a preset in a GGUF type mix; it takes neither --model nor --vs")
     ceilings = measure_ceilings(device)  # before the model and its KV cache take the memory
     t0 = time.perf_counter()
-    hf_config = None
+    hf_config, build_s, model_device_bytes = None, None, None
     if args.model:
         llm = LLM(args.model, device=device, dtype=args.dtype, moe_backend=args.moe_backend,
                   max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes), cuda_graphs=not args.no_graphs)
@@ -58,16 +64,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_config["torch_dtype"] = str(parse_dtype(args.dtype)).removeprefix("torch.")
         mc = ModelConfig.from_hf_dict(hf_config)
         hf_config["max_position_embeddings"] = mc.max_position_embeddings
-        model = random_model(mc, device, moe_backend=args.moe_backend)
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        model = _preset_model(mc, device, quant, args.moe_backend)
+        build_s = time.perf_counter() - t0
+        if device.type == "cuda":
+            model_device_bytes = torch.cuda.memory_allocated(device) - allocated
         llm = LLM.from_model(model, Tokenizer.from_folder(qwen3_tokenizer_dir()),
                              max_model_len=min(args.max_model_len, mc.max_position_embeddings),
                              max_num_seqs=max(batch_sizes), cuda_graphs=not args.no_graphs)
-        name = args.preset + (f" ({args.layers} layers)" if args.layers else "")
+        name = args.preset + (f" ({args.layers} layers)" if args.layers else "") + (f" {quant}" if quant else "")
     setup_s = time.perf_counter() - t0
     result: dict[str, Any] = {
         "model": name,
+        "quant": quant,
+        "weight_bytes": model_weight_bytes(llm.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(llm.model_config.dtype).removeprefix("torch."),
+        "build_seconds": build_s,
+        "model_device_bytes": model_device_bytes,
         "setup_seconds": setup_s,
         "cuda_graphs": bool(llm.engine.runner.graphs),
         "ceilings": ceilings,
@@ -97,6 +111,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["hf"] = measure_hf(hf, device, args.prompt_len, min(args.steps, 16), _ints(args.hf_batch_sizes),
                                   prefill_len)
     return result
+
+
+def _preset_model(mc: ModelConfig, device: torch.device, quant: str | None,
+                  moe_backend: str | None) -> torch.nn.Module:
+    """The preset with random weights: dense, or in a GGUF file type's quant mix with random valid blocks."""
+    if quant:
+        model = random_quantized_model(mc, device, quant, moe_backend=moe_backend)
+    else:
+        model = random_model(mc, device, moe_backend=moe_backend)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return model
 
 
 @torch.inference_mode()

@@ -33,13 +33,13 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
     x = torch.empty(2**31, dtype=torch.bfloat16, device=device).normal_()  # 4 GiB
-    t_read = time_call(lambda: x.sum(dtype=torch.float32), device, repeat=7, warmup=2)
+    t_read = time_call(lambda x=x: x.sum(dtype=torch.float32), device, repeat=7, warmup=2)
     y = torch.empty_like(x)
-    t_copy = time_call(lambda: y.copy_(x), device, repeat=7, warmup=2)
+    t_copy = time_call(lambda x=x, y=y: y.copy_(x), device, repeat=7, warmup=2)
     del x, y
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    t_mm = time_call(lambda: a @ b, device, repeat=10, warmup=3)
+    t_mm = time_call(lambda a=a, b=b: a @ b, device, repeat=10, warmup=3)
     del a, b
     torch.cuda.empty_cache()
     nbytes = 2**31 * 2

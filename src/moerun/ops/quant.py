@@ -3,7 +3,8 @@
 A QuantizedWeight (layers/quantized.py) is repacked on first use, on its own device, into PackedWeights
 (kernels/quant/repack.py) cached on it as the attribute `packed`: consecutive parts of one type are merged
 along the rows, so gate|up or q|k|v of one type become one tensor. `pack_model` does this up front (call it
-after loading a GGUF model on CUDA, before capturing CUDA graphs). The torch backend (CPU) dequantises.
+after loading a GGUF model on CUDA, before capturing CUDA graphs); with release_blocks it also drops the GGUF
+blocks of every weight that no embedding reads, so each weight is held once. The torch backend (CPU) dequantises.
 """
 
 from __future__ import annotations
@@ -35,14 +36,24 @@ def packed_parts(weight: Weight) -> list[PackedWeight]:
     return packed
 
 
-def pack_model(model: nn.Module) -> int:
+def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[PackedWeight]:
+    """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (never for a weight whose
+    rows an embedding looks up)."""
+    parts = packed_parts(weight)
+    if release_blocks and not weight.released:
+        weight.release_blocks()
+    return parts
+
+
+def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
     """Repack every QuantizedWeight of the model's layers (module.q_<attr>) now; returns how many.
 
     Embedding tables are left alone (they decode looked-up rows), unless another layer shares the weight,
-    as a tied lm_head does.
+    as a tied lm_head does; such a shared weight keeps its blocks for the lookups.
     """
     from moerun.layers.embedding import Embedding
 
+    looked_up = {id(m.__dict__.get("q_weight")) for m in model.modules() if isinstance(m, Embedding)}
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, Embedding):
@@ -50,7 +61,7 @@ def pack_model(model: nn.Module) -> int:
         for name, value in list(module.__dict__.items()):
             if name.startswith("q_") and isinstance(value, QuantizedWeight) and id(value) not in seen:
                 seen.add(id(value))
-                packed_parts(value)
+                pack_weight(value, release_blocks and id(value) not in looked_up)
     return len(seen)
 
 

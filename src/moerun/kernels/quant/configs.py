@@ -1,10 +1,12 @@
 """Tile configs of the quantized kernels: tuned JSON tables per (type, MoE shape, device) and defaults by M.
 
-Keys are those of kernels/tile_configs.py, plus the path "gemv_dot" (fused_moe_quant.py). BLOCK_K / BLOCK_K2
-count K elements per loop step (multiples of 64, lowered to divide the padded row). In the tl.dot paths
-BLOCK_N is the number of weight rows per program (the decoded weight is the left operand) and BLOCK_M the
-number of token rows. Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by
-M, TYPE being the type of the gate projection.
+Keys are those of kernels/tile_configs.py, plus the paths "gemv_dot" (fused_moe_quant.py) and "gemv_v2"
+(gemv_v2.py). BLOCK_K / BLOCK_K2 count K elements per loop step (multiples of 64, lowered to divide the padded
+row). In the tl.dot paths BLOCK_N is the number of weight rows per program (the decoded weight is the left
+operand) and BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per program (a multiple
+of 16), BLOCK_N2 output rows of down per program and token (all k slots at once), BLOCK_K / BLOCK_K2 inputs per
+unrolled chunk, and `reduce` does not apply (GEMM 2 sums the slots). Tables live in kernels/configs as
+quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type of the gate projection.
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ from moerun.kernels.tile_configs import (
 )
 
 
-PATHS = ("gemv", "gemv_dot", "tile")
+PATHS = ("gemv", "gemv_dot", "gemv_v2", "tile")
+V2_DEFAULT_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # gate types whose decode default is gemv_v2 (gemv_v2.V2_TYPES)
 
 
 def normalize_config(cfg: Config) -> Config:
-    """tile_configs.normalize, also accepting the gemv_dot path (tile-kernel keys, slot reduction by sum)."""
+    """tile_configs.normalize, also accepting the gemv_dot path (tile-kernel keys, slot reduction by sum) and the
+    gemv_v2 path (gemv keys; its GEMM 2 sums the slots itself)."""
     path = cfg.get("path", "tile")
     if path not in PATHS:
         raise ValueError(f"unknown quantized MoE kernel path {path!r}; expected one of {PATHS}")
     if path == "gemv_dot":
         out = normalize({"reduce": "sum", **cfg, "path": "tile"})
+        out["path"] = path
+        return out
+    if path == "gemv_v2":
+        out = normalize({**cfg, "path": "gemv", "reduce": "sum"})
         out["path"] = path
         return out
     return normalize(cfg)
@@ -53,8 +61,9 @@ def load_moe_table(qtype: str, E: int, H: int, I: int, device: str) -> dict[int,
     return {int(m): normalize_config(cfg) for m, cfg in raw.items()}
 
 
-def default_moe_config(m: int, k: int, interpret: bool | None = None) -> Config:
-    """Hand-reasoned config for m tokens with k slots each."""
+def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str | None = None) -> Config:
+    """Hand-reasoned config for m tokens with k slots each whose gate projection has type qtype (the decode path
+    depends on it: gemv_v2 for the types it reads, gemv otherwise or when the type is not given)."""
     interpret = interpreting() if interpret is None else interpret
     pairs = m * k
     if interpret:
@@ -62,12 +71,18 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None) -> Config:
         if pairs <= 16:
             return normalize_config({"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "sum"})
         return normalize_config({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "atomic"})
-    if pairs <= 32:
+    if pairs <= 32 and qtype in V2_DEFAULT_TYPES:
+        # Decode, gemv_v2: GEMM 1 at one token is 384 programs of (slot, 16 rows), 128 registers each, so all
+        # fit at once (4 per SM) with every load of their two 1024-input chunks in flight; GEMM 2 is 256
+        # programs of (token, 8 rows x 8 slots). Two launches, the slot sum in GEMM 2.
+        cfg: Config = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1,
+                       "BLOCK_N2": 8, "BLOCK_K2": 1024, "num_warps2": 4, "num_stages2": 1}  # fmt: skip
+    elif pairs <= 32:
         # Decode: one program per (slot, 16 rows) is 384 programs for GEMM 1 at one token, ~3 per SM. A step
         # covers 1024 inputs (four [16, 4, 32] tiles unrolled: 64 B of 4-bit codes per thread and matrix) so
         # enough loads are in flight per SM; GEMM 2 takes a 768-long row (I) in one step.
-        cfg: Config = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2,
-                       "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}  # fmt: skip
+        cfg = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2,
+               "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}  # fmt: skip
     elif m <= 64:
         cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                "num_warps": 4, "num_stages": 3}  # fmt: skip
@@ -91,7 +106,12 @@ def get_moe_config(
         table = load_moe_table(qtype, E, H, I, device or _current_device_name())
         if table:
             return dict(table[nearest_bucket(list(table), m)])
-    return default_moe_config(m, k)
+    return default_moe_config(m, k, qtype=qtype)
+
+
+# gemv_v2 for y = x @ W^T at a few rows of x: 8 rows per program, rows of up to 2048 inputs in one chunk (so
+# o_proj's 2048 rows still spread over 256 programs); other types run these blocks on the gemv path.
+MATMUL_V2_DECODE: Config = {"path": "gemv_v2", "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
 
 
 def default_matmul_config(m: int, n: int, interpret: bool | None = None) -> Config:
@@ -103,6 +123,7 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None) -> Conf
         return {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 1}  # fmt: skip
     if m <= 4:
+        # The gemv_v2 path (Q4_K / Q6_K / Q8_0 parts; MATMUL_V2_DECODE) is opt-in until measured on the GPU.
         return {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
     if m <= 16:
         cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4}

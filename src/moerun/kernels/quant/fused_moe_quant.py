@@ -6,6 +6,8 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
             [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
   gemv_dot  decode, same grid, but the decoded [BLOCK_N, 32] planes go through tl.dot against the slot's
             activations padded to BLOCK_M columns: tensor cores take the multiply-adds off the FMA pipe.
+  gemv_v2   decode, Q4_K / Q6_K / Q8_0 (gemv_v2.py): int32 word loads, sub-block scales folded into per-group
+            sums, the k-slot sum inside GEMM 2; other types take the gemv path with the same config.
   tile      prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
             that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
 Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
@@ -24,6 +26,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid
 from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, supported
+from moerun.kernels.quant.gemv_v2 import fused_moe_gemv_v2, v2_supported
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
@@ -454,5 +457,9 @@ def fused_moe_quant(
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
+    if cfg["path"] == "gemv_v2":
+        if v2_supported(gw, uw, w2):
+            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, hidden.dtype)
+        cfg = {**cfg, "path": "gemv"}
     run = _gemv if cfg["path"] == "gemv" else _tile  # tile and gemv_dot share the tl.dot kernels
     return run(x, gate, up, w2, weights, ids, cfg, hidden.dtype)

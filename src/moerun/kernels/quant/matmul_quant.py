@@ -1,10 +1,12 @@
 """y = x @ W^T for repacked GGUF weights W [N, K] (attention projections, lm_head), decoded in registers.
 
-Two paths, by config:
-  gemv  few rows of x: one program per (N-tile, row of x) streams its weight rows once, FMAs into a
-        [BLOCK_N, pairs, 32] accumulator (decode.py's 3-D form) and reduces at the end.
-  tile  tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped so
-        a band of weight tiles is reused from L2.
+Three paths, by config:
+  gemv     few rows of x: one program per (N-tile, row of x) streams its weight rows once, FMAs into a
+           [BLOCK_N, pairs, 32] accumulator (decode.py's 3-D form) and reduces at the end.
+  gemv_v2  the same grid with gemv_v2.py's word loads and per-group scales (Q4_K, Q6_K, Q8_0; other types take
+           the gemv path with the same blocks).
+  tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
+           so a band of weight tiles is reused from L2.
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
 output columns; parts that are float types use torch.
 """
@@ -22,6 +24,7 @@ from moerun.kernels.fused_moe import _dot_precision, _tile_pid
 from moerun.kernels.quant.configs import default_matmul_config, dot_steps, gemv_steps
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
+from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -137,7 +140,10 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
     b = bias if has_bias else y
     common = dict(QW=int(w.qtype), HAS_BIAS=has_bias, BLOCK_N=cfg["BLOCK_N"], EVEN_K=w.k_pad == K,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
-    if cfg["path"] == "gemv":
+    if cfg["path"] == "gemv_v2" and w.qtype in V2_TYPES:
+        matmul_v2_part(x, y, w, bias, col_off, cfg)
+        return
+    if cfg["path"] in ("gemv", "gemv_v2"):
         grid = (triton.cdiv(w.n, cfg["BLOCK_N"]), M)
         pairs, unroll = gemv_steps(cfg["BLOCK_K"], w.kq)
         _gemv_kernel[grid](x, y, b, *w.kernel_args(), w.n, K, w.kq, col_off, x.stride(0), y.stride(0),

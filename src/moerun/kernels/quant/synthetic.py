@@ -15,6 +15,7 @@ _CODE_RANGE = {QuantType.Q8_0: 128, QuantType.Q4_0: 8, QuantType.Q4_1: 16, Quant
                QuantType.Q2_K: 45, QuantType.Q3_K: 128, QuantType.Q4_K: 945, QuantType.Q5_K: 1953,
                QuantType.Q6_K: 4096}  # fmt: skip
 _MIN_RANGE = {QuantType.Q4_1: 1, QuantType.Q5_1: 1, QuantType.Q2_K: 15, QuantType.Q4_K: 63, QuantType.Q5_K: 63}
+_CHUNK_BLOCK_BYTES = 64 * 2**20
 
 
 def _finite_half_bits(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -32,21 +33,31 @@ def random_quantized(
     any_scales: bool = False,
 ) -> QuantizedTensor:
     """A QuantizedTensor of logical `shape` with random code bytes; fp16 scales small (weights ~ 1/sqrt(K),
-    either sign), or any finite fp16 bit pattern with any_scales (for bit-exactness tests)."""
+    either sign), or any finite fp16 bit pattern with any_scales (for bit-exactness tests).
+
+    Blocks are drawn in chunks of about _CHUNK_BLOCK_BYTES, so the temporaries stay small next to the tensor."""
     qt = qtype if isinstance(qtype, QuantType) else QuantType[qtype]
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
     n_blocks = math.prod(shape) // qt.block_elems
-    raw = torch.randint(0, 256, (n_blocks, qt.block_bytes), generator=generator, device=device,
-                        dtype=torch.int32).to(torch.uint8)  # fmt: skip
-    k = shape[-1]
+    raw = torch.empty(n_blocks, qt.block_bytes, dtype=torch.uint8, device=device)  # [blocks, block bytes]
+    step = max(1, _CHUNK_BLOCK_BYTES // qt.block_bytes)
+    for b0 in range(0, n_blocks, step):
+        _fill_blocks(raw[b0 : b0 + step], qt, shape[-1], generator, any_scales)
+    return QuantizedTensor(raw.reshape(-1), qt, shape)
+
+
+def _fill_blocks(raw: torch.Tensor, qt: QuantType, k: int, generator: torch.Generator | None,
+                 any_scales: bool) -> None:
+    """Random blocks into raw [n, block bytes] (uint8) in place: random bytes, then the fp16 fields."""
+    n, device = raw.shape[0], raw.device
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, device=device, dtype=torch.int32))
     for i, off in enumerate(FP16_FIELDS[qt]):
         if any_scales:
-            half = _finite_half_bits(n_blocks, generator, device)
+            half = _finite_half_bits(n, generator, device)
         else:
-            mag = torch.rand(n_blocks, generator=generator, device=device) * 0.5 + 0.5
-            sign = torch.randint(0, 2, (n_blocks,), generator=generator, device=device) * 2 - 1
+            mag = torch.rand(n, generator=generator, device=device) * 0.5 + 0.5
+            sign = torch.randint(0, 2, (n,), generator=generator, device=device) * 2 - 1
             rng = _CODE_RANGE[qt] if i == 0 else _MIN_RANGE[qt]
             half = (mag * sign / (rng * math.sqrt(k))).to(torch.float16)
-        raw[:, off : off + 2] = half.view(torch.uint8).view(n_blocks, 2)
-    return QuantizedTensor(raw.reshape(-1), qt, shape)
+        raw[:, off : off + 2] = half.view(torch.uint8).view(n, 2)

@@ -1,0 +1,488 @@
+"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q6_K, Q8_0): fewer instructions per weight, two
+launches, the k-slot sum inside GEMM 2.
+
+Weights are read as int32 words, a "group" of contiguous words per thread and row: a Q4_K pair q (8 words:
+byte b of word j holds element 64q + 4j + b in its low nibble, 64q + 32 + 4j + b in its high nibble, see
+repack.py), a Q8_0 block (8 words, elements 32g + 4j + b) or half a Q6_K pair (4 words, h = g % 2: elements
+64q + 16h + 4j + b and + 32). A word is or'ed once with 0x4B000000; and-ing that with 0x4B000000 | (mask << s)
+for each of its 8 (4-bit) or 4 (Q8_0) positions n gives, read as a float, 2^23 + c 2^s exactly, so one and, one
+subtract and one FMA per weight leave c x: the activation side carries 2^-s ("pre-scaled" x). Sub-block scales
+are applied per group, not per weight:
+  sum_i (c_i d sc - dmin mn) x_i = d sc sum_i c_i x_i - dmin mn sum_i x_i   (Q4_K; Q6_K and Q8_0 subtract
+  their code bias 32 / 128 times sum_i x_i the same way).
+Q6_K first merges its two high bits into each code byte (two words of four 6-bit codes per code word).
+
+GEMM 1 (one program per token-slot and BLOCK_N rows of gate and up) writes SiLU(gate) * up, rounded to the
+activation dtype, in the order GEMM 2 reads it: [T*k, positions, words] with the position's 2^-s applied
+("position-major": a thread's x values for one position are contiguous), plus the plain sums of every 16
+consecutive values (GEMM 2's sum_i x_i). GEMM 2 (one program per token and BLOCK_N2 output rows) holds all k
+slots of the token as a [BLOCK_N2, slots] tile of rows whose columns share their slot's x, weights the slots
+and sums them in registers, and stores [T, H] in the output dtype: no atomics, no third launch. A row's K is
+covered in chunks of BLOCK_K inputs (a power of two of groups) and the binary remainder, all unrolled, so every
+load of a program can be in flight at once and any padded K runs unmasked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.formats.quants import QuantType
+from moerun.kernels.fused_moe import _silu_mul
+from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.tile_configs import Config
+
+V2_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
+RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
+
+
+def v2_supported(gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> bool:
+    """True when the v2 kernels read these types: gate and up of one type, each of Q4_K, Q6_K, Q8_0."""
+    return gate.qtype == up.qtype and all(p.qtype in V2_TYPES for p in (gate, up, down))
+
+
+# --------------------------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _v2_dot(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3,
+            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1):  # fmt: skip
+    """Sums over the chunk's groups of each row's weights times x: [R0, R1] float32.
+
+    rows4 [R0, R1, 1, 1] / rows3 [R0, R1, 1] global row indices (int64); g4 [1, 1, G, 1] / g3 [1, 1, G] group
+    indices in the row; j4 [1, 1, 1, WPG] word in the group; ok4 / ok3 row masks (masked rows read nothing);
+    x0..x7 the pre-scaled x of each position ([R0 or 1, R1 or 1, G, WPG]; Q8_0 uses x0..x3); X0, X1 the plain
+    sums of each group's plane-0 / plane-1 inputs ([.., .., G]; Q8_0: X0 is the block's sum).
+    """
+    # A word or'ed once with 0x4B000000, then and'ed with 0x4B000000 | mask per position: one op per weight.
+    if QT == 8:  # Q8_0: a group is a 32-element block (8 words) with its d
+        w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+        wm = w | 0x4B000000
+        tm = (w >> 16) | 0x4B000000
+        s = ((wm & 0x4B0000FF).to(tl.float32, bitcast=True) - 8388608.0) * x0
+        s += ((wm & 0x4B00FF00).to(tl.float32, bitcast=True) - 8388608.0) * x1
+        s += ((tm & 0x4B0000FF).to(tl.float32, bitcast=True) - 8388608.0) * x2
+        s += ((tm & 0x4B00FF00).to(tl.float32, bitcast=True) - 8388608.0) * x3
+        d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)  # [R0, R1, G]
+        part = d * (tl.sum(s, axis=3) - 128.0 * X0)
+    elif QT == 12:  # Q4_K: a group is pair q (8 words: sub-blocks 2q in the low, 2q + 1 in the high nibbles)
+        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+        wm = w | 0x4B000000
+        tm = (w >> 16) | 0x4B000000  # nibbles of bytes 2, 3 at bits 0..15
+        s0 = ((wm & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0) * x0
+        s0 += ((wm & 0x4B000F00).to(tl.float32, bitcast=True) - 8388608.0) * x2
+        s0 += ((tm & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0) * x4
+        s0 += ((tm & 0x4B000F00).to(tl.float32, bitcast=True) - 8388608.0) * x6
+        s1 = ((wm & 0x4B0000F0).to(tl.float32, bitcast=True) - 8388608.0) * x1
+        s1 += ((wm & 0x4B00F000).to(tl.float32, bitcast=True) - 8388608.0) * x3
+        s1 += ((tm & 0x4B0000F0).to(tl.float32, bitcast=True) - 8388608.0) * x5
+        s1 += ((tm & 0x4B00F000).to(tl.float32, bitcast=True) - 8388608.0) * x7
+        sw = tl.load(sub + rows3 * KQ + g3, mask=ok3, other=0)  # [R0, R1, G] bytes (sc 2q, sc 2q+1, mn 2q, mn 2q+1)
+        sp = scale + (rows3 * (KQ // 4) + g3 // 4) * 2  # d, dmin per 256 elements
+        d = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
+        dmin = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
+        sc0 = (sw & 0xFF).to(tl.float32)
+        sc1 = ((sw >> 8) & 0xFF).to(tl.float32)
+        mn0 = ((sw >> 16) & 0xFF).to(tl.float32)
+        mn1 = ((sw >> 24) & 0xFF).to(tl.float32)
+        part = d * (sc0 * tl.sum(s0, axis=3) + sc1 * tl.sum(s1, axis=3)) - dmin * (mn0 * X0 + mn1 * X1)
+    else:  # Q6_K: a group is half of pair q (4 words); 16-element sub-blocks 4q + 2p + h, h = g % 2
+        tl.static_assert(QT == 14, "gemv_v2 reads Q4_K, Q6_K and Q8_0")
+        q4 = g4 // 2
+        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 4 + j4, mask=ok4, other=0)  # [R0, R1, G, 4] int32
+        # Pair q's high bits sit at bits 4 (q % 2) + 2p of the bytes of group 2 (q // 2) + h of the high array.
+        hw = tl.load(high + rows4 * (KQ * 4) + (2 * (q4 // 2) + g4 % 2) * 4 + j4, mask=ok4, other=0)
+        hw = hw >> (4 * (q4 % 2))
+        c0 = (w & 0x0F0F0F0F) | ((hw << 4) & 0x30303030)  # plane-0 6-bit codes, one per byte
+        c1 = ((w >> 4) & 0x0F0F0F0F) | ((hw << 2) & 0x30303030)  # plane-1 codes
+        c0m = c0 | 0x4B000000
+        c1m = c1 | 0x4B000000
+        t0m = (c0 >> 16) | 0x4B000000
+        t1m = (c1 >> 16) | 0x4B000000
+        s0 = ((c0m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x0
+        s0 += ((c0m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x2
+        s0 += ((t0m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x4
+        s0 += ((t0m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x6
+        s1 = ((c1m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x1
+        s1 += ((c1m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x3
+        s1 += ((t1m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x5
+        s1 += ((t1m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x7
+        sw = tl.load(sub + rows3 * KQ + g3 // 2, mask=ok3, other=0)  # [R0, R1, G] signed bytes
+        h3 = g3 % 2
+        sc0 = ((sw << (24 - 8 * h3)) >> 24).to(tl.float32)  # byte h
+        sc1 = ((sw << (8 - 8 * h3)) >> 24).to(tl.float32)  # byte 2 + h
+        d = tl.load(scale + rows3 * (KQ // 4) + g3 // 8, mask=ok3, other=0.0).to(tl.float32)
+        part = d * (sc0 * (tl.sum(s0, axis=3) - 32.0 * X0) + sc1 * (tl.sum(s1, axis=3) - 32.0 * X1))
+    return tl.sum(part, axis=2)
+
+
+@triton.jit
+def _x_pos(QT: tl.constexpr, x_at, e, K, n: tl.constexpr, EVEN_K: tl.constexpr):
+    """(x at elements e as float32, the same pre-scaled by 2^-s for position n)."""
+    if EVEN_K:
+        v = tl.load(x_at + e).to(tl.float32)
+    else:
+        v = tl.load(x_at + e, mask=e < K, other=0.0).to(tl.float32)
+    # The factor 2^s that position n's mask leaves on a code (see _v2_dot); the x side takes 2^-s.
+    if QT == 8:
+        sh = 8 * (n % 2)
+    elif QT == 12:
+        sh = 4 * (n % 4)
+    else:
+        sh = 8 * ((n // 2) % 2)
+    return v, v * (1.0 / (1 << sh))
+
+
+@triton.jit
+def _x_tiles(QT: tl.constexpr, WPG: tl.constexpr, x_row, K, g4, j4, EVEN_K: tl.constexpr):
+    """x of one token for groups g4 [1, 1, G, 1], words j4: the pre-scaled tiles of the 8 positions (Q8_0: 4, the
+    rest repeat them) and the plain plane sums X0, X1 [1, 1, G] that _v2_dot takes."""
+    # Element of position n of word j in group g: e + n (Q8_0), e + n // 2 + 32 (n % 2) (4-bit layout).
+    if QT == 8:
+        e = 32 * g4 + 4 * j4  # [1, 1, G, 8]
+    elif QT == 12:
+        e = 64 * g4 + 4 * j4
+    else:
+        e = 64 * (g4 // 2) + 16 * (g4 % 2) + 4 * j4
+    v0, x0 = _x_pos(QT, x_row, e, K, 0, EVEN_K)
+    if QT == 8:
+        v1, x1 = _x_pos(QT, x_row + 1, e, K - 1, 1, EVEN_K)
+        v2, x2 = _x_pos(QT, x_row + 2, e, K - 2, 2, EVEN_K)
+        v3, x3 = _x_pos(QT, x_row + 3, e, K - 3, 3, EVEN_K)
+        X0 = tl.sum(v0 + v1 + v2 + v3, axis=3)  # [1, 1, G]
+        X1 = X0
+        x4, x5, x6, x7 = x0, x1, x2, x3  # unused
+    else:
+        v1, x1 = _x_pos(QT, x_row + 32, e, K - 32, 1, EVEN_K)
+        v2, x2 = _x_pos(QT, x_row + 1, e, K - 1, 2, EVEN_K)
+        v3, x3 = _x_pos(QT, x_row + 33, e, K - 33, 3, EVEN_K)
+        v4, x4 = _x_pos(QT, x_row + 2, e, K - 2, 4, EVEN_K)
+        v5, x5 = _x_pos(QT, x_row + 34, e, K - 34, 5, EVEN_K)
+        v6, x6 = _x_pos(QT, x_row + 3, e, K - 3, 6, EVEN_K)
+        v7, x7 = _x_pos(QT, x_row + 35, e, K - 35, 7, EVEN_K)
+        X0 = tl.sum(v0 + v2 + v4 + v6, axis=3)  # plane 0 (even positions)
+        X1 = tl.sum(v1 + v3 + v5 + v7, axis=3)
+    return x0, x1, x2, x3, x4, x5, x6, x7, X0, X1
+
+
+@triton.jit
+def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
+                G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1):  # fmt: skip
+    """Partial sums [BLOCK_N] of rows [BLOCK_N] (ok: which to read) over groups [g0, g0 + G) against one token's
+    x tiles (_x_tiles of the same groups)."""
+    gi = g0 + tl.arange(0, G)  # [G]
+    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
+    part = _v2_dot(QT, WPG, codes, high, sub, scale, rows[:, None, None, None], rows[:, None, None],
+                   gi[None, None, :, None], gi[None, None, :], j4, KQ, ok[:, None, None, None], ok[:, None, None],
+                   x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+    return tl.sum(part, axis=1)  # [BLOCK_N, 1] -> [BLOCK_N]
+
+
+@triton.jit
+def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, H, gc, gh, gs, gd, uc, uh, us, ud, rows_g, rows_u,
+                 ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr):  # fmt: skip
+    """(gate, up) partial sums [BLOCK_N] over groups [g0, g0 + G) of the rows (rows where ok is false read
+    nothing)."""
+    gi = g0 + tl.arange(0, G)  # [G]
+    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
+    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_tiles(QT, WPG, x_row, H, gi[None, None, :, None], j4, EVEN_K)
+    dg = _rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)
+    du = _rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)
+    return dg, du
+
+
+@triton.jit
+def _gemm1_v2_kernel(
+    x_ptr,  # [T, H]
+    ids_ptr,  # [T*k]
+    inter_ptr,  # [T*k, I_pad] position-major, pre-scaled for the down type QW
+    sums_ptr,  # [T*k, I_pad / 16] float32
+    gc, gh, gs, gd,  # gate arrays (codes / high as int32 words)
+    uc, uh, us, ud,  # up arrays
+    top_k,
+    H,
+    I,  # noqa: E741
+    G_ROWS,  # rows per expert of the packed tensor holding gate, and gate's first row in it
+    G_OFF,
+    U_ROWS,
+    U_OFF,
+    KQ,  # pairs per row (padded H / 64)
+    I_WORDS,  # words per row of down (positions per word x I_WORDS = padded I)
+    stride_xt,
+    stride_it,
+    stride_st,
+    QT: tl.constexpr,
+    QW: tl.constexpr,
+    WPG: tl.constexpr,  # words per group of the gate/up type
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FULL: tl.constexpr,  # whole BLOCK_G chunks per row
+    REM: tl.constexpr,  # groups left, covered by one chunk per set bit
+    LOG_BG: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ok = offs_n < I
+    n = tl.where(ok, offs_n, 0).to(tl.int64)
+    rows_g = expert * G_ROWS + G_OFF + n  # [BLOCK_N]
+    rows_u = expert * U_ROWS + U_OFF + n
+    x_row = x_ptr + token * stride_xt
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in tl.static_range(FULL):
+        dg, du = _gemm1_chunk(QT, WPG, x_row, H, gc, gh, gs, gd, uc, uh, us, ud, rows_g, rows_u, ok, c * BLOCK_G,
+                              BLOCK_G, KQ, EVEN_K)  # fmt: skip
+        acc_g += dg
+        acc_u += du
+    for b in tl.static_range(LOG_BG):
+        if (REM >> b) & 1:
+            dg, du = _gemm1_chunk(QT, WPG, x_row, H, gc, gh, gs, gd, uc, uh, us, ud, rows_g, rows_u, ok,
+                                  FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K)  # fmt: skip
+            acc_g += dg
+            acc_u += du
+    # Rounded to the activation dtype, as the reference's intermediate is.
+    act = tl.where(ok, _silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
+    # Position-major store for GEMM 2: element e -> (position, word) of the down type's layout, times 2^-s.
+    if QW == 8:
+        pos = offs_n % 4
+        word = offs_n // 4
+        exp = 8 * (pos % 2)
+    else:
+        r = offs_n % 64
+        pos = 2 * (r % 4) + r // 32
+        word = 8 * (offs_n // 64) + (r % 32) // 4
+        if QW == 12:
+            exp = 4 * (pos % 4)
+        else:
+            exp = 8 * ((pos // 2) % 2)
+    pre = act * ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    i_row = inter_ptr + slot.to(tl.int64) * stride_it
+    tl.store(i_row + pos * I_WORDS + word, pre.to(inter_ptr.dtype.element_ty), mask=ok)
+    # Sums of every 16 consecutive values (BLOCK_N is a multiple of 16; padding rows add zeros).
+    sums = tl.sum(tl.reshape(act, [BLOCK_N // 16, 16]), axis=1)  # [BLOCK_N / 16]
+    offs_s = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+    tl.store(sums_ptr + slot.to(tl.int64) * stride_st + offs_s, sums, mask=offs_s * 16 < I)
+
+
+@triton.jit
+def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows,
+                 g0: tl.constexpr, G: tl.constexpr, KQ, I_WORDS, stride_it, stride_st):  # fmt: skip
+    """Partial sums [BLOCK_N, SLOTS] over groups [g0, g0 + G) of the rows [BLOCK_N, SLOTS]; slot [SLOTS] picks
+    each column's intermediate, which all BLOCK_N rows share."""
+    gi = g0 + tl.arange(0, G)
+    g4 = gi[None, None, :, None]  # [1, 1, G, 1]
+    g3 = gi[None, None, :]  # [1, 1, G]
+    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
+    ok4 = ok[None, :, None, None]  # [1, SLOTS, 1, 1]
+    ok3 = ok[None, :, None]
+    a = inter_ptr + slot[None, :, None, None] * stride_it + g4 * WPG + j4  # [1, SLOTS, G, WPG] position 0
+    x0 = tl.load(a, mask=ok4, other=0.0).to(tl.float32)
+    x1 = tl.load(a + I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+    x2 = tl.load(a + 2 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+    x3 = tl.load(a + 3 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+    s_row = sums_ptr + slot[None, :, None] * stride_st  # [1, SLOTS, 1]; one sum per 16 elements
+    if QT == 8:
+        x4, x5, x6, x7 = x0, x1, x2, x3  # unused
+        X0 = tl.load(s_row + 2 * g3, mask=ok3, other=0.0) + tl.load(s_row + 2 * g3 + 1, mask=ok3, other=0.0)
+        X1 = X0
+    else:
+        x4 = tl.load(a + 4 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+        x5 = tl.load(a + 5 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+        x6 = tl.load(a + 6 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+        x7 = tl.load(a + 7 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
+        if QT == 12:  # pair g, plane p: elements 64g + 32p + [0, 32)
+            X0 = tl.load(s_row + 4 * g3, mask=ok3, other=0.0) + tl.load(s_row + 4 * g3 + 1, mask=ok3, other=0.0)
+            X1 = tl.load(s_row + 4 * g3 + 2, mask=ok3, other=0.0) + tl.load(s_row + 4 * g3 + 3, mask=ok3, other=0.0)
+        else:  # group (q, h), plane p: elements 64q + 32p + 16h + [0, 16)
+            first = 4 * (g3 // 2) + g3 % 2
+            X0 = tl.load(s_row + first, mask=ok3, other=0.0)
+            X1 = tl.load(s_row + first + 2, mask=ok3, other=0.0)
+    return _v2_dot(QT, WPG, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
+                   x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+
+
+@triton.jit
+def _gemm2_v2_kernel(
+    inter_ptr,  # [T*k, I_pad] position-major (GEMM 1)
+    sums_ptr,  # [T*k, I_pad / 16]
+    ids_ptr,  # [T*k]
+    topk_w_ptr,  # [T*k]
+    out_ptr,  # [T, H] in the output dtype
+    wc, wh, ws, wd,  # down arrays (codes / high as int32 words)
+    top_k,
+    H,
+    KQ,  # pairs per row (padded I / 64)
+    I_WORDS,
+    stride_it,
+    stride_st,
+    stride_ot,
+    QT: tl.constexpr,
+    WPG: tl.constexpr,
+    SLOTS: tl.constexpr,  # top_k rounded up to a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FULL: tl.constexpr,
+    REM: tl.constexpr,
+    LOG_BG: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    s = tl.arange(0, SLOTS)  # [SLOTS]
+    ok = s < top_k
+    slot = token * top_k + tl.where(ok, s, 0)  # [SLOTS] int64
+    expert = tl.load(ids_ptr + slot, mask=ok, other=0).to(tl.int64)
+    weight = tl.load(topk_w_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, SLOTS]
+    acc = tl.zeros([BLOCK_N, SLOTS], dtype=tl.float32)
+    for c in tl.static_range(FULL):
+        acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G, BLOCK_G, KQ,
+                            I_WORDS, stride_it, stride_st)  # fmt: skip
+    for b in tl.static_range(LOG_BG):
+        if (REM >> b) & 1:
+            acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows,
+                                FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
+                                stride_st)  # fmt: skip
+    y = tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the k slots
+    tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+@triton.jit
+def _matmul_v2_kernel(
+    x_ptr,  # [M, K]
+    y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
+    bias_ptr,  # [N_total] or a dummy
+    wc, wh, ws, wd,  # weight arrays (codes / high as int32 words)
+    N,
+    K,
+    KQ,
+    col_off,
+    stride_xm,
+    stride_ym,
+    QT: tl.constexpr,
+    WPG: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FULL: tl.constexpr,
+    REM: tl.constexpr,
+    LOG_BG: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ok = offs_n < N
+    rows = tl.where(ok, offs_n, 0).to(tl.int64)
+    x_row = x_ptr + m * stride_xm
+    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in tl.static_range(FULL):
+        gi = c * BLOCK_G + tl.arange(0, BLOCK_G)
+        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_tiles(QT, WPG, x_row, K, gi[None, None, :, None], j4, EVEN_K)
+        acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, c * BLOCK_G, BLOCK_G, KQ,
+                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+    for b in tl.static_range(LOG_BG):
+        if (REM >> b) & 1:
+            gi = FULL * BLOCK_G + (REM & ((1 << b) - 1)) + tl.arange(0, 1 << b)
+            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_tiles(QT, WPG, x_row, K, gi[None, None, :, None], j4,
+                                                              EVEN_K)  # fmt: skip
+            acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b,
+                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + col_off + offs_n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+
+
+def _words_per_group(qtype: QuantType) -> int:
+    """int32 words per group: a Q4_K pair (64 elements) or a Q8_0 block (32), half a Q6_K pair (32)."""
+    return 4 if qtype == QuantType.Q6_K else 8
+
+
+def _group_elems(qtype: QuantType) -> int:
+    """Row elements per group."""
+    return _words_per_group(qtype) * _positions(qtype)
+
+
+def _positions(qtype: QuantType) -> int:
+    """Elements per int32 word."""
+    return 4 if qtype == QuantType.Q8_0 else 8
+
+
+def chunking(groups: int, block_k: int, qtype: QuantType) -> dict[str, int]:
+    """Chunk constants of a row of `groups` groups for about block_k elements per chunk: BLOCK_G (a power of
+    two), FULL chunks of it, then REM groups as one chunk per set bit below LOG_BG."""
+    want = max(1, block_k // _group_elems(qtype))
+    bg = min(1 << (want.bit_length() - 1), triton.next_power_of_2(groups))
+    log_bg = bg.bit_length() - 1
+    return {"BLOCK_G": bg, "FULL": groups // bg, "REM": groups % bg, "LOG_BG": log_bg}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 array [.., n] viewed as int32 words [.., n / 4]."""
+    return t.view(torch.int32)
+
+
+def _arrays(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, high, sub, scale) with codes and high as int32 words; absent arrays stand in as the codes."""
+    codes = _words(p.codes)
+    high = codes if p.high is None else _words(p.high)
+    return codes, high, codes if p.sub is None else p.sub, p.scale
+
+
+def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
+                   cfg: Config) -> None:  # fmt: skip
+    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w."""
+    M, K = x.shape
+    groups = w.k_pad // _group_elems(w.qtype)
+    _matmul_v2_kernel[(triton.cdiv(w.n, cfg["BLOCK_N"]), M)](
+        x, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
+        QT=int(w.qtype), WPG=_words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
+        EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
+                      ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The gemv_v2 path: x [T, H], routing [T, k] (ids int32, contiguous) -> [T, H] in out_dtype."""
+    (gw, g_off), (uw, u_off) = gate, up
+    T, H = x.shape
+    I, i_pad = w2.k, w2.k_pad  # noqa: E741
+    k = ids.shape[1]
+    slots = T * k
+    flat_ids = ids.reshape(-1)  # [T*k]
+    # bf16 keeps the intermediate's dtype; fp16 goes to float32, as 2^-12 pre-scaling would leave its range.
+    inter_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    new = torch.empty if i_pad == I else torch.zeros  # padding must read as zeros
+    inter = new(slots, i_pad, dtype=inter_dtype, device=x.device)  # [T*k, I_pad]
+    sums = new(slots, i_pad // 16, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 16]
+    i_words = i_pad // _positions(w2.qtype)
+    bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
+    groups1 = gw.k_pad // _group_elems(gw.qtype)
+    _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
+        x, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
+        x.stride(0), inter.stride(0), sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
+        WPG=_words_per_group(gw.qtype), BLOCK_N=bn1,
+        EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
+    bn2 = cfg["BLOCK_N2"]
+    groups2 = i_pad // _group_elems(w2.qtype)
+    _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
+        inter, sums, flat_ids, weights.reshape(-1), out, *_arrays(w2), k, H, w2.kq, i_words, inter.stride(0),
+        sums.stride(0), out.stride(0), QT=int(w2.qtype), WPG=_words_per_group(w2.qtype),
+        SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
+        **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )  # fmt: skip
+    return out

@@ -1,0 +1,176 @@
+"""The gemv_v2 decode path of the quantized fused MoE against dequantise + fused_moe_reference (Q4_K, Q6_K,
+Q8_0), its fallback for other types, its chunking of K, and (CUDA only) CUDA-graph capture; the same path of the
+quantized matmul against x @ dequantize(W)^T."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.kernels.quant.configs import default_moe_config, normalize_config  # noqa: E402
+from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
+from moerun.kernels.quant.gemv_v2 import V2_TYPES, chunking  # noqa: E402
+from moerun.kernels.quant.matmul_quant import quant_matmul_triton  # noqa: E402
+from moerun.kernels.quant.repack import pack  # noqa: E402
+from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
+from moerun.kernels.router import route_triton  # noqa: E402
+from moerun.layers.quantized import QuantizedWeight  # noqa: E402
+from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
+from moerun.ops.quant import packed_parts  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_CUDA = DEVICE.type == "cuda"
+
+# The interpreter runs programs one by one: one program covers the tests' I (GEMM 1) and H (GEMM 2) there.
+if ON_CUDA:
+    V2 = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "BLOCK_N2": 8, "BLOCK_K2": 256,
+          "num_warps2": 4}  # fmt: skip
+else:
+    V2 = {"path": "gemv_v2", "BLOCK_N": 256, "BLOCK_K": 4096, "BLOCK_N2": 256, "BLOCK_K2": 4096}
+# GEMM 1 in many small chunks; GEMM 2's 24 (Q8_0: 48) groups as a remainder of two chunks (16 + 8, 32 + 16).
+V2_CHUNKED = {**V2, "BLOCK_K": 128, "BLOCK_K2": 1024}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make_experts(E: int, H: int, I: int, gate_t, down_t=None):  # noqa: E741
+    """QuantizedWeights w13 = [gate, up] [E, I, H] each (one type) and w2 [E, H, I]."""
+    gate = random_quantized(gate_t, (E, I, H), DEVICE)
+    up = random_quantized(gate_t, (E, I, H), DEVICE)
+    down = random_quantized(down_t or gate_t, (E, H, I), DEVICE)
+    return QuantizedWeight([gate, up]), QuantizedWeight([down])
+
+
+def check(seed, T, E, H, I, k, gate_t, down_t, dtype, config) -> None:  # noqa: E741
+    w13, w2 = make_experts(E, H, I, gate_t, down_t)
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    hidden = torch.randn(T, H, device=DEVICE).to(dtype)
+    out = fused_moe_quant(hidden, packed_parts(w13), packed_parts(w2)[0], weights, ids, config)
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (T, H)
+    tol = TOLERANCE[dtype]
+    scale = ref.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale,
+                               msg=lambda m: f"seed={seed} {gate_t}/{down_t} T={T} k={k} {dtype}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("T,k", [(1, 1), (3, 2), (8, 8)])
+@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+def test_each_type_bf16(seed, qt, T, k) -> None:
+    check(seed, T, 9, 256, 256, k, qt, None, torch.bfloat16, V2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+def test_each_type_fp32_fp16(seed, qt, dtype) -> None:
+    check(seed, 3, 5, 256, 256, 2, qt, None, dtype, V2)
+
+
+@pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q8_0], ids=lambda t: t.name)
+def test_q4_k_m_layer_mixed_down_type(seed, down) -> None:
+    # Q4_K_M: gate/up Q4_K, down Q6_K on some layers; GEMM 1 lays the intermediate out for down's type.
+    check(seed, 1, 9, 512, 256, 8, QuantType.Q4_K, down, torch.bfloat16, V2)
+
+
+@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+def test_k_in_several_chunks_and_remainder(seed, qt) -> None:
+    check(seed, 2, 3, 768, 768, 2, qt, None, torch.float32, V2_CHUNKED)
+
+
+def test_q8_0_padded_rows(seed) -> None:
+    # 32-element blocks: H and I that need padding to 256 (masked inputs, zero-initialised intermediate).
+    check(seed, 3, 5, 96, 160, 3, QuantType.Q8_0, None, torch.float32, V2)
+
+
+def test_other_types_fall_back_to_gemv(seed) -> None:
+    check(seed, 2, 3, 256, 256, 2, QuantType.Q5_K, None, torch.bfloat16, V2)
+
+
+def test_chunking_covers_every_group() -> None:
+    for groups in (1, 3, 8, 24, 48, 64, 96, 128):
+        for block_k in (16, 64, 512, 4096):
+            c = chunking(groups, block_k, QuantType.Q4_K)
+            bg = c["BLOCK_G"]
+            assert bg & (bg - 1) == 0 and c["REM"] < bg == 1 << c["LOG_BG"]
+            assert c["FULL"] * bg + c["REM"] == groups
+    assert normalize_config({"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 512})["path"] == "gemv_v2"
+
+
+def test_decode_default_by_gate_type() -> None:
+    # On the GPU, decode takes gemv_v2 for the types it reads and the gemv path for the others.
+    for qtype, path in (("Q4_K", "gemv_v2"), ("Q6_K", "gemv_v2"), ("Q8_0", "gemv_v2"), ("Q5_K", "gemv")):
+        assert default_moe_config(1, 8, interpret=False, qtype=qtype)["path"] == path
+    assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["path"] == "tile"
+
+
+# ----------------------------------------------------------------------------------------------- matmul
+
+
+MATMUL_V2 = {"path": "gemv_v2", "BLOCK_N": 16 if ON_CUDA else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+def test_matmul_v2_each_type(seed, qt, M) -> None:
+    # N = 48 is not a multiple of BLOCK_N; Q8_0 rows of 288 need padding; K = 512 is two 256-input chunks.
+    N, K = 48, 512 if qt.is_k_quant else 288
+    t = random_quantized(qt, (N, K), DEVICE)
+    x = torch.randn(M, K, device=DEVICE).bfloat16()
+    bias = torch.randn(N, device=DEVICE).bfloat16()
+    out = quant_matmul_triton(x, pack(t), bias, config=MATMUL_V2)
+    ref = F.linear(x, t.dequantize().to(x.dtype), bias)
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item(),
+                               msg=lambda m: f"{qt.name} seed={seed}: {m}")  # fmt: skip
+
+
+def test_matmul_v2_parts_with_fallback_type(seed) -> None:
+    # q | k | v of three types: Q4_K and Q6_K on gemv_v2, Q5_0 on the gemv path, each into its own columns.
+    K = 256
+    parts = [random_quantized(QuantType.Q4_K, (64, K), DEVICE), random_quantized(QuantType.Q6_K, (16, K), DEVICE),
+             random_quantized(QuantType.Q5_0, (16, K), DEVICE)]  # fmt: skip
+    w = QuantizedWeight(parts)
+    x = torch.randn(2, K, device=DEVICE, dtype=torch.float32)
+    out = quant_matmul_triton(x, packed_parts(w), config=MATMUL_V2)
+    ref = F.linear(x, w.dequantize(torch.float32))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [1, 8])
+def test_qwen3_30b_shape_cuda_graph(seed, qt, T) -> None:
+    E, H, I, k = 128, 2048, 768, 8  # noqa: E741
+    w13, w2 = make_experts(E, H, I, qt, QuantType.Q6_K if qt == QuantType.Q4_K else None)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    hidden = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+
+    def step() -> torch.Tensor:
+        weights, ids = route_triton(logits, k, True)
+        return fused_moe_quant(hidden, p13, p2, weights, ids, V2)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    tol = TOLERANCE[torch.bfloat16]
+    for _ in range(2):
+        hidden.copy_(torch.randn(T, H, device=DEVICE))
+        logits.copy_(torch.randn(T, E, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fused_moe_reference(hidden, w13, w2, *route_reference(logits, k, True))
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{seed}: {m}")

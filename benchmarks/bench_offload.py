@@ -5,16 +5,19 @@ Rows: bf16 experts at each --budgets GiB (LRU; uniform routing from the random r
 policy / prefetch / CPU-compute variants at the middle budget, and a GGUF Q4_K_M-shaped variant (experts copied as
 blocks) at the budgets llama.cpp needs with --n-cpu-moe 24 and 48 (non-expert weights + KV + half / none of the
 experts). ``--vs transformers`` adds transformers with accelerate offloading (device_map from the same max_memory).
+Every bf16 row runs in each of --modes: 'zero_copy' (kernels read missed experts from pinned host memory, decode in
+CUDA graphs, the cache updated between steps) and 'copy' (misses copied into the cache, eager decode); the
+quantized rows run in 'copy' mode, the only one for quantized experts.
 
 Skewed trace: each MoE layer ranks its experts by a random permutation and routes with Zipf(--zipf) popularity over
 that ranking; with probability --locality a token keeps the previous token's (same batch row's) expert set at that
 layer (temporal locality). The routers are replaced by this sampler, so router-lookahead prefetch cannot predict
-it and is off for those rows.
+it and is off for those rows. The sampler keeps its state in device buffers, so graphed steps replay it.
 
-The copy floor is the decode rate if nothing but copying the missed experts took time, at the pinned host-to-device
-bandwidth measured in the same run.
+The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
+copy mode, read by the kernels in zero-copy mode), at the pinned host-to-device bandwidth measured in the same run.
 
-    python benchmarks/bench_offload.py [--quick] [--vs transformers] [--out bench-offload]
+    python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="use only this many layers of the preset")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budgets", default="8,16,24", help="GPU memory budgets in GiB")
+    p.add_argument("--modes", default="zero_copy,copy", help="offload modes of the bf16 rows, in order")
+    p.add_argument("--admit-mb", type=float, help="zero-copy: MiB admitted into the cache per step (default: auto)")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per row")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -96,34 +101,44 @@ def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
 
 class SkewedRouter:
     """Replaces a block's router: Zipf popularity over a random ranking of the experts, with temporal locality.
-    Sampling stays on the device (no host synchronisation of its own)."""
+    Sampling stays on the device with no host synchronisation, and the previous ids of each batch row live in a
+    static buffer, so a CUDA graph replays the sampler as it runs eagerly."""
 
-    def __init__(self, num_experts: int, k: int, zipf: float, locality: float, seed: int, device: torch.device):
+    def __init__(self, num_experts: int, k: int, zipf: float, locality: float, seed: int, device: torch.device,
+                 max_tokens: int):
         g = torch.Generator().manual_seed(seed)
         ranks = torch.randperm(num_experts, generator=g)
         p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf
         probs = torch.empty(num_experts, dtype=torch.float64)
         probs[ranks] = p / p.sum()
-        self.probs, self.k, self.locality, self.prev = probs.float().to(device), k, locality, None
+        self.log_probs, self.k, self.locality = probs.log().float().to(device), k, locality
+        self.prev = torch.full((max_tokens, k), -1, dtype=torch.int64, device=device)  # [rows, k], -1: none yet
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        T, E = x.shape[0], self.probs.shape[0]
-        ids = torch.multinomial(self.probs.expand(T, E), self.k, replacement=False)  # [T, k]
-        if self.prev is not None and self.prev.shape[0] == T:
-            keep = torch.rand(T, 1, device=x.device) < self.locality
-            ids = torch.where(keep, self.prev, ids)
-        self.prev = ids
+        T, E = x.shape[0], self.log_probs.shape[0]
+        u = torch.rand(T, E, device=x.device).clamp_(1e-12, 1.0 - 1e-7)
+        # Gumbel top-k: k experts without replacement, each draw by the Zipf probabilities
+        ids = torch.topk(self.log_probs - torch.log(-torch.log(u)), self.k, dim=-1).indices  # [T, k]
+        prev = self.prev[:T]
+        keep = (torch.rand(T, 1, device=x.device) < self.locality) & (prev[:, :1] >= 0)
+        ids = torch.where(keep, prev, ids)
+        prev.copy_(ids)
         logits = torch.full((T, E), -4.0, dtype=x.dtype, device=x.device)
         return logits.scatter_(1, ids, (4.0 + torch.rand(T, self.k, device=x.device)).to(x.dtype))  # [T, E]
 
 
 def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) -> None:
     mc = model.config
+    max_tokens = max(int(b) for b in args.batch_sizes.split(",")) * args.prompt_len
     for i, b in enumerate(model.moe_blocks()):
         b.__dict__.pop("router_logits", None)
+        b.__dict__.pop("_routes_fused", None)
         if routing == "skewed":
             b.__dict__["router_logits"] = SkewedRouter(mc.num_experts, mc.num_experts_per_tok, args.zipf,
-                                                       args.locality, 1000 + i, next(model.parameters()).device)
+                                                       args.locality, 1000 + i, next(model.parameters()).device,
+                                                       max_tokens)
+            if hasattr(b, "_routes_fused"):  # a fused norm + router kernel would bypass the sampler
+                b.__dict__["_routes_fused"] = lambda x, norm: False
 
 
 def measure_decode(llm: LLM, B: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -167,14 +182,17 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
             torch.cuda.reset_peak_memory_stats()
         r = measure_decode(llm, B, args)
         s = r.pop("stats")
-        miss_per_token = s["bytes_copied_miss"] / max(s["tokens"], 1)
-        rows.append({**base, "routing": routing, "policy": config.policy, "prefetch": config.prefetch,
-                     "cpu_compute": config.cpu_compute, "slots_per_layer": slots, "batch": B, **r,
+        miss_per_token = s["missed_bytes_per_token"]
+        zero_copy = s["mode"] == "zero_copy"
+        rows.append({**base, "mode": s["mode"], "routing": routing, "policy": config.policy,
+                     "prefetch": config.prefetch and not zero_copy, "cpu_compute": config.cpu_compute,
+                     "slots_per_layer": slots, "batch": B, **r, "graphs": bool(llm.engine.runner.graphs),
                      "hit_rate": s["hit_rate"], "bytes_copied_per_token": s["bytes_copied_per_token"],
                      "miss_bytes_per_token": miss_per_token,
                      "copy_floor_tok_s": bandwidth / miss_per_token if miss_per_token and bandwidth else None,
                      "copy_stall_ms_per_token": s["copy_stall_ms_per_token"],
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
+                     "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),
                      "misses_cpu": s["misses_cpu"], "misses_copied": s["misses_copied"],
                      "cost_model": s.get("cost_model"),
                      "peak_gib": torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else None})
@@ -239,12 +257,14 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-HEADER = (f"{'variant':<24} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} {'pf':>2} {'cpu':<6} {'B':>2} "
-          f"{'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} {'peak':>6}")
+HEADER = (f"{'variant':<24} {'mode':<9} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} {'pf':>2} "
+          f"{'cpu':<6} {'B':>2} {'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} "
+          f"{'peak':>6}")
 
 
 def _row_line(r: dict[str, Any]) -> str:
-    return (f"{r['variant']:<24} {_fmt(r.get('budget_gib'), '6.1f')} {r.get('slots_per_layer', 0):>5} "
+    return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {_fmt(r.get('budget_gib'), '6.1f')} "
+            f"{r.get('slots_per_layer', 0):>5} "
             f"{r.get('routing', '-'):<7} {r.get('policy', '-'):<10} {('y' if r.get('prefetch') else 'n'):>2} "
             f"{r.get('cpu_compute', '-'):<6} {r['batch']:>2} {_fmt(r.get('tok_s'), '8.2f')} "
             f"{_fmt(100 * r['hit_rate'] if r.get('hit_rate') is not None else None, '6.1f')} "
@@ -263,15 +283,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     main = [r for r in rows if r["variant"] == "bf16 LRU"]
-    for routing in ("random", "skewed"):
-        for B in sorted({r["batch"] for r in main}):
-            pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main
-                         if r["routing"] == routing and r["batch"] == B)
-            if not pts:
-                continue
-            xs = [p[0] for p in pts]
-            a.plot(xs, [p[1] for p in pts], marker="o", label=f"{routing}, batch {B}")
-            b.plot(xs, [100 * p[2] for p in pts], marker="o", label=f"{routing}, batch {B}")
+    for mode in sorted({r["mode"] for r in main}):
+        for routing in ("random", "skewed"):
+            for B in sorted({r["batch"] for r in main}):
+                pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main
+                             if r["mode"] == mode and r["routing"] == routing and r["batch"] == B)
+                if not pts:
+                    continue
+                xs, label = [p[0] for p in pts], f"{mode}, {routing}, batch {B}"
+                a.plot(xs, [p[1] for p in pts], marker="o", label=label)
+                b.plot(xs, [100 * p[2] for p in pts], marker="o", label=label)
     a.set(xlabel="expert cache (GiB)", ylabel="decode tok/s", title="decode throughput")
     b.set(xlabel="expert cache (GiB)", ylabel="hit rate (%)", title="expert cache hit rate")
     for ax in (a, b):
@@ -319,30 +340,38 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     print(HEADER, flush=True)
     budgets = _floats(args.budgets)
-    lru = OffloadConfig(policy="lru", prefetch=True)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    admit = int(args.admit_mb * 2**20) if args.admit_mb is not None else None
+    lru = OffloadConfig(policy="lru", prefetch=True, admit_bytes_per_step=admit)
     for budget in budgets:
         pl = placement(budget, fp, lru)
         base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
-        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, lru, "random", tokenizer, args, base,
-                         pinned_bps)
-        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(lru, prefetch=False), "skewed",
-                         tokenizer, args, base, pinned_bps)
+        for mode in modes:
+            cfg = replace(lru, mode=mode)
+            rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
+                             pinned_bps)
+            rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False), "skewed",
+                             tokenizer, args, base, pinned_bps)
     if not args.quick:
         mid = budgets[len(budgets) // 2]
         pl = placement(mid, fp, lru)
         variants = [("bf16 no prefetch", replace(lru, prefetch=False), "random"),
-                    ("bf16 LFU", OffloadConfig(policy="lfu", prefetch=False), "skewed"),
-                    ("bf16 activation-aware", OffloadConfig(policy="activation", prefetch=False), "skewed")]
+                    ("bf16 LFU", replace(lru, policy="lfu", prefetch=False), "skewed"),
+                    ("bf16 activation-aware", replace(lru, policy="activation", prefetch=False), "skewed")]
         for name, cfg, routing in variants:
-            base = {"variant": name, "budget_gib": mid, "cache_gib": pl.cache_bytes / GiB}
-            rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, routing, tokenizer, args, base,
-                             pinned_bps)
+            for mode in modes:
+                if name == "bf16 no prefetch" and mode == "zero_copy":
+                    continue  # zero-copy never prefetches: the same as its LRU row
+                base = {"variant": name, "budget_gib": mid, "cache_gib": pl.cache_bytes / GiB}
+                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, mode=mode), routing,
+                                 tokenizer, args, base, pinned_bps)
         low = budgets[0]
         pl = placement(low, fp, lru)
         cpu_args = argparse.Namespace(**{**vars(args), "batch_sizes": "1"})
-        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(lru, cpu_compute="auto"), "random",
-                         tokenizer, cpu_args, {"variant": "bf16 CPU-compute auto", "budget_gib": low,
-                                               "cache_gib": pl.cache_bytes / GiB}, pinned_bps)
+        rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes,
+                         replace(lru, cpu_compute="auto", mode="copy"), "random", tokenizer, cpu_args,
+                         {"variant": "bf16 CPU-compute auto", "budget_gib": low, "cache_gib": pl.cache_bytes / GiB},
+                         pinned_bps)
     if args.vs == "transformers":
         hf_budgets = _floats(args.hf_budgets) if args.hf_budgets else budgets
         set_routing(model, "random", args)
@@ -390,7 +419,7 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
         budget = (fp.non_expert_bytes + kv + ws + sum(qfp.expert_bytes[:gpu_layers]) * mc.num_experts) / GiB
-        cfg = OffloadConfig(policy="lru", prefetch=True)
+        cfg = OffloadConfig(policy="lru", prefetch=True, mode="copy")
         try:
             pl = plan_placement(qfp, mc, dtype, args.max_model_len, max_seqs, chunk, free, budget, None,
                                 replace(cfg, force=True))

@@ -39,6 +39,9 @@ class LLM:
     Expert offloading (moe/offload): gpu_memory_gb bounds what the model may use on the device; when the model does
     not fit (or expert_cache_gb is given) the experts stay in host memory and a device cache of expert slots serves
     them (offload_policy 'lru', 'lfu' or 'activation'; more options in ``offload``, an OffloadConfig).
+    offload_mode: 'zero_copy' (the kernels read missed experts from pinned host memory and decoding keeps its CUDA
+    graphs), 'copy' (misses are copied into slots, decoding runs eagerly) or 'auto' (zero_copy on CUDA for dense
+    experts); None keeps ``offload.mode``.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class LLM:
         expert_cache_gb: float | None = None,
         offload_policy: str | None = None,
         offload: "OffloadConfig | None" = None,
+        offload_mode: str | None = None,
     ) -> None:
         device = _resolve_device(device)
         if moe_backend not in (None, "torch", "triton"):
@@ -69,7 +73,7 @@ class LLM:
         # ---- expert offloading (moe/offload): placed within gpu_memory_gb / expert_cache_gb, checked first ----
         from moerun.moe.offload.placement import load_offloaded, offload_options, plan_for_checkpoint
 
-        offload = offload_options(offload, offload_policy)
+        offload = offload_options(offload, offload_policy, offload_mode)
         placement = plan_for_checkpoint(model, mc, engine_config, gpu_memory_gb, expert_cache_gb, offload)
         if placement.offload:
             loaded = load_offloaded(model, engine_config, placement, offload, progress=progress)
@@ -102,8 +106,9 @@ class LLM:
                kv_bytes: int | None = None) -> None:
         self.model, self.tokenizer, self.model_config = model, tokenizer, model.config
         offload = model.__dict__.get("expert_offload")
-        if offload is not None:  # offloaded experts: eager decode (the host reads each layer's routing)
-            engine_config = dataclasses.replace(engine_config, cuda_graphs=False)
+        if offload is not None:  # offloaded experts: eager decode unless the manager's forward is device work only
+            if not offload.graphable:
+                engine_config = dataclasses.replace(engine_config, cuda_graphs=False)
             mc, ec = self.model_config, engine_config
             slots = offload.kv_slots(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, ec.max_model_len,
                                      ec.max_num_seqs)

@@ -43,6 +43,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-policy", choices=["lru", "lfu", "activation"], help="expert cache eviction policy")
     p.add_argument("--offload-cpu-compute", choices=["off", "auto", "always"],
                    help="compute missed experts on the CPU: off (default), auto (cost model) or always")
+    p.add_argument("--offload-mode", choices=["auto", "copy", "zero_copy"],
+                   help="zero_copy: kernels read missed experts from pinned host memory, decode keeps its CUDA "
+                   "graphs; copy: misses are copied into the cache, eager decode; auto (default): zero_copy on CUDA "
+                   "for dense experts")
     p.add_argument("--verbose", action="store_true", help="print expert-offloading statistics when done")
 
 
@@ -117,7 +121,7 @@ def _load(args: argparse.Namespace):
         sys.stderr.write(DEMO_NOTE.format(path=model))
     from moerun.moe.offload import OffloadConfig
 
-    offload = OffloadConfig(cpu_compute=args.offload_cpu_compute or "off")
+    offload = OffloadConfig(cpu_compute=args.offload_cpu_compute or "off", mode=args.offload_mode or "auto")
     return LLM(str(model), device=args.device, dtype=args.dtype, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb,
                expert_cache_gb=args.expert_cache_gb, offload_policy=args.offload_policy, offload=offload)

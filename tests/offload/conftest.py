@@ -1,29 +1,26 @@
-"""Fixtures of the offloading tests: small seeded checkpoints (HF float32 and GGUF) with a small tokenizer."""
+"""Fixtures of the offloading tests: small seeded checkpoints (HF float32 and GGUF) with a small tokenizer. Their
+shapes and the prompts live in offload_common.py, which the test modules import (every test folder's conftest is a
+module named "conftest", so which one ``from conftest import`` finds depends on the folders a run collects).
+
+Without CUDA, Triton kernels (zero-copy offloading on the Triton backend) run in Triton's interpreter, which must be
+switched on before triton is imported.
+"""
 
 from __future__ import annotations
 
-import random
+import os
 
 import pytest
+import torch
 
-from helpers import build_checkpoint, write_small_tokenizer
-from moerun.config import ModelConfig
-from moerun.formats.gguf.writer import write_gguf
-from moerun.formats.safetensors_checkpoint import SafetensorsCheckpoint
-from moerun.sampling_params import SamplingParams
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-# 4 MoE layers of 8 experts, top-2: a cache of 3 slots per layer misses often and must serve batches in rounds
-SHAPE = dict(vocab_size=512, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, with_tokenizer=False)
-# GGUF: rows of 256 so that the experts quantize to Q4_K / Q6_K blocks (Q4_K_M)
-GGUF_SHAPE = dict(SHAPE, hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                  bos_token_id=None, eos_token_id=None)
-
-
-def prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(500) for _ in range(n)] for n in (5, 17, 3, 9)]
+from helpers import build_checkpoint, write_small_tokenizer  # noqa: E402
+from moerun.config import ModelConfig  # noqa: E402
+from moerun.formats.gguf.writer import write_gguf  # noqa: E402
+from moerun.formats.safetensors_checkpoint import SafetensorsCheckpoint  # noqa: E402
+from offload_common import GGUF_SHAPE, SHAPE  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GREEDY, prompts
+from offload_common import GREEDY, prompts
 from moerun import LLM
 from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.planner import footprint_of_config, footprint_of_gguf

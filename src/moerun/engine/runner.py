@@ -30,8 +30,15 @@ class ModelRunner:
         self._static: dict[str, torch.Tensor] = {}
         self.prefill_graphs: PrefillGraphs | None = None
 
+    def _between_steps(self, tokens: int) -> None:
+        # expert offloading that updates its cache between forward passes, outside any graph (moe/offload)
+        hook = getattr(self.model.__dict__.get("expert_offload"), "between_steps", None)
+        if hook is not None:
+            hook(tokens)
+
     def prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
         """Runs the batch's tokens; returns float32 logits [len(rows), V] of the given rows."""
+        self._between_steps(input_ids.numel())
         if self.prefill_graphs is not None and len(rows) == 1 and self.prefill_graphs.fits(batch):
             return self.prefill_graphs.run(input_ids, batch)
         hidden = self.model(input_ids, batch, self.cache)  # [T, H]
@@ -40,6 +47,7 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One token per sequence -> float32 logits [B, V], through a graph when one fits."""
         B = batch.num_seqs
+        self._between_steps(B)
         if not self.graphs or B > self.buckets[-1]:
             hidden = self.model(input_ids, batch, self.cache)
             return self.model.compute_logits(hidden).float()

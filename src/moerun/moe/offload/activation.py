@@ -29,6 +29,12 @@ class ActivationMatrix:
         self.total[layer, experts] += counts
         self._prediction = None
 
+    def record_all(self, counts: np.ndarray) -> None:
+        """``record`` for every layer at once: counts [L, E] tokens routed."""
+        self.current += counts
+        self.total += counts
+        self._prediction = None
+
     def new_request(self) -> None:
         """Closes the current request's matrix (kept in the history when it saw any routing)."""
         if self.current.any():

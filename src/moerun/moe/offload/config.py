@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+MODES = ("auto", "copy", "zero_copy")
 POLICIES = ("lru", "lfu", "activation")
 CPU_COMPUTE = ("off", "auto", "always")
 PIN_MODES = ("all", "staged", "auto")
@@ -13,6 +16,13 @@ PIN_MODES = ("all", "staged", "auto")
 class OffloadConfig:
     """Options of expert offloading; the cache size itself comes from the placement (planner.py).
 
+    mode: how missed experts reach the GPU. 'copy' (manager.py): the host reads each layer's routing, copies the
+        misses into slots (or computes them on the CPU), and decoding runs eagerly. 'zero_copy' (zero_copy.py):
+        the kernels read missed experts straight from pinned host memory through per-layer address tables, so
+        the whole step is device work captured in CUDA graphs; the cache is updated between steps from the
+        routing the step recorded. 'auto': zero_copy on CUDA for dense experts with the CPU compute off, else copy.
+    admit_bytes_per_step: zero_copy mode: bytes of experts copied into slots between two steps at most (None: a
+        quarter of what the step read from host memory, at least one expert; 0: the cache never changes).
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
     prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
     prefetch_depth: how many following MoE layers to prefetch for.
@@ -41,8 +51,19 @@ class OffloadConfig:
     cpu_expert_ms: float | None = None
     cpu_token_ms: float | None = None
     force: bool = False
+    mode: str = "auto"
+    admit_bytes_per_step: int | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"offload mode must be one of {MODES}, got {self.mode!r}")
+        if self.admit_bytes_per_step is not None and self.admit_bytes_per_step < 0:
+            raise ValueError(f"admit_bytes_per_step must be >= 0, got {self.admit_bytes_per_step}")
+        if self.mode == "zero_copy" and self.cpu_compute != "off":
+            raise ValueError("offload mode 'zero_copy' reads missed experts on the GPU: it needs cpu_compute='off'")
+        if self.mode == "zero_copy" and self.pin == "staged":
+            raise ValueError("offload mode 'zero_copy' reads experts from pinned host memory: it needs pin='all' "
+                             "or 'auto', not 'staged'")
         if self.policy not in POLICIES:
             raise ValueError(f"offload policy must be one of {POLICIES}, got {self.policy!r}")
         if self.cpu_compute not in CPU_COMPUTE:
@@ -59,3 +80,13 @@ class OffloadConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+
+
+def resolve_mode(config: OffloadConfig, device: torch.device, dense: bool) -> str:
+    """'copy' or 'zero_copy' for experts on ``device`` (dense: every expert part is a float tensor)."""
+    if config.mode == "zero_copy" and not dense:
+        raise ValueError("offload mode 'zero_copy' needs dense (float) experts; quantized experts use mode='copy'")
+    if config.mode != "auto":
+        return config.mode
+    zero_copy = device.type == "cuda" and dense and config.cpu_compute == "off" and config.pin != "staged"
+    return "zero_copy" if zero_copy else "copy"

@@ -14,8 +14,8 @@ Per layer and forward pass (T tokens routed to k experts each):
 4. Prefetch: the lookahead's candidates for the next layers are copied behind the misses.
 5. The partial results (float32 when there are several) are summed.
 
-On CUDA the host waits once per MoE layer for the routing ids, so decoding runs eagerly (no CUDA graphs) while
-offloading is on.
+On CUDA the host waits once per MoE layer for the routing ids, so decoding runs eagerly (no CUDA graphs) in this
+mode ('copy'); zero_copy.py serves dense experts without that wait.
 """
 
 from __future__ import annotations
@@ -48,8 +48,26 @@ def _resolve_backend(backend: str | None, device: torch.device) -> str:
     return pick_backend(backend, device, "MoE")
 
 
+def kv_slots_within(kv_bytes: int | None, device: torch.device, num_layers: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> int:
+    """How many sequences the KV cache holds within the placement's KV budget (None: 90% of free memory)."""
+    per_seq = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * max_model_len
+    budget = kv_bytes if kv_bytes is not None else int(available_bytes(device) * 0.9)
+    slots = min(max_num_seqs, budget // per_seq)
+    if slots < 1:
+        raise ValueError(
+            f"the KV cache for one sequence of max_model_len={max_model_len} tokens needs "
+            f"{per_seq / 2**30:.3f} GiB but the offloading placement leaves {budget / 2**30:.3f} GiB for it; "
+            "lower max_model_len or raise gpu_memory_gb"
+        )
+    return int(slots)
+
+
 class ExpertOffload:
     """The cache (slot table + device pools), host store, copier, policy, lookahead and statistics."""
+
+    graphable = False  # the host reads every layer's routing: forward passes cannot be captured
+    mode = "copy"
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device, dtype: torch.dtype,
                  top_k: int, gates: list[torch.Tensor], config: OffloadConfig | None = None,
@@ -289,23 +307,15 @@ class ExpertOffload:
     def kv_slots(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
                  max_num_seqs: int) -> int:
         """How many sequences the KV cache holds within the placement's KV budget (or free memory)."""
-        per_seq = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * max_model_len
-        budget = self.kv_bytes if self.kv_bytes is not None else int(available_bytes(self.device) * 0.9)
-        slots = min(max_num_seqs, budget // per_seq)
-        if slots < 1:
-            raise ValueError(
-                f"the KV cache for one sequence of max_model_len={max_model_len} tokens needs "
-                f"{per_seq / 2**30:.3f} GiB but the offloading placement leaves {budget / 2**30:.3f} GiB for it; "
-                "lower max_model_len or raise gpu_memory_gb"
-            )
-        return int(slots)
+        return kv_slots_within(self.kv_bytes, self.device, num_layers, num_kv_heads, head_dim, dtype, max_model_len,
+                               max_num_seqs)
 
     def stats_dict(self) -> dict:
         """Counters and rates (see stats.py) plus the cache's configuration."""
         self.stats.copy_stall_s = self.copier.stall_seconds()
         d = self.stats.as_dict()
         d.update(
-            offloading=True, policy=self.config.policy, prefetch=self.lookahead is not None,
+            offloading=True, mode=self.mode, policy=self.config.policy, prefetch=self.lookahead is not None,
             cpu_compute=self.config.cpu_compute, overlap=self.overlap, slots_per_layer=self.slots_per_layer,
             experts_per_layer=self.num_experts, num_moe_layers=self.num_layers,
             cache_bytes=SlotPool.nbytes(self.store.specs, self.slots_per_layer) if self.slots_per_layer else 0,

@@ -1,7 +1,8 @@
 """OffloadedExperts: the drop-in replacement of a layer's ``Experts`` when its weights live in the host store.
 
-It holds no weights: ``forward`` hands the routing result to the model's ExpertOffload (manager.py), which
-serves the layer from the device slot pool, copying or computing on the CPU what is not cached.
+It holds no weights: ``forward`` hands the routing result to the model's offload manager, which serves the layer
+from the device slot pool and, for what is not cached, copies it or computes it on the CPU (manager.py) or reads it
+in place from pinned host memory (zero_copy.py).
 """
 
 from __future__ import annotations

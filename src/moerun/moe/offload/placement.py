@@ -1,5 +1,6 @@
 """Puts a model in offloaded form: experts into the host store, everything else onto the device, each MoE
-layer's ``Experts`` replaced by ``OffloadedExperts`` served by one ExpertOffload (model.expert_offload)."""
+layer's ``Experts`` replaced by ``OffloadedExperts`` served by one manager (model.expert_offload): an
+ExpertOffload (mode 'copy') or a ZeroCopyOffload (mode 'zero_copy')."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from torch import nn
 from moerun.config import EngineConfig, ModelConfig
 from moerun.engine.memory import available_bytes
 from moerun.layers.quantized import QuantizedWeight, dense_or_dequantized
-from moerun.moe.offload.config import OffloadConfig
+from moerun.moe.offload.config import OffloadConfig, resolve_mode
 from moerun.moe.offload.manager import ExpertOffload
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
 from moerun.moe.offload.planner import Placement, footprint_of_config, footprint_of_gguf, plan_placement
 from moerun.moe.offload.store import HostExpertStore
+from moerun.moe.offload.zero_copy import ZeroCopyOffload
 
 logger = logging.getLogger("moerun")
 
@@ -52,14 +54,18 @@ def _pin_all(config: OffloadConfig, nbytes: int, device: torch.device) -> bool:
 
 
 def offload_model(model: nn.Module, device: torch.device, slots_per_layer: int, config: OffloadConfig,
-                  kv_bytes: int | None = None) -> ExpertOffload:
+                  kv_bytes: int | None = None) -> ExpertOffload | ZeroCopyOffload:
     """Moves a model held in host memory to ``device`` except its experts, which the host store keeps."""
     blocks = model.moe_blocks()
     if not blocks:
         raise ValueError("the model has no MoE layers: there are no experts to offload")
     old = [b.experts for b in blocks]
     nbytes = sum(p.numel() * p.element_size() for ex in old for p in _expert_tensors(ex))
-    store = HostExpertStore.from_experts(old, pin=_pin_all(config, nbytes, device))
+    dense = not any(ex.__dict__.get(f"q_{w}") is not None for ex in old for w in ("w13", "w2"))
+    # zero-copy reads experts from pinned memory: asked for by name, the experts are pinned whatever their size
+    wants_pinned = config.mode == "zero_copy" and resolve_mode(config, device, dense) == "zero_copy"
+    pin = device.type == "cuda" and (wants_pinned or _pin_all(config, nbytes, device))
+    store = HostExpertStore.from_experts(old, pin=pin)
     backend = old[0].backend
     for i, b in enumerate(blocks):
         b.experts = OffloadedExperts(None, i, old[i].num_experts, old[i].hidden_size, old[i].intermediate_size,
@@ -70,14 +76,32 @@ def offload_model(model: nn.Module, device: torch.device, slots_per_layer: int, 
     return attach_offload(model, store, slots_per_layer, device, config, kv_bytes)
 
 
+def store_mode(config: OffloadConfig, store: HostExpertStore, device: torch.device) -> str:
+    """'copy' or 'zero_copy' for this store: 'auto' takes zero_copy only when the store is dense and, on CUDA,
+    pinned; zero_copy asked for by name on a store that cannot serve it is an error."""
+    dense = all(s.qtype is None for layer in store.specs for s in layer)
+    mode = resolve_mode(config, device, dense)
+    if mode == "zero_copy" and device.type == "cuda" and not store.pinned:
+        if config.mode == "zero_copy":
+            raise ValueError("offload mode 'zero_copy' reads experts from pinned host memory, but they could not be "
+                             "pinned; use mode='copy'")
+        return "copy"
+    return mode
+
+
 def attach_offload(model: nn.Module, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                   config: OffloadConfig, kv_bytes: int | None = None) -> ExpertOffload:
-    """Creates the ExpertOffload of a model whose MoE layers already hold OffloadedExperts."""
+                   config: OffloadConfig, kv_bytes: int | None = None) -> ExpertOffload | ZeroCopyOffload:
+    """Creates the manager (by the resolved mode) of a model whose MoE layers already hold OffloadedExperts."""
     blocks = model.moe_blocks()
     mc = model.config
-    gates = [dense_or_dequantized(b.gate, "weight", mc.dtype) for b in blocks]
-    manager = ExpertOffload(store, slots_per_layer, device, mc.dtype, mc.num_experts_per_tok, gates, config,
-                            backend=blocks[0].experts.backend, kv_bytes=kv_bytes)
+    backend = blocks[0].experts.backend
+    if store_mode(config, store, device) == "zero_copy":
+        manager = ZeroCopyOffload(store, slots_per_layer, device, mc.num_experts_per_tok, config, backend=backend,
+                                  kv_bytes=kv_bytes)
+    else:
+        gates = [dense_or_dequantized(b.gate, "weight", mc.dtype) for b in blocks]
+        manager = ExpertOffload(store, slots_per_layer, device, mc.dtype, mc.num_experts_per_tok, gates, config,
+                                backend=backend, kv_bytes=kv_bytes)
     for b in blocks:
         if not isinstance(b.experts, OffloadedExperts):
             raise TypeError(f"layer {b.layer}: expected OffloadedExperts, found {type(b.experts).__name__}")
@@ -105,7 +129,10 @@ def _move_quantized(model: nn.Module, device: torch.device) -> None:
                 module.__dict__[key] = moved[id(value)]
 
 
-def offload_options(config: OffloadConfig | None, policy: str | None = None) -> OffloadConfig:
-    """The OffloadConfig with ``policy`` (when given) overriding its eviction policy."""
+def offload_options(config: OffloadConfig | None, policy: str | None = None, mode: str | None = None
+                    ) -> OffloadConfig:
+    """The OffloadConfig with ``policy`` and ``mode`` (when given) overriding its own."""
     config = config or OffloadConfig()
-    return dataclasses.replace(config, policy=policy) if policy is not None else config
+    if policy is not None:
+        config = dataclasses.replace(config, policy=policy)
+    return dataclasses.replace(config, mode=mode) if mode is not None else config

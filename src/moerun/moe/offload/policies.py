@@ -25,6 +25,14 @@ class EvictionPolicy:
         self.tick += 1
         self.last_use[layer, experts] = self.tick
 
+    def touch_all(self, counts: np.ndarray) -> None:
+        """``touch`` for every layer with routing in ``counts`` [L, E] (tokens per expert), in layer order."""
+        used = counts > 0  # [L, E]
+        layers = np.flatnonzero(used.any(axis=1))
+        ticks = self.tick + 1 + np.arange(len(layers))  # one tick per layer, as consecutive touches give
+        self.last_use[layers] = np.where(used[layers], ticks[:, None], self.last_use[layers])
+        self.tick += len(layers)
+
     def inserted(self, layer: int, expert: int) -> None:
         self.tick += 1
         self.last_use[layer, expert] = self.tick
@@ -38,6 +46,11 @@ class EvictionPolicy:
     def value(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """How much keeping each expert is worth (float [n]); the base ranks by recency alone."""
         return self.last_use[layer, experts].astype(np.float64)
+
+    def values(self) -> np.ndarray:
+        """``value`` of every expert of every layer at once: float [L, E]."""
+        L, E = self.last_use.shape
+        return self.value(slice(None), slice(None)).astype(np.float64).reshape(L, E)
 
     def choose(self, layer: int, candidates: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` candidates (expert ids of ``layer``) to evict: lowest value, then least recently used."""
@@ -66,6 +79,10 @@ class LFUPolicy(EvictionPolicy):
         super().touch(layer, experts, counts)
         self.freq[layer, experts] += counts
 
+    def touch_all(self, counts: np.ndarray) -> None:
+        super().touch_all(counts)
+        self.freq += counts
+
     def value(self, layer: int, experts: np.ndarray) -> np.ndarray:
         return self.freq[layer, experts]
 
@@ -83,6 +100,10 @@ class ActivationAwarePolicy(EvictionPolicy):
     def touch(self, layer: int, experts: np.ndarray, counts: np.ndarray) -> None:
         super().touch(layer, experts, counts)
         self.activations.record(layer, experts, counts)
+
+    def touch_all(self, counts: np.ndarray) -> None:
+        super().touch_all(counts)
+        self.activations.record_all(counts)
 
     def new_request(self) -> None:
         self.activations.new_request()

@@ -8,7 +8,11 @@ from typing import Any
 
 @dataclass
 class OffloadStats:
-    """Raw counters; ``as_dict`` adds the derived rates. A lookup is one (layer, expert) routed in one forward."""
+    """Raw counters; ``as_dict`` adds the derived rates. A lookup is one (layer, expert) routed in one forward.
+
+    bytes_copied counts every byte of experts that crossed to the device: miss and prefetch copies (copy mode),
+    host reads by the kernels and admissions (zero-copy mode).
+    """
 
     forward_passes: int = 0
     tokens: int = 0  # tokens through the first MoE layer, summed over forward passes
@@ -17,11 +21,15 @@ class OffloadStats:
     misses: int = 0
     misses_copied: int = 0
     misses_cpu: int = 0  # missed experts computed on the CPU instead of copied
+    misses_host: int = 0  # zero-copy mode: missed experts read by the kernels from pinned host memory
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU
     copies: int = 0
     bytes_copied: int = 0
     bytes_copied_miss: int = 0
     bytes_copied_prefetch: int = 0
+    bytes_read_host: int = 0  # zero-copy mode: bytes of missed experts the kernels read over PCIe (once each)
+    admissions: int = 0  # zero-copy mode: experts copied into slots between steps
+    bytes_admitted: int = 0
     evictions: int = 0
     prefetch_issued: int = 0
     prefetch_useful: int = 0  # prefetched experts routed to at their layer's next forward
@@ -43,6 +51,8 @@ class OffloadStats:
         resolved = self.prefetch_useful + self.prefetch_wasted
         d["prefetch_accuracy"] = self.prefetch_useful / resolved if resolved else 0.0
         d["bytes_copied_per_token"] = self.bytes_copied / tokens
+        d["missed_bytes_per_token"] = (self.bytes_copied_miss + self.bytes_read_host) / tokens
+        d["bytes_read_host_per_token"] = self.bytes_read_host / tokens
         d["copy_stall_ms_per_token"] = 1e3 * self.copy_stall_s / tokens
         d["cpu_compute_ms_per_token"] = 1e3 * self.cpu_compute_s / tokens
         return d
@@ -53,13 +63,24 @@ def format_stats(stats: dict[str, Any]) -> str:
     if not stats.get("offloading"):
         return "expert offloading: off (all experts on the device)"
     gib = 2**30
+    mode = " (zero-copy)" if stats.get("mode") == "zero_copy" else ""
+    head = (f"expert offloading{mode}: policy {stats['policy']}, {stats['slots_per_layer']} of "
+            f"{stats['experts_per_layer']} experts per layer cached ({stats['cache_bytes'] / gib:.2f} GiB)")
+    moved = f"({stats['bytes_copied_per_token'] / 2**20:.1f} MiB/token)"
+    if stats.get("mode") == "zero_copy":
+        return "\n".join([
+            head,
+            f"  hit rate {stats['hit_rate']:.1%} ({stats['hits']} of {stats['lookups']} lookups), "
+            f"misses read from host memory {stats['misses_host']}",
+            f"  over PCIe {stats['bytes_copied'] / gib:.2f} GiB {moved}: read by the kernels "
+            f"{stats['bytes_read_host'] / gib:.2f} GiB, admitted into slots {stats['bytes_admitted'] / gib:.2f} GiB "
+            f"({stats['admissions']} experts)",
+        ])
     return "\n".join([
-        f"expert offloading: policy {stats['policy']}, {stats['slots_per_layer']} of {stats['experts_per_layer']} "
-        f"experts per layer cached ({stats['cache_bytes'] / gib:.2f} GiB), prefetch {stats['prefetch']}, "
-        f"cpu compute {stats['cpu_compute']}",
+        f"{head}, prefetch {stats['prefetch']}, cpu compute {stats['cpu_compute']}",
         f"  hit rate {stats['hit_rate']:.1%} ({stats['hits']} of {stats['lookups']} lookups), "
         f"misses copied {stats['misses_copied']}, on CPU {stats['misses_cpu']}",
-        f"  copied {stats['bytes_copied'] / gib:.2f} GiB ({stats['bytes_copied_per_token'] / 2**20:.1f} MiB/token), "
+        f"  copied {stats['bytes_copied'] / gib:.2f} GiB {moved}, "
         f"copy stall {stats['copy_stall_ms_per_token']:.2f} ms/token",
         f"  prefetch: {stats['prefetch_issued']} issued, accuracy {stats['prefetch_accuracy']:.1%}",
     ])

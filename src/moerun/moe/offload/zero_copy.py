@@ -1,0 +1,296 @@
+"""ZeroCopyOffload: offloaded experts served without the host inside a forward pass, so steps run in CUDA graphs.
+
+Every offloaded MoE layer has two device tables of int64 addresses, w13 [E] and w2 [E] (pointers.py): an entry
+points at the expert's slot in the device pool when the expert is resident, else at its row of the pinned host
+store, which the fused kernels read in place over PCIe (zero-copy; kernels/fused_moe_ptr.py). A layer's forward is
+route -> table-based fused MoE, plus a count of the (token, slot) pairs each expert received, accumulated on the
+device in ``counts`` [L, E] and copied (non-blocking, inside the step) to a pinned host buffer after the last layer.
+
+The cache changes only between steps (``between_steps``, called by the runner before each forward pass):
+1. the routing counts of the steps finished since the last call give the statistics (hits = routed experts whose
+   entry points at a slot; misses = read from host) and feed the eviction policy; when the last step has not
+   finished yet its counts are taken at a later call (they accumulate), so the host never waits;
+2. admissions whose copy has completed (its event has fired) switch their entries to their slots;
+3. the most-routed missed experts are admitted, within ``admit_bytes_per_step``, into free slots or in place of
+   the policy's victim when the policy values them more. Ordering: the evicted experts' entries are pointed back
+   at their host copies on the compute stream first; the copy stream then waits for the compute stream (no queued
+   step reads the victims' slots through the tables any more) and copies the admitted experts; their entries stay
+   on the host copies until a later call sees the copy's event complete. The compute stream never waits for a copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from moerun.moe.offload.config import OffloadConfig
+from moerun.moe.offload.manager import kv_slots_within
+from moerun.moe.offload.policies import make_policy
+from moerun.moe.offload.pointers import ExpertPointers, address_alignment
+from moerun.moe.offload.pool import SlotPool
+from moerun.moe.offload.residency import Plan, Residency
+from moerun.moe.offload.stats import OffloadStats
+from moerun.moe.offload.store import HostExpertStore, _unregister_all, pinned_empty
+from moerun.moe.offload.transfer import Copier, to_device_async
+from moerun.ops.moe import fused_moe_indirect
+
+
+def _dense_parts(store: HostExpertStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's stacked host (w13 [E, 2I, H], w2 [E, H, I]); raises if they are not dense and contiguous."""
+    specs = store.specs[layer]
+    if [s.which for s in specs] != ["w13", "w2"] or any(s.qtype is not None for s in specs):
+        raise ValueError(f"layer {layer}: zero-copy offloading needs dense w13 and w2 parts, got "
+                         f"{[(s.which, s.qtype) for s in specs]}")
+    w13, w2 = store.parts[layer]
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"layer {layer}: the host store's expert parts must be contiguous")
+    return w13, w2
+
+
+class ZeroCopyOffload:
+    """Address tables, device slot pools, pinned host store, routing counts, policy and statistics."""
+
+    graphable = True  # a forward pass reads nothing back to the host
+    mode = "zero_copy"
+
+    def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device, top_k: int,
+                 config: OffloadConfig | None = None, backend: str | None = None,
+                 kv_bytes: int | None = None) -> None:
+        config = config or OffloadConfig(mode="zero_copy")
+        L, E, S = store.num_layers, store.num_experts, slots_per_layer
+        if not 0 <= S <= E:
+            raise ValueError(f"slots_per_layer must be in [0, {E}], got {S}")
+        if device.type == "cuda" and not store.pinned:
+            raise ValueError("zero-copy offloading reads experts from pinned host memory, but the store is not pinned")
+        parts = [_dense_parts(store, layer) for layer in range(L)]
+        self.store, self.config, self.device, self.backend, self.kv_bytes = store, config, device, backend, kv_bytes
+        self.num_layers, self.num_experts, self.slots_per_layer, self.top_k = L, E, S, top_k
+        self.dtype = parts[0][0].dtype
+        self.expert_bytes = [store.expert_bytes(layer) for layer in range(L)]  # one expert, all parts, per layer
+        self.stats = OffloadStats()
+        self.policy = make_policy(config.policy, L, E)
+        self.slots = Residency(L, E, S)  # host view: which expert is in which slot, ready or loading
+        self.pool = SlotPool(store.specs, S, device) if S > 0 else None
+        self.copier = Copier(device)
+        # addresses [L, E] of each expert's host rows and [L, S] of each slot's device rows
+        self.host_w13 = np.array([[w13[e].data_ptr() for e in range(E)] for w13, _ in parts], dtype=np.int64)
+        self.host_w2 = np.array([[w2[e].data_ptr() for e in range(E)] for _, w2 in parts], dtype=np.int64)
+        pool = self.pool.parts if self.pool is not None else [[None, None]] * L
+        self.slot_w13 = np.array([[p13[s].data_ptr() for s in range(S)] for p13, _ in pool], dtype=np.int64)
+        self.slot_w2 = np.array([[p2[s].data_ptr() for s in range(S)] for _, p2 in pool], dtype=np.int64)
+        self.slot_w13, self.slot_w2 = self.slot_w13.reshape(L, S), self.slot_w2.reshape(L, S)
+        self.w13_table = torch.from_numpy(self.host_w13.copy()).to(device)  # [L, E] int64
+        self.w2_table = torch.from_numpy(self.host_w2.copy()).to(device)  # [L, E] int64
+        self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
+        self.counts = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] pairs routed, cumulative
+        # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
+        self._registry: list[int] = []
+        self.host_counts = (pinned_empty(L * E * 8, self._registry).view(torch.int64).view(L, E)
+                            if device.type == "cuda" else None)  # [L, E] the counts after the latest step
+        weakref.finalize(self, _unregister_all, self._registry)
+        self.seen = np.zeros((L, E), dtype=np.int64)  # [L, E] counts already taken into the statistics
+        self.pending: list[tuple[torch.cuda.Event | None, Plan]] = []  # copies in flight, oldest first
+        self.carried: np.ndarray | None = None  # routing counted by stats_dict, not yet used for admissions
+        self.started = False
+        self._fill()
+
+    def _layer_pointers(self, layer: int, host: tuple[torch.Tensor, torch.Tensor],
+                        pool: list[torch.Tensor | None]) -> ExpertPointers:
+        w13, w2 = host
+        I, H = w13.shape[1] // 2, w13.shape[2]  # noqa: E741
+        regions = tuple(t for t in (*pool, w13, w2) if t is not None)
+        align = address_alignment(*(t.data_ptr() for t in regions), w13[0].numel() * w13.element_size(),
+                                  w2[0].numel() * w2.element_size())
+        return ExpertPointers(self.w13_table[layer], self.w2_table[layer], H, I, self.dtype, align, regions)
+
+    def _fill(self) -> None:
+        """Experts 0 .. S-1 of every layer start resident (copied now, before any step or graph capture)."""
+        L, S = self.num_layers, self.slots_per_layer
+        layers, slots = np.repeat(np.arange(L), S), np.tile(np.arange(S), L)
+        self.slots.admit(Plan(layers, slots, slots, np.full(L * S, -1)))
+        for layer, e in zip(layers.tolist(), slots.tolist()):
+            for dst, src in zip(self.pool.slot_views(layer, e), self.store.expert_parts(layer, e)):
+                dst.copy_(src)
+            self.policy.inserted(layer, e)
+        self.slots.settle(layers, slots)
+        self._write_tables(layers, slots)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- inside a forward pass (device work only; captured in CUDA graphs) ----
+    def forward_layer(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
+        ids = topk_ids.reshape(-1).long()  # [T*k]
+        self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
+        out = fused_moe_indirect(x, self.pointers[layer], topk_weights, topk_ids, backend=self.backend)
+        if layer == self.num_layers - 1 and self.host_counts is not None:
+            self.host_counts.copy_(self.counts, non_blocking=True)
+        return out
+
+    # ---- between forward passes (host) ----
+    def between_steps(self, tokens: int = 0) -> None:
+        """Statistics and cache updates from the finished steps' routing; ``tokens`` the coming step's count."""
+        if not self.started:  # routing recorded while warming up or capturing graphs is not a step's
+            self.started = True
+            self._take_routing(wait=True)
+        routed = self._take_routing(wait=False)
+        if routed is not None:
+            self._record(routed)
+        if self.carried is not None:
+            routed = self.carried if routed is None else routed + self.carried
+            self.carried = None
+        self.stats.forward_passes += 1
+        self.stats.tokens += tokens
+        switched = self._settle()
+        plan = self._plan(routed) if routed is not None else None
+        if plan is not None and len(plan):
+            self._admit(plan)
+            evicted = plan.victims >= 0
+            switched = (np.concatenate([switched[0], plan.layers[evicted]]),
+                        np.concatenate([switched[1], plan.victims[evicted]]))
+        # evicted experts point at their host copies before the copies into their slots are queued
+        self._write_tables(*switched)
+        if plan is not None and len(plan):
+            self._copy(plan)
+
+    def _take_routing(self, wait: bool) -> np.ndarray | None:
+        """Pairs routed to each expert [L, E] since the last call, or None when the last step is still running."""
+        if self.host_counts is None:
+            now = self.counts.numpy().copy()
+        else:
+            done = torch.cuda.Event()
+            done.record()
+            if wait:
+                done.synchronize()
+            elif not done.query():
+                return None
+            now = self.host_counts.numpy().copy()
+        routed, self.seen = now - self.seen, now
+        return routed
+
+    def _record(self, routed: np.ndarray) -> None:
+        """Hits, misses and bytes read from host of the routing [L, E]; the policy sees it too."""
+        st = self.stats
+        used = routed > 0  # [L, E]
+        missed = used & ~self.slots.ready  # [L, E] read by the kernels from host memory
+        misses = int(missed.sum())
+        st.lookups += int(used.sum())
+        st.hits += int((used & self.slots.ready).sum())
+        st.misses += misses
+        st.misses_host += misses
+        nbytes = int((missed.sum(axis=1) * np.asarray(self.expert_bytes, dtype=np.int64)).sum())
+        st.bytes_read_host += nbytes
+        st.bytes_copied += nbytes
+        self.policy.touch_all(routed)
+
+    def _settle(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layers, experts) of the admissions whose copies completed: resident from now on."""
+        done = []
+        while self.pending:
+            event, plan = self.pending[0]
+            if event is not None and not event.query():
+                break  # copies complete in the order they were issued (one stream)
+            self.pending.pop(0)
+            self.slots.settle(plan.layers, plan.experts)
+            done.append(plan)
+        layers = np.concatenate([p.layers for p in done]) if done else np.zeros(0, dtype=np.int64)
+        experts = np.concatenate([p.experts for p in done]) if done else np.zeros(0, dtype=np.int64)
+        return layers, experts
+
+    def _plan(self, routed: np.ndarray) -> Plan:
+        """The admissions of this boundary: missed experts the policy values above its victims, within the budget."""
+        budget = self.config.admit_bytes_per_step
+        nbytes = np.asarray(self.expert_bytes, dtype=np.int64)
+        if budget is None:  # a quarter of what the kernels read from host memory, at least one expert
+            read = int((((routed > 0) & ~self.slots.ready).sum(axis=1) * nbytes).sum())
+            budget = max(read // 4, int(nbytes.max()))
+        return self.slots.plan(routed, self.policy.values(), self.policy.last_use, nbytes, budget)
+
+    def _admit(self, plan: Plan) -> None:
+        self.slots.admit(plan)
+        for layer, e, victim in zip(plan.layers.tolist(), plan.experts.tolist(), plan.victims.tolist()):
+            if victim >= 0:
+                self.policy.evicted(layer, victim)
+            self.policy.inserted(layer, e)
+        self.stats.evictions += int((plan.victims >= 0).sum())
+
+    def _write_tables(self, layers: np.ndarray, experts: np.ndarray) -> None:
+        """Points the table entries of these experts at their slots (ready) or their host copies, in the compute
+        stream's order."""
+        if len(layers) == 0:
+            return
+        ready = self.slots.ready[layers, experts]
+        slot = np.maximum(self.slots.slot_of[layers, experts], 0)
+        S = self.slots_per_layer
+        w13 = np.where(ready, self.slot_w13[layers, slot] if S else 0, self.host_w13[layers, experts])
+        w2 = np.where(ready, self.slot_w2[layers, slot] if S else 0, self.host_w2[layers, experts])
+        packed = to_device_async(np.stack([layers * self.num_experts + experts, w13, w2]), self.device)  # [3, n]
+        self.w13_table.view(-1).index_copy_(0, packed[0], packed[1])
+        self.w2_table.view(-1).index_copy_(0, packed[0], packed[2])
+
+    def _copy(self, plan: Plan) -> None:
+        """Copies the admitted experts into their slots on the copy stream, after everything queued so far."""
+        self.copier.after_compute()
+        for layer, e, slot in zip(plan.layers.tolist(), plan.experts.tolist(), plan.slots.tolist()):
+            self.copier.copy_expert(self.pool.slot_views(layer, slot), self.store.expert_parts(layer, e))
+        self.pending.append((self.copier.record(), plan))
+        nbytes = int(sum(self.expert_bytes[layer] for layer in plan.layers.tolist()))
+        self.stats.copies += len(plan)
+        self.stats.admissions += len(plan)
+        self.stats.bytes_admitted += nbytes
+        self.stats.bytes_copied += nbytes
+
+    # ---- engine hooks ----
+    def new_request(self) -> None:
+        """A request was added: the activation-aware policy starts a new activation matrix."""
+        self.policy.new_request()
+
+    def kv_slots(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
+                 max_num_seqs: int) -> int:
+        """How many sequences the KV cache holds within the placement's KV budget (or free memory)."""
+        return kv_slots_within(self.kv_bytes, self.device, num_layers, num_kv_heads, head_dim, dtype, max_model_len,
+                               max_num_seqs)
+
+    def stats_dict(self) -> dict:
+        """Counters and rates (stats.py) of the steps so far (waits for the last one) and the configuration."""
+        routed = self._take_routing(wait=True) if self.started else None
+        if routed is not None:
+            self._record(routed)
+            self.carried = routed if self.carried is None else self.carried + routed
+        d = self.stats.as_dict()
+        d.update(
+            offloading=True, mode=self.mode, policy=self.config.policy, prefetch=False, prefetch_accuracy=None,
+            cpu_compute="off", overlap=True, slots_per_layer=self.slots_per_layer, experts_per_layer=self.num_experts,
+            num_moe_layers=self.num_layers,
+            cache_bytes=SlotPool.nbytes(self.store.specs, self.slots_per_layer) if self.slots_per_layer else 0,
+            host_bytes=self.store.total_bytes, pinned=self.store.pinned, expert_bytes=self.store.expert_bytes(0),
+            admit_bytes_per_step=self.config.admit_bytes_per_step,
+            copies_in_flight=sum(len(plan) for _, plan in self.pending),
+        )
+        return d
+
+    def reset_stats(self) -> None:
+        """Zeroes the counters; routing recorded so far is not counted."""
+        if self.started:
+            self._take_routing(wait=True)
+        self.carried = None
+        self.stats.reset()
+
+    # ---- invariants (tests) ----
+    def check(self) -> None:
+        """Raises AssertionError if the tables, the slot bookkeeping and the copies in flight disagree."""
+        self.slots.check()
+        loading = np.zeros_like(self.slots.loading)
+        for _, plan in self.pending:
+            loading[plan.layers, plan.experts] = True
+        assert (loading == self.slots.loading).all(), "the experts loading are not those with copies in flight"
+        ready, slot = self.slots.ready, np.maximum(self.slots.slot_of, 0)
+        S = self.slots_per_layer
+        for table, host, slots in ((self.w13_table, self.host_w13, self.slot_w13),
+                                   (self.w2_table, self.host_w2, self.slot_w2)):
+            at_slot = np.take_along_axis(slots, slot, axis=1) if S else host
+            expected = np.where(ready, at_slot, host)  # [L, E]
+            assert (table.cpu().numpy() == expected).all(), "a table entry points at neither its slot nor its host copy"

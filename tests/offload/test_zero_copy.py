@@ -1,0 +1,219 @@
+"""Zero-copy offloading: generation is token-for-token the non-offloaded engine's under every policy while the cache
+churns between steps; table entries point at a slot only once its copy completed, evicted experts at their host
+copies, no slot is double-booked; options, errors and the CLI flag. The CUDA test checks the graphed decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload_common import GREEDY, prompts
+from moerun import LLM
+from moerun.cli import main
+from moerun.moe.offload import OffloadConfig
+from moerun.moe.offload.config import resolve_mode
+from moerun.moe.offload.store import HostExpertStore, PartSpec
+from moerun.moe.offload.zero_copy import ZeroCopyOffload
+from moerun.ops.moe_reference import fused_moe_reference
+from moerun.sampling_params import SamplingParams
+from test_offload_generation import OPTS, cache_gb
+
+POLICIES = ["lru", "lfu", "activation"]
+CHURN = 10**9  # admission budget per step that never binds: every missed expert is admitted when worth it
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    return [o.token_ids for o in LLM(str(hf_model), **OPTS).generate(prompts(), GREEDY)]
+
+
+def zero_copy_llm(path, slots: int, opts: dict | None = None, **config) -> LLM:
+    llm = LLM(str(path), expert_cache_gb=cache_gb(path, slots), offload=OffloadConfig(mode="zero_copy", **config),
+              **OPTS, **(opts or {}))
+    assert isinstance(llm.model.expert_offload, ZeroCopyOffload)
+    return llm
+
+
+def check_stats(llm: LLM) -> dict:
+    s = llm.stats()
+    manager = llm.model.expert_offload
+    assert s["mode"] == "zero_copy" and s["offloading"]
+    assert s["hits"] + s["misses"] == s["lookups"] > 0
+    assert s["misses"] == s["misses_host"] and s["misses_copied"] == s["misses_cpu"] == 0
+    assert s["bytes_read_host"] == s["misses_host"] * manager.store.expert_bytes(0)  # dense: every layer alike
+    assert s["bytes_admitted"] == s["admissions"] * manager.store.expert_bytes(0) and s["copies"] == s["admissions"]
+    assert s["bytes_copied"] == s["bytes_read_host"] + s["bytes_admitted"]
+    assert s["copy_stall_s"] == 0 and s["prefetch_accuracy"] is None
+    assert s["hit_rate"] == pytest.approx(s["hits"] / s["lookups"])
+    manager.check()
+    return s
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("admit", [None, CHURN])
+def test_identical_to_the_resident_engine(hf_model, reference, policy, admit):
+    llm = zero_copy_llm(hf_model, 3, policy=policy, admit_bytes_per_step=admit)
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+    s = check_stats(llm)
+    assert s["misses"] > 0 and s["admissions"] > 0 and s["evictions"] == s["admissions"]  # slots start full
+    assert s["tokens"] == sum(len(p) for p in prompts()) + len(prompts()) * (GREEDY.max_tokens - 1)
+    assert not llm.engine.runner.graphs  # CPU: no graphs, the same forward eagerly
+
+
+def test_static_cache(hf_model, reference):
+    llm = zero_copy_llm(hf_model, 3, admit_bytes_per_step=0)  # the first experts stay; the others are read in place
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+    s = check_stats(llm)
+    assert s["admissions"] == s["evictions"] == 0 and s["hits"] > 0 and s["misses"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")
+def test_triton_kernels_in_the_interpreter(hf_model):
+    # the Triton path (address tables dereferenced by the kernels) with slot churn, against the resident engine on
+    # the same kernels; a short run, the interpreter being slow
+    opts = dict(moe_backend="triton")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = prompts(4)[:2]
+    expected = [o.token_ids for o in LLM(str(hf_model), **OPTS, **opts).generate(ids, params)]
+    llm = zero_copy_llm(hf_model, 2, policy="lru", admit_bytes_per_step=CHURN, opts=opts)
+    assert [o.token_ids for o in llm.generate(ids, params)] == expected
+    assert check_stats(llm)["admissions"] > 0
+
+
+# ---- table / slot accounting over random routing ----
+L, E, H, I = 3, 8, 8, 4  # noqa: E741
+
+
+class Copy:
+    """A copy's event under test control: it completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def toy_store(seed: int) -> HostExpertStore:
+    g = torch.Generator().manual_seed(seed)
+    parts = [[torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5]
+             for _ in range(L)]
+    specs = [[PartSpec("w13", (2 * I, H), torch.float32), PartSpec("w2", (H, I), torch.float32)] for _ in range(L)]
+    return HostExpertStore(parts, specs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(policy=st.sampled_from(POLICIES), k=st.integers(1, 3), slots=st.integers(0, E),
+       admit=st.sampled_from([None, 0, 1, CHURN]), seed=st.integers(0, 2**16), zipf=st.floats(0.0, 2.0),
+       steps=st.lists(st.tuples(st.integers(1, 5), st.floats(0.0, 1.0), st.booleans()), min_size=1, max_size=8))
+def test_table_accounting(policy, k, slots, admit, seed, zipf, steps):
+    store = toy_store(seed)
+    nbytes = store.expert_bytes(0)
+    config = OffloadConfig(mode="zero_copy", policy=policy,
+                           admit_bytes_per_step=None if admit is None else admit * nbytes)
+    manager = ZeroCopyOffload(store, slots, torch.device("cpu"), k, config, backend="torch")
+    copies: list[Copy] = []
+    manager.copier.record = lambda: copies.append(Copy()) or copies[-1]
+    rng = np.random.default_rng(seed)
+    popularity = 1.0 / np.arange(1, E + 1) ** zipf
+    manager.check()
+    for T, finish, new_request in steps:
+        if new_request:
+            manager.new_request()
+        for c in copies:  # the oldest copies complete before the next step boundary (one stream: in order)
+            if not c.done and rng.random() >= finish:
+                break
+            c.done = True
+        completed = [(layer, e) for event, plan in manager.pending if event.query()
+                     for layer, e in zip(plan.layers.tolist(), plan.experts.tolist())]
+        manager.between_steps(T)
+        # a completed copy switches its entry to the slot (unless the same boundary evicted it again)
+        assert all(manager.slots.ready[layer, e] or manager.slots.slot_of[layer, e] < 0 for layer, e in completed)
+        manager.check()  # pending copies point at the host copy, ready experts at their slots, no double booking
+        for layer in range(L):
+            ids = np.stack([rng.choice(E, k, replace=False, p=popularity / popularity.sum()) for _ in range(T)])
+            topk_ids = torch.from_numpy(ids.astype(np.int32))
+            topk_weights = torch.from_numpy(rng.random((T, k)).astype(np.float32))
+            x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+            out = manager.forward_layer(layer, x, topk_weights, topk_ids)
+            w13, w2 = store.weights(layer)
+            torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), rtol=0, atol=0)
+    s = manager.stats_dict()
+    assert s["hits"] + s["misses"] == s["lookups"] > 0
+    assert s["tokens"] == sum(T for T, _, _ in steps)
+    assert s["evictions"] <= s["admissions"]
+    if admit is not None:  # the budget binds at every step boundary (the first has no routing yet)
+        assert s["bytes_admitted"] <= (len(steps) - 1) * admit * nbytes
+    if slots == 0 or admit == 0:
+        assert s["admissions"] == 0
+
+
+# ---- options, errors, CLI ----
+def test_mode_resolution_and_errors(gguf_model):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mode(OffloadConfig(), cpu, dense=True) == "copy"
+    assert resolve_mode(OffloadConfig(), cuda, dense=True) == "zero_copy"
+    assert resolve_mode(OffloadConfig(), cuda, dense=False) == "copy"
+    assert resolve_mode(OffloadConfig(cpu_compute="auto"), cuda, dense=True) == "copy"
+    assert resolve_mode(OffloadConfig(mode="zero_copy"), cpu, dense=True) == "zero_copy"
+    with pytest.raises(ValueError, match="offload mode must be one of"):
+        OffloadConfig(mode="mapped")
+    with pytest.raises(ValueError, match="needs cpu_compute='off'"):
+        OffloadConfig(mode="zero_copy", cpu_compute="always")
+    with pytest.raises(ValueError, match="not 'staged'"):
+        OffloadConfig(mode="zero_copy", pin="staged")
+    with pytest.raises(ValueError, match="admit_bytes_per_step must be >= 0"):
+        OffloadConfig(admit_bytes_per_step=-1)
+    with pytest.raises(ValueError, match="needs dense"):
+        LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), offload_mode="zero_copy", **OPTS)
+
+
+def test_llm_kwarg_and_cli_flag(hf_model, capsys):
+    llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), offload_mode="zero_copy", **OPTS)
+    assert llm.stats()["mode"] == "zero_copy"
+    assert LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), **OPTS).stats()["mode"] == "copy"  # auto, CPU
+    argv = ["generate", "--model", str(hf_model), "--device", "cpu", "--prompt", "Hello", "--max-tokens", "4",
+            "--temperature", "0", "--expert-cache-gb", f"{cache_gb(hf_model, 3):.12f}", "--offload-mode",
+            "zero_copy", "--verbose", "--max-model-len", "64"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "expert offloading (zero-copy): policy lru, 3 of 8 experts per layer" in err and "read by the kernels" in err
+
+
+# ---- CUDA: the decode step is graphed ----
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["lru", "activation"])
+def test_graphed_zero_copy_decode_on_cuda(hf_model, policy):
+    opts = dict(device="cuda", max_model_len=128, max_num_seqs=4)
+    expected = [o.token_ids for o in LLM(str(hf_model), **opts).generate(prompts(), GREEDY)]
+    llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), **opts,
+              offload=OffloadConfig(policy=policy, admit_bytes_per_step=CHURN))
+    manager = llm.model.expert_offload
+    assert isinstance(manager, ZeroCopyOffload) and manager.store.pinned  # 'auto' on CUDA
+    assert llm.engine.runner.graphs  # decode graphs were captured with offloading on
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == expected
+    s = check_stats(llm)
+    assert s["admissions"] > 0 and s["misses"] > 0 and s["hits"] > 0
+
+
+def test_admission_plan_fills_free_slots_then_replaces_what_the_policy_values_less():
+    from moerun.moe.offload.residency import Plan, Residency
+
+    slots = Residency(2, 6, 2)
+    slots.admit(Plan(np.array([0, 0, 1]), np.array([0, 1, 0]), np.array([0, 1, 0]), np.array([-1, -1, -1])))
+    slots.settle(np.array([0, 0, 1]), np.array([0, 1, 0]))
+    value = np.array([[5.0, 1.0, 0, 4.0, 0, 2.0], [3.0, 0, 0, 0, 9.0, 1.0]])  # higher: keep
+    routed = np.array([[0, 0, 0, 2, 0, 1], [0, 0, 0, 0, 1, 3]])
+    nbytes = np.array([10, 10])
+    plan = slots.plan(routed, value, value, nbytes, budget=100)
+    got = sorted(zip(plan.layers.tolist(), plan.experts.tolist(), plan.slots.tolist(), plan.victims.tolist()))
+    # layer 0: expert 3 (4.0) replaces expert 1 (1.0), expert 5 (2.0) does not beat expert 0 (5.0);
+    # layer 1: expert 4 takes the free slot, then expert 5 (1.0) does not beat expert 0 (3.0)
+    assert got == [(0, 3, 1, 1), (1, 4, 1, -1)]
+    assert len(slots.plan(routed, value, value, nbytes, budget=10)) == 1  # the budget: one expert
+    slots.admit(plan)
+    slots.check()
+    assert slots.loading[0, 3] and slots.slot_of[0, 1] == -1 and not slots.ready[0, 1]

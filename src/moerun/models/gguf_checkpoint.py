@@ -110,7 +110,9 @@ def _build(f: GGUFFile, config: ModelConfig, device: torch.device, moe_backend: 
     if device.type == "cuda":
         from moerun.ops.quant import pack_model
 
-        pack_model(model)  # the kernels' layout, made once before any CUDA graph is captured
+        # The kernels' layout, made once before any CUDA graph is captured; the GGUF blocks are then dropped
+        # (embedding tables keep theirs for row lookups), so the weights take about the file's size on the GPU.
+        pack_model(model, release_blocks=True)
     return model.eval()
 
 

@@ -164,6 +164,35 @@ def median_ms(fn: Callable[[], Any], args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
+def time_candidate(m: int, cfg: Config, inputs: tuple, ref: torch.Tensor, scale: float,
+                   args: argparse.Namespace) -> dict[str, Any]:
+    """One log row: the candidate's error against the reference and, when correct, its median time."""
+    row: dict[str, Any] = {"M": m, "config": cfg}
+    try:
+        out = fused_moe_triton(*inputs, cfg)
+        err = (out.float() - ref).abs().max().item()
+        row["max_err"] = err
+        if not err <= 3e-2 * scale + 1e-3:
+            row["error"] = f"mismatch {err:.3g} (scale {scale:.3g})"
+        else:
+            fn, mode = graph_or_eager(lambda: fused_moe_triton(*inputs, cfg))
+            row["mode"] = mode
+            row["us"] = 1e3 * median_ms(fn, args)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile; skip it
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+def gemm2_variants(base: Config) -> list[Config]:
+    """The tile config ``base`` with GEMM 2's own tile varied (its K is I, short next to GEMM 1's H)."""
+    out = []
+    for bn2, bk2, w2, s2 in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5)):
+        # one B tile plus A per stage in ~220 KB of shared memory
+        if (base["BLOCK_M"] * bk2 + bk2 * bn2) * 2 * s2 <= 220 * 1024:
+            out.append(normalize({**base, "BLOCK_N2": bn2, "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": s2}))
+    return [cfg for cfg in out if cfg != base]
+
+
 def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int], args) -> dict[int, Config]:  # noqa: E741
     """Best config per M for one shape; prints one line per M and appends every timing to the log."""
     w13 = torch.randn(E, 2 * I, H, device=DEVICE, dtype=dtype) / H**0.5  # [E, 2I, H]
@@ -177,23 +206,13 @@ def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int]
         weights, ids = route_reference(torch.randn(m, E, device=DEVICE), k, True)  # [T, k]
         ref = fused_moe_reference(hidden, w13, w2, weights, ids).float()
         scale = ref.abs().max().item()
-        results = []
-        for cfg in candidates(m, k, dtype, args.quick):
-            row: dict[str, Any] = {"M": m, "config": cfg}
-            try:
-                out = fused_moe_triton(hidden, w13, w2, weights, ids, cfg)
-                err = (out.float() - ref).abs().max().item()
-                row["max_err"] = err
-                if not err <= 3e-2 * scale + 1e-3:
-                    row["error"] = f"mismatch {err:.3g} (scale {scale:.3g})"
-                else:
-                    fn, mode = graph_or_eager(lambda a=(hidden, w13, w2, weights, ids, cfg): fused_moe_triton(*a))
-                    row["mode"] = mode
-                    row["us"] = 1e3 * median_ms(fn, args)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile; skip it
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            results.append(row)
-            log_rows.append(row)
+        inputs = (hidden, w13, w2, weights, ids)
+        results = [time_candidate(m, cfg, inputs, ref, scale, args) for cfg in candidates(m, k, dtype, args.quick)]
+        first = [r for r in results if "us" in r]
+        if args.gemm2 and first and min(first, key=lambda r: r["us"])["config"]["path"] == "tile":
+            around = min(first, key=lambda r: r["us"])["config"]
+            results += [time_candidate(m, cfg, inputs, ref, scale, args) for cfg in gemm2_variants(around)]
+        log_rows.extend(results)
         timed = [r for r in results if "us" in r]
         if not timed:
             print(f"{m:>6} {'-':>9} {'-':>10} {len(results):>5}  (all candidates failed)")
@@ -241,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--m", type=int, nargs="+", default=list(M_BUCKETS), help="M buckets (tokens) to tune")
     p.add_argument("--quick", action="store_true", help="reduced search space (a few minutes for both presets)")
+    p.add_argument("--gemm2", action="store_true",
+                   help="then search GEMM 2's tile separately around the best tile config (prefill sizes)")
     p.add_argument("--out-dir", default=str(CONFIG_DIR), help="where the JSON tables go")
     p.add_argument("--log-dir", default="tune_logs", help="where the per-candidate logs go")
     p.add_argument("--warmup-ms", type=int, default=None)

@@ -70,6 +70,16 @@ def test_static_cache(hf_model, reference):
     assert s["admissions"] == s["evictions"] == 0 and s["hits"] > 0 and s["misses"] > 0
 
 
+@pytest.mark.parametrize("slots", [0, 1])
+def test_cache_smaller_than_top_k(hf_model, reference, slots):
+    # copy mode refuses fewer slots than top-k (2); zero-copy reads the rest from host memory, down to no cache
+    llm = zero_copy_llm(hf_model, slots, admit_bytes_per_step=CHURN)
+    assert llm.model.expert_offload.slots_per_layer == slots
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+    s = check_stats(llm)
+    assert s["misses"] > 0 and (s["hits"] == 0) == (slots == 0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")
 def test_triton_kernels_in_the_interpreter(hf_model):
     # the Triton path (address tables dereferenced by the kernels) with slot churn, against the resident engine on

@@ -128,7 +128,8 @@ def plan_placement(fp: Footprint, mc: ModelConfig, dtype: torch.dtype, max_model
         if fp.non_expert_bytes + fp.experts_total + ws + kv_seq <= limit:
             kv = None if budget is None else limit - fp.non_expert_bytes - fp.experts_total - ws
             return Placement(False, E, fp.non_expert_bytes, ws, 0, kv, budget, "the whole model fits")
-    min_slots = 0 if config.cpu_compute == "always" else min(fp.top_k, E)
+    # Copy mode needs a token's k experts resident at once; zero-copy kernels read missing ones from host memory.
+    min_slots = 0 if config.cpu_compute == "always" or config.mode == "zero_copy" else min(fp.top_k, E)
     minimum = fp.non_expert_bytes + ws + kv_seq + fp.pool_bytes(min_slots)
     if minimum > limit:
         raise ValueError(

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every GPU check and measurement behind benchmarks/RESULTS.md, in one place, stage by stage.
+#
+#   bash benchmarks/run_all.sh OUT_DIR [STAGE ...]
+#
+# Stages (default: all, in this order; each has its own time limit and log OUT_DIR/<stage>.log):
+#   test       the CUDA-only tests (kernels against references, graph replay = eager, no host sync)
+#   tune       tile tables: fused MoE (small M with the in-kernel slot sum; GEMM 2 searched separately at
+#              prefill sizes), the dense GEMV against cuBLAS, the quantized MoE decode paths
+#   e2e        moerun bench, bf16 with a per-kernel profile and transformers side by side; then Q4_K_M
+#   kernels    bench_moe.py and bench_quant_moe.py tables
+#   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB
+# Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
+set -uo pipefail
+out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
+shift
+stages=${*:-test tune e2e kernels offload}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+run() {  # run STAGE SECONDS COMMAND...: time-limited, logged, never stops the other stages
+    local stage=$1 limit=$2
+    shift 2
+    echo "== $stage: $*" | tee -a "$out/$stage.log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$out/$stage.log" | tail -40
+}
+
+for stage in $stages; do
+    case $stage in
+    test)
+        run test 420 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graphs.py \
+            tests/test_gguf_model.py tests/offload/test_zero_copy.py tests/test_bench.py ;;
+    tune)
+        run tune 240 python3 benchmarks/tune_moe.py --shape qwen3-30b-a3b --quick --m 1 2 4 8 16 32 64 \
+            --log-dir "$out/tune_logs"
+        run tune 300 python3 benchmarks/tune_moe.py --shape qwen3-30b-a3b --quick --gemm2 --m 1024 2048 4096 \
+            --log-dir "$out/tune_logs"
+        run tune 300 python3 benchmarks/tune_gemv.py --shape qwen3-30b-a3b --quick
+        run tune 420 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K Q6_K Q8_0 \
+            --types Q4_K_M Q6_K Q8_0 --m 1 2 4 8 --out "$out/quant_tune" ;;
+    e2e)
+        run e2e 540 python3 -m moerun.cli bench --preset qwen3-30b-a3b --prefill-lens 128,512,2048,8192 \
+            --batch-sizes 1,8,64 --max-model-len 9216 --steps 32 --profile --vs transformers --hf-batch-sizes 1 \
+            --out "$out/bench_bf16"
+        run e2e 300 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M --prefill-lens 512,2048 \
+            --batch-sizes 1,8,64 --max-model-len 4096 --steps 32 --profile --out "$out/bench_q4km" ;;
+    kernels)
+        run kernels 420 python3 benchmarks/bench_moe.py --budget-s 0.15 --out "$out/bench_moe"
+        run kernels 420 python3 benchmarks/bench_quant_moe.py --types Q4_K Q6_K Q8_0 --m 1 4 64 1024 4096 \
+            --out "$out/bench_quant" ;;
+    offload)
+        run offload 560 python3 benchmarks/bench_offload.py --modes zero_copy,copy --vs transformers \
+            --hf-budgets 8 --out "$out/bench_offload" ;;
+    *)
+        echo "unknown stage $stage" >&2 ;;
+    esac
+done

@@ -94,9 +94,9 @@ def _gemm1_tile_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-
     INDIRECT: tl.constexpr,
-    ALIGN: tl.constexpr,):
+    ALIGN: tl.constexpr,
+):
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -173,9 +173,9 @@ def _gemm2_tile_kernel(
     ATOMIC: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-
     INDIRECT: tl.constexpr,
-    ALIGN: tl.constexpr,):
+    ALIGN: tl.constexpr,
+):
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -241,9 +241,9 @@ def _gemm1_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-
     INDIRECT: tl.constexpr,
-    ALIGN: tl.constexpr,):
+    ALIGN: tl.constexpr,
+):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -279,6 +279,25 @@ def _gemm1_gemv_kernel(
 
 
 @triton.jit
+def _down_rows_dot(acc, a_ptrs, b_ptrs, scale, I, stride_wi, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # noqa: E741
+    """acc [BLOCK_N, BLOCK_K] += W2 rows [BLOCK_N, I] * (scale * intermediate row [I]), one K-tile per step;
+    the caller reduces acc over its last axis once."""
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < I - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += b.to(tl.float32) * (a.to(tl.float32) * scale)[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wi
+    return acc
+
+
+@triton.jit
 def _gemm2_gemv_kernel(
     inter_ptr,  # [T*k, I]
     w_ptr,  # [E, H, I]
@@ -298,9 +317,9 @@ def _gemm2_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr,
-
     INDIRECT: tl.constexpr,
-    ALIGN: tl.constexpr,):
+    ALIGN: tl.constexpr,
+):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -310,18 +329,8 @@ def _gemm2_gemv_kernel(
     a_ptrs = inter_ptr + slot.to(tl.int64) * stride_it + offs_k  # [BLOCK_K]
     w_base = _expert_weights(w_ptr, table_ptr, expert, stride_we, inter_ptr, INDIRECT, ALIGN)
     b_ptrs = w_base + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wi
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(I, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < I - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-        acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wi
+    acc = _down_rows_dot(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), a_ptrs, b_ptrs, 1.0, I, stride_wi,
+                         BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
     y = tl.sum(acc, axis=1) * tl.load(topk_w_ptr + slot).to(tl.float32)  # [BLOCK_N]
     if ATOMIC:
         token = (slot // top_k).to(tl.int64)
@@ -349,9 +358,9 @@ def _gemm2_gemv_fused_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-
     INDIRECT: tl.constexpr,
-    ALIGN: tl.constexpr,):
+    ALIGN: tl.constexpr,
+):
     # One program per (token, N-tile) sums the token's k slots in registers: no atomics, no second kernel.
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -367,17 +376,7 @@ def _gemm2_gemv_fused_kernel(
         a_ptrs = inter_ptr + slot * stride_it + offs_k  # [BLOCK_K]
         w_base = _expert_weights(w_ptr, table_ptr, expert, stride_we, inter_ptr, INDIRECT, ALIGN)
         b_ptrs = w_base + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wi
-        for kb in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k < I - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-            acc += b.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wi
+        acc = _down_rows_dot(acc, a_ptrs, b_ptrs, weight, I, stride_wi, BLOCK_K, EVEN_K)
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 

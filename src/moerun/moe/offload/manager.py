@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from moerun import ops
-from moerun.engine.kv_cache import KVCache
-from moerun.engine.memory import available_bytes
+from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.cache import SlotTable
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.cpu_compute import CostModel, cpu_partial, measure_cpu, measure_h2d
@@ -48,22 +47,7 @@ def _resolve_backend(backend: str | None, device: torch.device) -> str:
     return pick_backend(backend, device, "MoE")
 
 
-def kv_slots_within(kv_bytes: int | None, device: torch.device, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> int:
-    """How many sequences the KV cache holds within the placement's KV budget (None: 90% of free memory)."""
-    per_seq = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * max_model_len
-    budget = kv_bytes if kv_bytes is not None else int(available_bytes(device) * 0.9)
-    slots = min(max_num_seqs, budget // per_seq)
-    if slots < 1:
-        raise ValueError(
-            f"the KV cache for one sequence of max_model_len={max_model_len} tokens needs "
-            f"{per_seq / 2**30:.3f} GiB but the offloading placement leaves {budget / 2**30:.3f} GiB for it; "
-            "lower max_model_len or raise gpu_memory_gb"
-        )
-    return int(slots)
-
-
-class ExpertOffload:
+class ExpertOffload(OffloadManagerBase):
     """The cache (slot table + device pools), host store, copier, policy, lookahead and statistics."""
 
     graphable = False  # the host reads every layer's routing: forward passes cannot be captured
@@ -299,29 +283,12 @@ class ExpertOffload:
                     1e3 * model.copy_s(self.store.expert_bytes(0)), 1e3 * per_expert, 1e3 * per_token)
         return model
 
-    # ---- engine hooks ----
-    def new_request(self) -> None:
-        """A request was added: the activation-aware policy starts a new activation matrix."""
-        self.policy.new_request()
-
-    def kv_slots(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
-                 max_num_seqs: int) -> int:
-        """How many sequences the KV cache holds within the placement's KV budget (or free memory)."""
-        return kv_slots_within(self.kv_bytes, self.device, num_layers, num_kv_heads, head_dim, dtype, max_model_len,
-                               max_num_seqs)
-
     def stats_dict(self) -> dict:
         """Counters and rates (see stats.py) plus the cache's configuration."""
         self.stats.copy_stall_s = self.copier.stall_seconds()
         d = self.stats.as_dict()
-        d.update(
-            offloading=True, mode=self.mode, policy=self.config.policy, prefetch=self.lookahead is not None,
-            cpu_compute=self.config.cpu_compute, overlap=self.overlap, slots_per_layer=self.slots_per_layer,
-            experts_per_layer=self.num_experts, num_moe_layers=self.num_layers,
-            cache_bytes=SlotPool.nbytes(self.store.specs, self.slots_per_layer) if self.slots_per_layer else 0,
-            host_bytes=self.store.total_bytes, pinned=self.store.pinned,
-            expert_bytes=self.store.expert_bytes(0),
-        )
+        d.update(self.config_stats(), prefetch=self.lookahead is not None, cpu_compute=self.config.cpu_compute,
+                 overlap=self.overlap)
         if self.cost is not None:
             d["cost_model"] = self.cost.as_dict()
         return d

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moerun.moe.offload.config import OffloadConfig
-from moerun.moe.offload.manager import kv_slots_within
+from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.pointers import ExpertPointers, address_alignment
 from moerun.moe.offload.pool import SlotPool
@@ -49,7 +49,7 @@ def _dense_parts(store: HostExpertStore, layer: int) -> tuple[torch.Tensor, torc
     return w13, w2
 
 
-class ZeroCopyOffload:
+class ZeroCopyOffload(OffloadManagerBase):
     """Address tables, device slot pools, pinned host store, routing counts, policy and statistics."""
 
     graphable = True  # a forward pass reads nothing back to the host
@@ -243,17 +243,7 @@ class ZeroCopyOffload:
         self.stats.bytes_admitted += nbytes
         self.stats.bytes_copied += nbytes
 
-    # ---- engine hooks ----
-    def new_request(self) -> None:
-        """A request was added: the activation-aware policy starts a new activation matrix."""
-        self.policy.new_request()
-
-    def kv_slots(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
-                 max_num_seqs: int) -> int:
-        """How many sequences the KV cache holds within the placement's KV budget (or free memory)."""
-        return kv_slots_within(self.kv_bytes, self.device, num_layers, num_kv_heads, head_dim, dtype, max_model_len,
-                               max_num_seqs)
-
+    # ---- statistics ----
     def stats_dict(self) -> dict:
         """Counters and rates (stats.py) of the steps so far (waits for the last one) and the configuration."""
         routed = self._take_routing(wait=True) if self.started else None
@@ -261,15 +251,9 @@ class ZeroCopyOffload:
             self._record(routed)
             self.carried = routed if self.carried is None else self.carried + routed
         d = self.stats.as_dict()
-        d.update(
-            offloading=True, mode=self.mode, policy=self.config.policy, prefetch=False, prefetch_accuracy=None,
-            cpu_compute="off", overlap=True, slots_per_layer=self.slots_per_layer, experts_per_layer=self.num_experts,
-            num_moe_layers=self.num_layers,
-            cache_bytes=SlotPool.nbytes(self.store.specs, self.slots_per_layer) if self.slots_per_layer else 0,
-            host_bytes=self.store.total_bytes, pinned=self.store.pinned, expert_bytes=self.store.expert_bytes(0),
-            admit_bytes_per_step=self.config.admit_bytes_per_step,
-            copies_in_flight=sum(len(plan) for _, plan in self.pending),
-        )
+        d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=True,
+                 admit_bytes_per_step=self.config.admit_bytes_per_step,
+                 copies_in_flight=sum(len(plan) for _, plan in self.pending))
         return d
 
     def reset_stats(self) -> None:

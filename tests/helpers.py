@@ -86,3 +86,34 @@ def reference_greedy(ref, ids: list[int], n: int, repetition_penalty: float = 1.
             scores = penalty(seq, scores)
         seq = torch.cat([seq, scores.argmax(-1, keepdim=True)], dim=1)
     return seq[0, len(ids):].tolist()
+
+
+def capture_cuda_graph(step):
+    """Runs step() once on a side stream (compiling kernels and allocating their buffers outside the capture),
+    then captures it in a CUDA graph; returns (graph, the outputs of the captured call, static on replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def check_graphed_moe(step, hidden, logits, w13, w2, k: int, tol: float, seed: int, replays: int = 3) -> None:
+    """step() routes logits [T, E] (renormalised top-k) and runs the experts on hidden [T, H]: captured once,
+    then replayed on fresh inputs, each replay equal to the torch reference to tol (relative to its scale)."""
+    from moerun.ops.moe_reference import fused_moe_reference, route_reference
+
+    graph, out = capture_cuda_graph(step)
+    for _ in range(replays):
+        hidden.copy_(torch.randn_like(hidden))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fused_moe_reference(hidden, w13, w2, *route_reference(logits, k, True))
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale,
+                                   msg=lambda m: f"seed={seed}: {m}")

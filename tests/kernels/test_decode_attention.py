@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import capture_cuda_graph
+
 pytest.importorskip("triton")
 
 from moerun.kernels.decode_attention import decode_attention_triton, default_num_splits  # noqa: E402
@@ -169,14 +171,7 @@ def test_cuda_graph_replay(seed: int, single_launch: bool, monkeypatch: pytest.M
         q = qk_norm_rope_write(qkv, q_w, k_w, eps, cos, sin, positions, slot_ids, k_cache, v_cache, n_q, n_kv)
         return normed, new_residual, q, decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_cuda_graph(step)  # kernels compile outside the capture
 
     for new_positions in ([0, L - 1, 37], [64, 5, L - 1], [L - 1, 128, 0]):
         x.copy_(torch.randn_like(x))

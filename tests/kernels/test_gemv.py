@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import capture_cuda_graph
+
 pytest.importorskip("triton")
 
 from moerun.config import ModelConfig  # noqa: E402
@@ -183,14 +185,7 @@ def test_cuda_graph_replay(seed: int, split_k: int) -> None:
         y, new_residual = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, bias, fma)
         return y, new_residual, linear_triton(y, w_o, None, dot)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles, and allocates the ticket counters, outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_cuda_graph(step)  # kernels compile outside the capture
     for replay in range(3):
         x.copy_(torch.randn_like(x))
         residual.copy_(torch.randn_like(residual))

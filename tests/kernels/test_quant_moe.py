@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import check_graphed_moe
+
 pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantType  # noqa: E402
@@ -176,20 +178,4 @@ def test_cuda_graph_capture_and_replay(seed, config, T) -> None:
         weights, ids = route_triton(logits, k, True)
         return fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    tol = TOLERANCE[torch.bfloat16]
-    for _ in range(3):
-        hidden.copy_(torch.randn(T, H, device=DEVICE))
-        logits.copy_(torch.randn(T, E, device=DEVICE))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = fused_moe_reference(hidden, w13, w2, *route_reference(logits, k, True))
-        scale = ref.float().abs().max().item()
-        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{seed}: {m}")
+    check_graphed_moe(step, hidden, logits, w13, w2, k, TOLERANCE[torch.bfloat16], seed, replays=3)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import capture_cuda_graph
+
 pytest.importorskip("triton")
 
 from moerun.config import ModelConfig  # noqa: E402
@@ -233,14 +235,7 @@ def test_cuda_graph_capture_and_replay(seed, split) -> None:
     def step():
         return route_fused_triton(x, residual, norm_weight, EPS, gate, k, True, cfg)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)  # kernels compile outside the capture
     for _ in range(3):
         x.copy_(torch.randn(T, H, device=DEVICE))
         residual.copy_(torch.randn(T, H, device=DEVICE))

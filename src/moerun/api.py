@@ -34,7 +34,8 @@ class LLM:
 
     ``model`` is a Hugging Face checkpoint folder (config.json + safetensors + tokenizer files) or a GGUF file.
     device None picks CUDA when present, else CPU; dtype None keeps the checkpoint's dtype on CUDA and uses
-    float32 on CPU.
+    float32 on CPU. async_scheduling: launch each greedy decode step before the previous step's tokens reach the
+    host (the host's work per step then overlaps the GPU's); None turns it on where decode runs in CUDA graphs.
 
     Expert offloading (moe/offload): gpu_memory_gb bounds what the model may use on the device; when the model does
     not fit (or expert_cache_gb is given) the experts stay in host memory and a device cache of expert slots serves
@@ -55,6 +56,7 @@ class LLM:
         max_num_batched_tokens: int = 8192,
         seed: int | None = None,
         cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
         progress: bool = True,
         gpu_memory_gb: float | None = None,
         expert_cache_gb: float | None = None,
@@ -69,7 +71,8 @@ class LLM:
         # every option is checked against the config before any weight is read
         mc = read_model_config(model)
         engine_config = _engine_config(mc, device, resolve_dtype(mc.dtype, requested_dtype, device), moe_backend,
-                                       max_model_len, max_num_seqs, max_num_batched_tokens, seed, cuda_graphs)
+                                       max_model_len, max_num_seqs, max_num_batched_tokens, seed, cuda_graphs,
+                                       async_scheduling)
         # ---- expert offloading (moe/offload): placed within gpu_memory_gb / expert_cache_gb, checked first ----
         from moerun.moe.offload.placement import load_offloaded, offload_options, plan_for_checkpoint
 
@@ -91,6 +94,7 @@ class LLM:
         max_num_batched_tokens: int = 8192,
         seed: int | None = None,
         cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
     ) -> "LLM":
         """An LLM around a model already in memory (built from a preset, or loaded by other means)."""
         self = cls.__new__(cls)
@@ -98,7 +102,7 @@ class LLM:
         device = next(model.parameters()).device
         moe_backend = next((b.experts.backend for b in model.moe_blocks()), None)
         engine_config = _engine_config(mc, device, mc.dtype, moe_backend, max_model_len, max_num_seqs,
-                                       max_num_batched_tokens, seed, cuda_graphs)
+                                       max_num_batched_tokens, seed, cuda_graphs, async_scheduling)
         self._start(model, tokenizer, engine_config)
         return self
 
@@ -239,6 +243,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 def _engine_config(
     mc: ModelConfig, device: torch.device, dtype: torch.dtype, moe_backend: str | None, max_model_len: int | None,
     max_num_seqs: int | None, max_num_batched_tokens: int, seed: int | None, cuda_graphs: bool,
+    async_scheduling: bool | None = None,
 ) -> EngineConfig:
     if max_model_len is None:
         max_model_len = min(mc.max_position_embeddings, 8192)
@@ -255,6 +260,7 @@ def _engine_config(
         moe_backend=moe_backend,
         seed=seed,
         cuda_graphs=cuda_graphs,
+        async_scheduling=async_scheduling,
     )
 
 

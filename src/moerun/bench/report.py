@@ -33,7 +33,23 @@ def format_table(result: dict[str, Any]) -> str:
         extra = f"   {hf_rate:>12,.1f}" if hf_rate else ""
         lines.append(f"          {int(B):>5}   {d['tok_per_s']:>12,.1f}   {d['step_ms']:>7.2f}   {gb:>7.2f}   "
                      f"{bw_s}{extra}")
+    lines.extend(_profile_lines(result))
     return "\n".join(lines)
+
+
+def _profile_lines(result: dict[str, Any]) -> list[str]:
+    prof = result.get("profile") or {}
+    if not prof.get("top_kernels"):
+        return []
+    step = result["decode"].get(1) or result["decode"].get("1") or {}
+    parts = [f"engine step {step['step_ms']:.3f} ms" if step else None,
+             f"synchronous step {prof['sync_step_ms']:.3f} ms" if prof.get("sync_step_ms") else None,
+             f"graph replay {prof['graph_replay_ms']:.3f} ms" if prof.get("graph_replay_ms") else None,
+             f"GPU kernels {prof['gpu_kernel_ms_per_step']:.3f} ms in {prof['kernels_per_step']} launches"]
+    lines = ["", "batch-1 decode step: " + ", ".join(p for p in parts if p)]
+    for k in prof["top_kernels"][:10]:
+        lines.append(f"  {k['ms']:>7.3f} ms  {100 * k['share']:>5.1f}%  x{k['calls']:<4} {k['name'][:70]}")
+    return lines
 
 
 def _best_hf_decode(result: dict[str, Any], B: int) -> float | None:

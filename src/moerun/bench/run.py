@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from moerun.bench.profile import profile_decode
 
         result["profile"] = profile_decode(llm, args.prompt_len)
+        if llm.engine.async_scheduling and 1 in result["decode"]:  # what async scheduling gains at batch 1
+            llm.engine.async_scheduling = False
+            result["profile"]["sync_step_ms"] = measure_decode(llm, [1], args.prompt_len, args.steps)[1]["step_ms"]
+            llm.engine.async_scheduling = True
     if args.vs == "transformers":
         if hf_config is None:
             raise ValueError("--vs transformers needs a --preset model (it shares the preset's weights)")

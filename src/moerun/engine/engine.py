@@ -8,9 +8,10 @@ from torch import nn
 from moerun.config import EngineConfig
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
+from moerun.engine.pending import PendingTokens, next_input_ids
 from moerun.engine.runner import ModelRunner
 from moerun.engine.sampler import Sampler
-from moerun.engine.scheduler import Scheduler
+from moerun.engine.scheduler import Scheduler, StepPlan
 from moerun.engine.sequence import Sequence
 from moerun.sampling_params import SamplingParams
 from moerun.tokenizer import Tokenizer
@@ -30,6 +31,13 @@ class Engine:
         self.runner.capture(config.max_num_batched_tokens)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + mc.eos_token_ids))
+        # async scheduling: on by default where decode runs in CUDA graphs (the host work then overlaps the GPU)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else bool(self.runner.graphs))
+        self._pending: PendingTokens | None = None
+        pinned = self.device.type == "cuda"
+        self._host_ids = [torch.zeros(num_slots, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._next_buffer = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
         """Validates and queues one request."""
@@ -59,14 +67,31 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._pending is not None
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Runs one forward pass; returns the sequences that received a token."""
+        """Runs one forward pass; returns the sequences that received a token.
+
+        With async scheduling a greedy decode step is launched before the previous step's tokens are read, so
+        a token reaches its sequence one call later; a sequence that stops on a token the host has not read yet
+        gets one extra step computed, and discarded.
+        """
         plan = self.scheduler.plan()
+        if plan is not None and not plan.is_prefill and self._can_decode_ahead(plan.seqs):
+            return self._decode_ahead(plan.seqs)
+        received = self._read_pending()
         if plan is None:
-            return []
+            return received
+        if not plan.is_prefill:  # some may have stopped on the tokens just read
+            seqs = [s for s in plan.seqs if not s.is_finished]
+            if not seqs:
+                return received
+            plan = StepPlan(seqs, [1] * len(seqs), is_prefill=False)
+        return list(dict.fromkeys(received + self._run(plan)))
+
+    def _run(self, plan: StepPlan) -> list[Sequence]:
+        """One forward pass of a plan, sampled and appended before returning (the synchronous path)."""
         ids, starts = [], []
         for seq, n in zip(plan.seqs, plan.num_new_tokens):
             start = seq.num_computed
@@ -87,10 +112,58 @@ class Engine:
         seqs = [plan.seqs[i] for i in ready]
         tokens = self.sampler(logits, seqs)
         for seq, token in zip(seqs, tokens):
-            seq.append(token, self.tokenizer, self.eos_ids, self.config.max_model_len)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
+            self._append(seq, token)
         return seqs
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.append(token, self.tokenizer, self.eos_ids, self.config.max_model_len)
+        if seq.is_finished:
+            self.scheduler.finish(seq)
+
+    # ---- async scheduling (engine/pending.py) ----
+    def _can_decode_ahead(self, seqs: list[Sequence]) -> bool:
+        """Async scheduling applies to decode steps where every sequence picks greedily without penalties."""
+        return self.async_scheduling and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs)
+
+    def _decode_ahead(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Launches a greedy decode step, then reads the previous one's tokens while the GPU runs it."""
+        pending = self._pending
+        rows = pending.rows() if pending is not None else {}
+        # a sequence that certainly stops on its unread token (a length limit) is not launched again
+        launch = [s for s in seqs if not (id(s) in rows and self._stops_by_length_after_one_more(s))]
+        launched = None
+        if launch:
+            source_rows = [rows.get(id(s), -1) for s in launch]
+            host_ids = [0 if r >= 0 else s.token_slice(s.num_computed, 1)[0] for s, r in zip(launch, source_rows)]
+            batch = ForwardBatch.build([s.num_computed for s in launch], [1] * len(launch), [s.slot for s in launch],
+                                       self.device)
+            input_ids = next_input_ids(host_ids, source_rows, pending, self.device)
+            for seq in launch:
+                seq.num_computed += 1
+            logits = self.runner.decode(input_ids, batch)  # [B, V]
+            buffer = self._host_ids[self._next_buffer]
+            self._next_buffer ^= 1  # the pending step holds the other buffer
+            launched = PendingTokens.launch(launch, logits, buffer)
+        received = self._read_pending()
+        self._pending = launched
+        return received
+
+    def _stops_by_length_after_one_more(self, seq: Sequence) -> bool:
+        return (len(seq.output_ids) + 1 >= seq.params.max_tokens
+                or seq.num_tokens + 1 >= self.config.max_model_len)
+
+    def _read_pending(self) -> list[Sequence]:
+        """Appends the tokens of the launched step not read yet; returns the sequences that took one."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        received = []
+        for seq, token in zip(pending.seqs, pending.read()):
+            if seq.is_finished:  # stopped on the step before (its extra step is discarded), or aborted
+                continue
+            self._append(seq, token)
+            received.append(seq)
+        return received
 
     @torch.inference_mode()
     def prefill_logits(self, prompt_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Async scheduling (engine/pending.py): launching each greedy decode step before the previous step's tokens are
+read changes nothing in what is generated; it is compared with the synchronous engine on the CPU, where the same
+code path runs eagerly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moerun import LLM, SamplingParams
+from moerun.engine.pending import PendingTokens, next_input_ids
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint):
+    kw = dict(device="cpu", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=64)
+    return (LLM(str(tiny_checkpoint), async_scheduling=True, **kw),
+            LLM(str(tiny_checkpoint), async_scheduling=False, **kw))
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    return [[rng.randrange(1000, 20000) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def _same(a, b) -> None:
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
+
+
+def test_async_is_on_where_asked_and_off_by_default_without_graphs(pair, tiny_llm):
+    assert pair[0].engine.async_scheduling and not pair[1].engine.async_scheduling
+    assert not tiny_llm.engine.async_scheduling  # CPU: no CUDA graphs, so off unless asked
+
+
+def test_greedy_batches_equal_the_synchronous_engine(pair):
+    rng = random.Random()  # fresh prompts every run
+    prompts = _prompts(rng, 7)  # more prompts than slots: prefills interleave with pending decode steps
+    params = [SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0) for _ in prompts]
+    _same(pair[0].generate(prompts, params), pair[1].generate(prompts, params))
+    for llm in pair:
+        assert llm.engine.cache.num_free == 4 and not llm.engine.has_work
+
+
+def test_stops_on_tokens_not_read_yet(pair):
+    rng = random.Random()
+    prompt = _prompts(rng, 1)[0]
+    free = pair[1].generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    stop_at = free[rng.randrange(1, 8)]
+    params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]),
+              SamplingParams(max_tokens=12, temperature=0)]
+    outs = pair[0].generate([prompt, prompt], params)
+    _same(outs, pair[1].generate([prompt, prompt], params))
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == stop_at
+    assert outs[1].token_ids == free
+
+
+def test_context_end_and_mixed_sampling(pair):
+    rng = random.Random()
+    near_end = [rng.randrange(1000, 20000) for _ in range(90)]  # 96-token context: 6 tokens left
+    params = [SamplingParams(max_tokens=50, temperature=0),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=3),  # a sampled row: those steps run synchronously
+              SamplingParams(max_tokens=7, temperature=0, repetition_penalty=1.3)]
+    prompts = [near_end] + _prompts(rng, 2)
+    outs = pair[0].generate(prompts, params)
+    _same(outs, pair[1].generate(prompts, params))
+    assert len(outs[0].token_ids) == 6 and outs[0].finish_reason == "length"
+
+
+def test_stream_and_abort(pair):
+    llm = pair[0]
+    text = "".join(llm.stream("Hello there", SamplingParams(max_tokens=9, temperature=0)))
+    assert text == pair[1].generate(["Hello there"], SamplingParams(max_tokens=9, temperature=0))[0].text
+    engine = llm.engine
+    seq = engine.add_request([11, 12, 13], SamplingParams(max_tokens=30, temperature=0))
+    for _ in range(4):
+        engine.step()
+    engine.abort(seq)  # while a step of it is pending
+    while engine.has_work:
+        engine.step()
+    assert seq.finish_reason == "abort" and len(seq.output_ids) <= 3
+    assert engine.cache.num_free == 4
+
+
+def test_next_input_ids_mixes_pending_and_known_tokens():
+    picks = torch.randint(0, 1000, (5,))
+    pending = PendingTokens([object()] * 5, picks, picks.clone(), None)
+    out = next_input_ids([7, 0, 9, 0], [-1, 3, -1, 0], pending, torch.device("cpu"))
+    assert out.tolist() == [7, picks[3].item(), 9, picks[0].item()]
+    assert next_input_ids([4, 5], [-1, -1], None, torch.device("cpu")).tolist() == [4, 5]

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
 from moerun.kernels.rmsnorm import round_to
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
 
@@ -166,15 +167,22 @@ def get_config(N: int, K: int, T: int, dtype: torch.dtype, device: torch.device 
     A larger bucket's config is safe for fewer tokens (same tiles, fewer rows); a smaller one's might not be.
     """
     if not interpreting() and device is not None and device.type == "cuda":
-        return _cuda_config(N, K, T, dtype, device.index or 0)
+        return _cuda_config(N, K, T, dtype, device.index or 0, pdl_enabled(device))
     return default_config(N, K, T, dtype)
 
 
 @functools.cache
-def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int) -> GemvConfig:
-    """get_config on CUDA device index, memoised: Linear.forward asks on every call."""
+def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int, pdl: bool) -> GemvConfig:
+    """get_config on CUDA device index, memoised: Linear.forward asks on every call.
+
+    With PDL a single-token GEMV stays on Triton where cuBLAS won the tuning (by a few percent at most on an
+    H200): a cuBLAS launch would end the chain of early-starting kernels of the decode step.
+    """
     tuned = tuned_for(load_table(_device_name(index)).get(table_key(N, K, dtype), {}), T)
-    return tuned or default_config(N, K, T, dtype, sms=_sm_count(index))
+    default = default_config(N, K, T, dtype, sms=_sm_count(index))
+    if tuned is not None and tuned.backend == "torch" and T == 1 and pdl:
+        return default
+    return tuned or default
 
 
 def tuned_for(by_t: dict[int, GemvConfig], T: int) -> GemvConfig | None:
@@ -293,7 +301,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column masks in the K loop
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
@@ -312,6 +322,7 @@ def _gemv_kernel(
         # the weight tile of the next step is loaded one step ahead (the first before the 1/rms pass), so two
         # tiles are in flight per program; the last step re-reads its own tile instead of masking the load
         w_next = _weight_tile(w_rows, k_start, K, BLOCK_K, EVEN_K)
+    wait_for_previous(USE_PDL)  # x and the residual come from the previous kernel (weights did not)
     if HAS_NORM:
         inv_rms = _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K, HAS_RESIDUAL, BLOCK_T,
                            NORM_BLOCK_K, INTERPRET)  # [BLOCK_T]
@@ -427,6 +438,7 @@ def _launch(
     else:
         partials = tickets = y  # dummies, never touched
     interpret = interpreting()
+    use_pdl = pdl_enabled(x.device)
     _gemv_kernel[(n_tiles, split_k)](
         x,
         residual if residual is not None else x,
@@ -459,9 +471,11 @@ def _launch(
         # float32 weights: full-precision products, not TF32; the interpreter's dots run in float32 anyway
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret else "tf32",
         INTERPRET=interpret,
+        USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=True,  # explicit: Triton's default differs between releases
+        **launch_options(use_pdl),
     )
     return y, res_out
 

@@ -26,11 +26,14 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 
 DEFAULT = "1"
+# The largest decode batch bucket (engine/runner.py); prefill-sized launches keep the plain stream order.
+MAX_ROWS = 256
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL (a compile-time flag and a launch option)."""
-    if device.type != "cuda" or interpreting() or os.environ.get("MOERUN_PDL", DEFAULT) == "0":
+def pdl_enabled(device: torch.device, rows: int = 1) -> bool:
+    """Whether a kernel over ``rows`` tokens on ``device`` launches with PDL (a compile-time flag and a launch
+    option). Only decode-sized launches (rows <= MAX_ROWS) do: larger ones are not launch-bound."""
+    if device.type != "cuda" or interpreting() or os.environ.get("MOERUN_PDL", DEFAULT) == "0" or rows > MAX_ROWS:
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 

@@ -131,7 +131,7 @@ def qk_norm_rope_write_triton(
     if T == 0:
         return q
     block_d = triton.next_power_of_2(D)
-    use_pdl = pdl_enabled(qkv.device)
+    use_pdl = pdl_enabled(qkv.device, T)
     _qk_norm_rope_write_kernel[(T, n_q + n_kv)](
         qkv,
         q_norm_w.contiguous(),

@@ -105,7 +105,7 @@ def rms_norm_triton(
     block_h = triton.next_power_of_2(H)
     # about 8 elements per thread: enough loads in flight without spilling
     num_warps = max(1, min(16, block_h // 256))
-    use_pdl = pdl_enabled(x.device)
+    use_pdl = pdl_enabled(x.device, T)
     _rms_norm_kernel[(T,)](
         x,
         residual if residual is not None else x,

@@ -91,6 +91,7 @@ class ZeroCopyOffload(OffloadManagerBase):
                             if device.type == "cuda" else None)  # [L, E] the counts after the latest step
         weakref.finalize(self, _unregister_all, self._registry)
         self.seen = np.zeros((L, E), dtype=np.int64)  # [L, E] counts already taken into the statistics
+        self._mark: torch.cuda.Event | None = None  # recorded at the previous between_steps (CUDA)
         self.pending: list[tuple[torch.cuda.Event | None, Plan]] = []  # copies in flight, oldest first
         self.carried: np.ndarray | None = None  # routing counted by stats_dict, not yet used for admissions
         self.started = False
@@ -157,15 +158,21 @@ class ZeroCopyOffload(OffloadManagerBase):
             self._copy(plan)
 
     def _take_routing(self, wait: bool) -> np.ndarray | None:
-        """Pairs routed to each expert [L, E] since the last call, or None when the last step is still running."""
+        """Pairs routed to each expert [L, E] since the last call, or None when no step finished since then.
+
+        With async scheduling a step is always in flight when this runs; the mark recorded at the previous call
+        tells whether the steps queued before it have finished. The pinned counts are cumulative, so a copy from
+        a later step landing meanwhile only moves pairs to this call from the next one.
+        """
         if self.host_counts is None:
             now = self.counts.numpy().copy()
         else:
-            done = torch.cuda.Event()
-            done.record()
+            mark = torch.cuda.Event()
+            mark.record()
+            previous, self._mark = self._mark, mark
             if wait:
-                done.synchronize()
-            elif not done.query():
+                mark.synchronize()
+            elif not (mark.query() or (previous is not None and previous.query())):
                 return None
             now = self.host_counts.numpy().copy()
         routed, self.seen = now - self.seen, now

@@ -4,8 +4,10 @@ Two paths, picked by the tile config:
   gemv  one program per (token-slot, N-tile): reads the slot's expert rows once, reduces over K with tl.sum.
         No sorting; meant for decode, where the layer is a bandwidth-bound read of the touched experts.
   tile  tokens sorted by expert and padded to BLOCK_M (see align.py), then grouped GEMMs with tl.dot.
-The k slots of a token are summed either by fp32 atomic adds into [T, H], or by writing [T*k, H] and summing,
-or (gemv path, reduce "fused") inside GEMM2 itself: one program per (token, N-tile) walks the token's k slots.
+The k slots of a token are summed either by fp32 atomic adds into [T, H], or by writing [T*k, H] and summing
+("sum": a second kernel on the tile path; on the gemv path the last of a token's k programs on an N-tile sums
+them, found by a ticket counter), or (gemv path, reduce "fused") inside GEMM2 itself: one program per (token,
+N-tile) walks the token's k slots.
 Nothing reads back to the host: grids come from worst-case sizes and surplus programs exit early, so a decode
 step can be captured in a CUDA graph.
 """
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
+from moerun.kernels.gemv import ticket_counters
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
 from moerun.kernels.tile_configs import Config, get_config, normalize
@@ -309,6 +312,8 @@ def _gemm2_gemv_kernel(
     ids_ptr,  # [T*k]
     topk_w_ptr,  # [T*k]
     out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    sum_ptr,  # [T, H] in the output dtype: the k slots summed by the last program of each (token, N-tile)
+    ticket_ptr,  # [T, N-tiles] int32, 0 between launches (not ATOMIC)
     top_k,
     H,
     I,  # noqa: E741
@@ -319,6 +324,7 @@ def _gemm2_gemv_kernel(
     stride_ot,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_SLOT: tl.constexpr,  # top_k rounded up to a power of two
     EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr,
     INDIRECT: tl.constexpr,
@@ -344,6 +350,20 @@ def _gemm2_gemv_kernel(
         tl.atomic_add(out_ptr + token * stride_ot + offs_n, y, mask=offs_n < H, sem="relaxed")
     else:
         tl.store(out_ptr + slot.to(tl.int64) * stride_ot + offs_n, y, mask=offs_n < H)
+        # The last of a token's k programs on this N-tile sums the k partials (in slot order, as a separate
+        # kernel would) and resets its counter for the next launch.
+        token = (slot // top_k).to(tl.int64)
+        counter = ticket_ptr + token * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == top_k - 1:
+            tl.atomic_xchg(counter, 0)
+            slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
+            mask = (slots[:, None] < top_k) & (offs_n[None, :] < H)
+            rows = (token * top_k + slots[:, None]) * stride_ot + offs_n[None, :]  # [BLOCK_SLOT, BLOCK_N]
+            vals = tl.load(out_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+            total = tl.sum(vals, axis=0)  # [BLOCK_N]
+            tl.store(sum_ptr + token * H + offs_n, total.to(sum_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 @triton.jit
@@ -499,14 +519,21 @@ def _fused_moe_gemv(
         )  # fmt: skip
         return out
     acc = _new_acc(T, k, H, atomic, hidden.device)
-    _gemm2_gemv_kernel[(pairs, triton.cdiv(H, bn2))](
-        inter, *w2.args(inter), ids, topk_weights.reshape(-1), acc, k, H, I,
+    n_tiles = triton.cdiv(H, bn2)
+    if atomic:
+        out = tickets = acc  # dummies, never touched
+    else:
+        out = torch.empty(T, H, dtype=out_dtype, device=hidden.device)  # [T, H]
+        tickets = ticket_counters(hidden.device, T * n_tiles, "moe_slot_sum")  # [T, N-tiles]
+    _gemm2_gemv_kernel[(pairs, n_tiles)](
+        inter, *w2.args(inter), ids, topk_weights.reshape(-1), acc, out, tickets, k, H, I,
         inter.stride(0), *w2.strides, acc.stride(0),
-        BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, ATOMIC=atomic, INDIRECT=w2.indirect, ALIGN=w2.align,
+        BLOCK_N=bn2, BLOCK_K=bk2, BLOCK_SLOT=triton.next_power_of_2(k), EVEN_K=I % bk2 == 0, ATOMIC=atomic,
+        INDIRECT=w2.indirect, ALIGN=w2.align,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], USE_PDL=use_pdl,
         **launch_options(use_pdl),
     )  # fmt: skip
-    return _finish(acc, T, k, H, atomic, out_dtype)
+    return _finish(acc, T, k, H, True, out_dtype) if atomic else out
 
 
 def _fused_moe_tile(

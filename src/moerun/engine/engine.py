@@ -31,9 +31,11 @@ class Engine:
         self.runner.capture(config.max_num_batched_tokens)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + mc.eos_token_ids))
-        # async scheduling: on by default where decode runs in CUDA graphs (the host work then overlaps the GPU)
+        # async scheduling: on by default where decode runs in CUDA graphs (the host work then overlaps the GPU),
+        # except with offloaded experts, whose cache then learns each step's routing one step later
+        offloaded = model.__dict__.get("expert_offload") is not None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else bool(self.runner.graphs))
+                                 else bool(self.runner.graphs) and not offloaded)
         self._pending: PendingTokens | None = None
         pinned = self.device.type == "cuda"
         self._host_ids = [torch.zeros(num_slots, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]

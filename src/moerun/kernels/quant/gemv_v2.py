@@ -30,7 +30,6 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -222,10 +221,7 @@ def _gemm1_v2_kernel(
     REM: tl.constexpr,  # groups left, covered by one chunk per set bit
     LOG_BG: tl.constexpr,
     EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -333,10 +329,7 @@ def _gemm2_v2_kernel(
     FULL: tl.constexpr,
     REM: tl.constexpr,
     LOG_BG: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     s = tl.arange(0, SLOTS)  # [SLOTS]
@@ -380,11 +373,8 @@ def _matmul_v2_kernel(
     REM: tl.constexpr,
     LOG_BG: tl.constexpr,
     EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -454,12 +444,11 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
-    use_pdl = pdl_enabled(x.device)
     _matmul_v2_kernel[(triton.cdiv(w.n, cfg["BLOCK_N"]), M)](
         x, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=_words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
         EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], USE_PDL=use_pdl, **launch_options(use_pdl),
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -480,13 +469,12 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     i_words = i_pad // _positions(w2.qtype)
     bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     groups1 = gw.k_pad // _group_elems(gw.qtype)
-    use_pdl = pdl_enabled(x.device)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
         x, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
         x.stride(0), inter.stride(0), sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
         WPG=_words_per_group(gw.qtype), BLOCK_N=bn1,
         EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], USE_PDL=use_pdl, **launch_options(use_pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
@@ -496,6 +484,5 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         sums.stride(0), out.stride(0), QT=int(w2.qtype), WPG=_words_per_group(w2.qtype),
         SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
-        USE_PDL=use_pdl, **launch_options(use_pdl),
     )  # fmt: skip
     return out

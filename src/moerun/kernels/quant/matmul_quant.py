@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.fused_moe import _dot_precision, _tile_pid
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
 from moerun.kernels.quant.configs import default_matmul_config, dot_steps, gemv_steps
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
@@ -48,10 +47,7 @@ def _gemv_kernel(
     PAIRS: tl.constexpr,
     UNROLL: tl.constexpr,
     EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -150,10 +146,8 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
     if cfg["path"] in ("gemv", "gemv_v2"):
         grid = (triton.cdiv(w.n, cfg["BLOCK_N"]), M)
         pairs, unroll = gemv_steps(cfg["BLOCK_K"], w.kq)
-        use_pdl = pdl_enabled(x.device)
         _gemv_kernel[grid](x, y, b, *w.kernel_args(), w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
-                           PAIRS=pairs, UNROLL=unroll, USE_PDL=use_pdl, **launch_options(use_pdl),
-                           **common)  # fmt: skip
+                           PAIRS=pairs, UNROLL=unroll, **common)  # fmt: skip
         return
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(w.n, cfg["BLOCK_N"]),)
     _tile_kernel[grid](

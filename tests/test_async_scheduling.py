@@ -57,12 +57,22 @@ def test_stops_on_tokens_not_read_yet(pair):
     assert outs[1].token_ids == free
 
 
+def test_seeded_sampling_equals_the_synchronous_engine(pair):
+    rng = random.Random()
+    prompts = _prompts(rng, 5)
+    params = [SamplingParams(max_tokens=rng.randrange(2, 14), temperature=rng.choice([0.7, 1.0]),
+                             top_p=rng.choice([0.9, 1.0]), top_k=rng.choice([-1, 40]), seed=rng.randrange(10**6))
+              for _ in prompts]  # each row draws from its own generator, in the same order either way
+    params[1] = SamplingParams(max_tokens=9, temperature=0)  # a greedy row in the same steps
+    _same(pair[0].generate(prompts, params), pair[1].generate(prompts, params))
+
+
 def test_context_end_and_mixed_sampling(pair):
     rng = random.Random()
     near_end = [rng.randrange(1000, 20000) for _ in range(90)]  # 96-token context: 6 tokens left
     params = [SamplingParams(max_tokens=50, temperature=0),
-              SamplingParams(max_tokens=9, temperature=0.8, seed=3),  # a sampled row: those steps run synchronously
-              SamplingParams(max_tokens=7, temperature=0, repetition_penalty=1.3)]
+              SamplingParams(max_tokens=9, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=7, temperature=0, repetition_penalty=1.3)]  # steps with it run synchronously
     prompts = [near_end] + _prompts(rng, 2)
     outs = pair[0].generate(prompts, params)
     _same(outs, pair[1].generate(prompts, params))

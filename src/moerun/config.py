@@ -264,7 +264,7 @@ class EngineConfig:
     moe_backend: str | None = None
     seed: int | None = None
     cuda_graphs: bool = True
-    # launch each greedy decode step before reading the previous one's tokens; None: on where decode is graphed
+    # launch each decode step before reading the previous one's tokens; None: on where decode is graphed
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -48,10 +48,7 @@ class ForwardBatch:
             last_rows.append(row)
         T, B = len(positions), len(slots)
         # one host-to-device copy for all the metadata
-        host = torch.tensor(positions + token_slots + list(slots) + seq_lens + last_rows, dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        dev = to_device(positions + token_slots + list(slots) + seq_lens + last_rows, torch.int64, device)
         return cls(
             is_prefill=is_prefill,
             positions=dev[:T],
@@ -64,3 +61,12 @@ class ForwardBatch:
             start_positions=list(start_positions),
             max_seq_len=max(seq_lens),
         )
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on device, without waiting for work queued there (through pinned memory on
+    CUDA: a pageable copy would wait for the stream, and async scheduling keeps a step queued)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -75,7 +75,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Runs one forward pass; returns the sequences that received a token.
 
-        With async scheduling a greedy decode step is launched before the previous step's tokens are read, so
+        With async scheduling a decode step is launched before the previous step's tokens are read, so
         a token reaches its sequence one call later; a sequence that stops on a token the host has not read yet
         gets one extra step computed, and discarded.
         """
@@ -124,11 +124,12 @@ class Engine:
 
     # ---- async scheduling (engine/pending.py) ----
     def _can_decode_ahead(self, seqs: list[Sequence]) -> bool:
-        """Async scheduling applies to decode steps where every sequence picks greedily without penalties."""
-        return self.async_scheduling and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs)
+        """Async scheduling applies to decode steps without repetition penalties (a penalty reads every token of
+        its sequence on the host, including the one not read yet)."""
+        return self.async_scheduling and all(s.params.repetition_penalty == 1.0 for s in seqs)
 
     def _decode_ahead(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Launches a greedy decode step, then reads the previous one's tokens while the GPU runs it."""
+        """Launches a decode step, then reads the previous one's tokens while the GPU runs it."""
         pending = self._pending
         rows = pending.rows() if pending is not None else {}
         # a sequence that certainly stops on its unread token (a length limit) is not launched again
@@ -145,7 +146,7 @@ class Engine:
             logits = self.runner.decode(input_ids, batch)  # [B, V]
             buffer = self._host_ids[self._next_buffer]
             self._next_buffer ^= 1  # the pending step holds the other buffer
-            launched = PendingTokens.launch(launch, logits, buffer)
+            launched = PendingTokens.launch(launch, self.sampler.pick(logits, launch), buffer)
         received = self._read_pending()
         self._pending = launched
         return received

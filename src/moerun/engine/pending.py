@@ -1,4 +1,4 @@
-"""Greedy tokens of a launched decode step that the host has not read yet (async scheduling, engine/engine.py).
+"""Tokens of a launched decode step that the host has not read yet (async scheduling, engine/engine.py).
 
 With async scheduling the engine launches decode step N+1 before it reads step N's tokens: step N+1 takes its input
 ids from step N's device-side picks (``next_input_ids``), and the host reads step N's tokens (``PendingTokens.read``)
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from moerun.engine.batch import to_device
 from moerun.engine.sequence import Sequence
 
 
 @dataclass
 class PendingTokens:
-    """One launched greedy decode step: its sequences and their picks, on the device and on their way to the host."""
+    """One launched decode step: its sequences and their picks, on the device and on their way to the host."""
 
     seqs: list[Sequence]
     device_ids: torch.Tensor  # [B] int64 on the device: the picks, read by the next launch
@@ -25,9 +26,8 @@ class PendingTokens:
     done: torch.cuda.Event | None  # fires when host_ids holds the picks (None on CPU: already there)
 
     @classmethod
-    def launch(cls, seqs: list[Sequence], logits: torch.Tensor, host_buffer: torch.Tensor) -> "PendingTokens":
-        """Greedy picks of logits [B, V] float32, copied into host_buffer [>= B] without waiting for them."""
-        picks = logits.argmax(dim=-1)  # [B] int64
+    def launch(cls, seqs: list[Sequence], picks: torch.Tensor, host_buffer: torch.Tensor) -> "PendingTokens":
+        """The step's picks [B] int64 on the device, copied into host_buffer [>= B] without waiting for them."""
         host = host_buffer[: len(seqs)]
         host.copy_(picks, non_blocking=host.is_pinned())
         done = None
@@ -52,14 +52,9 @@ def next_input_ids(host_ids: list[int], source_rows: list[int], pending: Pending
     """Input ids [B] int64 on device of the next decode launch: row i is pending.device_ids[source_rows[i]] where
     source_rows[i] >= 0 (a token the host has not read yet), else host_ids[i]. One host-to-device copy."""
     if pending is None or all(r < 0 for r in source_rows):
-        return _to_device(torch.tensor(host_ids, dtype=torch.int64), device)
-    meta = _to_device(torch.tensor([host_ids, source_rows], dtype=torch.int64), device)  # [2, B]
+        return to_device(host_ids, torch.int64, device)
+    meta = to_device([host_ids, source_rows], torch.int64, device)  # [2, B]
     known, rows = meta[0], meta[1]
     from_device = pending.device_ids.index_select(0, rows.clamp(min=0))  # [B]
     return torch.where(rows >= 0, from_device, known)
 
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

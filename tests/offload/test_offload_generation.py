@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload_common import GREEDY, prompts
-from moerun import LLM
+from moerun import LLM, SamplingParams
 from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.planner import footprint_of_config, footprint_of_gguf
 
@@ -113,3 +113,28 @@ def test_gguf_experts_offloaded_as_blocks(gguf_model, gguf_reference, policy, pr
     if cpu_compute == "off":
         assert stats["misses_copied"] > 0
         assert stats["bytes_copied"] == stats["bytes_copied_miss"] + stats["bytes_copied_prefetch"] > 0
+
+
+def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model):
+    # Triton's interpreter on the CPU: the fused quantized kernels run on slot ids over the repacked slot pool
+    from moerun.moe.offload.packed_pool import PackedSlotPool
+
+    opts = dict(OPTS, moe_backend="triton")
+    few = prompts(2)[:2]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(gguf_model), **opts).generate(few, params)]
+    llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
+              offload=OffloadConfig(policy="lru", prefetch=True))
+    manager = llm.model.expert_offload
+    assert isinstance(manager.pool, PackedSlotPool) and not manager.compact
+    assert [o.token_ids for o in llm.generate(few, params)] == expected
+    assert llm.stats()["misses_copied"] > 0
+    for layer in range(manager.num_layers):  # every slot holds its expert's repacked blocks, the null slot zeros
+        for part, ours in zip(manager.store.weights(layer), manager.pool.weights(layer)):
+            full = part.dequantize(torch.float32)  # [E, N, K] from the host blocks
+            packed = torch.cat([p.dequantize(torch.float32) for p in ours], dim=1)  # [S + 1, N, K]
+            assert packed[manager.pool.null_slot].abs().max() == 0
+            for expert in range(manager.num_experts):
+                slot = int(manager.table.slot_of[layer, expert])
+                if slot >= 0:
+                    torch.testing.assert_close(packed[slot], full[expert], rtol=0, atol=0)

@@ -19,13 +19,16 @@ from moerun.kernels.quant.repack import PackedWeight, cat_rows, pack
 from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
 
-Weight = QuantizedWeight | PackedWeight
+# a list: parts already repacked (row-stacked), as an offloaded layer's repacked slot pool holds them
+Weight = QuantizedWeight | PackedWeight | list[PackedWeight]
 
 
 def packed_parts(weight: Weight) -> list[PackedWeight]:
     """The repacked parts of a weight (row-stacked), created once and cached on the QuantizedWeight."""
     if isinstance(weight, PackedWeight):
         return [weight]
+    if isinstance(weight, list):
+        return weight
     cached = weight.__dict__.get("packed")
     if cached is not None and cached[0].device == weight.device:
         return cached
@@ -88,18 +91,29 @@ def fused_moe_quantized(
 ) -> torch.Tensor:
     """Triton path of ops.fused_moe for quantized experts: the fused dequantising kernels when every part has
     one (else dequantise the layer and run the dense kernels)."""
-    from moerun.kernels.quant.decode import supported
-    from moerun.kernels.quant.fused_moe_quant import fused_moe_quant, split_gate_up
+    from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
     p13, p2 = packed_parts(w13), packed_parts(w2)
-    usable = len(p2) == 1 and all(not p.is_dense and supported(p.qtype) for p in p13 + p2)
-    if usable:
-        try:
-            split_gate_up(p13)
-        except ValueError:  # a part straddles the gate/up boundary
-            usable = False
-    if usable:
+    if fused_kernels_apply(p13, p2):
         return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids)
+    if isinstance(w13, list) or isinstance(w2, list):
+        raise ValueError("repacked expert parts without a fused quantized kernel: "
+                         f"{[p.qtype.name for p in p13]} / {[p.qtype.name for p in p2]}")
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype), topk_weights, topk_ids)
+
+
+def fused_kernels_apply(p13: list[PackedWeight], p2: list[PackedWeight]) -> bool:
+    """Whether the fused quantized MoE kernels take these repacked experts: one down part, every part of a type
+    they decode, and no part straddling the gate/up boundary."""
+    from moerun.kernels.quant.decode import supported
+    from moerun.kernels.quant.fused_moe_quant import split_gate_up
+
+    if len(p2) != 1 or not all(not p.is_dense and supported(p.qtype) for p in p13 + p2):
+        return False
+    try:
+        split_gate_up(p13)
+    except ValueError:  # a part straddles the gate/up boundary
+        return False
+    return True

@@ -32,6 +32,7 @@ from moerun.moe.offload.cache import SlotTable
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.cpu_compute import CostModel, cpu_partial, measure_cpu, measure_h2d
 from moerun.moe.offload.policies import make_policy
+from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.prefetch import RouterLookahead
 from moerun.moe.offload.stats import OffloadStats
@@ -71,7 +72,11 @@ class ExpertOffload(OffloadManagerBase):
         self.stats = OffloadStats()
         self.policy = make_policy(config.policy, L, E)
         self.table = SlotTable(L, E, S, device, self.policy, self.stats)
-        self.pool = SlotPool(store.specs, S, device) if S > 0 else None
+        resolved = _resolve_backend(backend, device)
+        # Quantized slots on the Triton path stay repacked for the fused quantized kernels (packed_pool.py); where
+        # those kernels do not take a layer's types, each pass dequantises the slots it computes ("compact").
+        packed = S > 0 and resolved == "triton" and PackedSlotPool.applies(store.specs)
+        self.pool = (PackedSlotPool if packed else SlotPool)(store.specs, S, device) if S > 0 else None
         staging = None
         if device.type == "cuda" and not store.pinned:
             staging = StagingRing(max(store.expert_bytes(i) for i in range(L)) + 4096, config.staging_buffers)
@@ -80,11 +85,7 @@ class ExpertOffload(OffloadManagerBase):
         self.lookahead = (RouterLookahead([g.detach() for g in gates], config.prefetch_depth, per_layer)
                           if config.prefetch and S > 0 and L > 1 else None)
         self.overlap = device.type == "cuda" if config.overlap is None else config.overlap
-        resolved = _resolve_backend(backend, device)
-        # Quantized slots on the Triton path: each pass dequantises the slots it computes (so it needs the host)
-        # and runs the dense kernels. The fused quantized kernels cache a repacked copy of a weight on first use,
-        # which would go stale as slots are overwritten, so the pool is never handed to them.
-        self.compact = self.pool is not None and self.pool.quantized and resolved == "triton"
+        self.compact = self.pool is not None and self.pool.quantized and resolved == "triton" and not packed
         self.speculative = self.overlap and self.pool is not None and not self.compact
         self.cost: CostModel | None = None
         if config.cpu_compute == "auto":
@@ -199,6 +200,9 @@ class ExpertOffload(OffloadManagerBase):
         nbytes = self.store.expert_bytes(layer)
         for a in admitted:
             self.copier.copy_expert(self.pool.slot_views(layer, a.slot), self.store.expert_parts(layer, a.expert))
+            if isinstance(self.pool, PackedSlotPool):
+                with self.copier.on_stream():  # after the copy into the staging row, before the next one
+                    self.pool.after_copy(layer, a.slot)
         st = self.stats
         st.copies += len(admitted)
         st.bytes_copied += len(admitted) * nbytes

@@ -12,6 +12,7 @@ Ordering rules that keep the cache correct on CUDA:
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -109,6 +110,10 @@ class Copier:
                 d.copy_(s, non_blocking=True)
         if staged is not None:
             self.staging.release(staged, self.record())
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        """Work queued inside runs on the copy stream (after the copies issued so far); on CPU, in place."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def after_compute(self) -> None:
         """Later copies wait for everything queued on the compute stream so far (slots it reads get reused)."""

@@ -10,6 +10,7 @@
 #   e2e        moerun bench, bf16 with a per-kernel profile and transformers side by side; then Q4_K_M
 #   kernels    bench_moe.py and bench_quant_moe.py tables
 #   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB
+#   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
@@ -51,6 +52,15 @@ for stage in $stages; do
     offload)
         run offload 560 python3 benchmarks/bench_offload.py --modes zero_copy,copy --vs transformers \
             --hf-budgets 8 --out "$out/bench_offload" ;;
+    pdl)
+        for quant in "" "--quant Q4_K_M"; do
+            for mode in "0 start" "1 start" "1 after_wait"; do
+                set -- $mode
+                run pdl 200 env MOERUN_PDL=$1 MOERUN_PDL_TRIGGER=$2 python3 -m moerun.cli bench --preset qwen3-30b-a3b \
+                    $quant --prefill-lens 2048 --batch-sizes 1 --max-model-len 4096 --steps 32 --profile \
+                    --out "$out/pdl_${1}_${2}${quant:+_q4km}"
+            done
+        done ;;
     *)
         echo "unknown stage $stage" >&2 ;;
     esac

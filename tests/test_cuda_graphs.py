@@ -119,18 +119,20 @@ def test_triton_backend_logits_match_torch_backend(tokenizer):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0")
 def test_pdl_launches_give_the_plain_launches_tokens(tokenizer, monkeypatch):
-    from moerun.kernels.pdl import pdl_enabled
+    from moerun.kernels.pdl import pdl_mode
 
     model = small_model(seed=2, dtype="bfloat16")
     prompts = [[random.randrange(150000) for _ in range(random.randint(3, 40))] for _ in range(4)]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
     outs = {}
-    for flag in ("0", "1"):
+    for flag, trigger, mode in (("0", "start", 0), ("1", "start", 1), ("1", "after_wait", 2)):
         monkeypatch.setenv("MOERUN_PDL", flag)  # read at capture and at every launch
-        assert pdl_enabled(torch.device("cuda")) == (flag == "1")
+        monkeypatch.setenv("MOERUN_PDL_TRIGGER", trigger)
+        assert pdl_mode(torch.device("cuda")) == mode
         llm = LLM.from_model(model, tokenizer, max_model_len=256, max_num_seqs=4, cuda_graphs=True)
-        outs[flag] = ([o.token_ids for o in llm.generate(prompts[:1], params)],
+        outs[mode] = ([o.token_ids for o in llm.generate(prompts[:1], params)],
                       [o.token_ids for o in llm.generate(prompts, params)], llm.logits(prompts[0]))
         del llm
-    assert outs["0"][0] == outs["1"][0] and outs["0"][1] == outs["1"][1]
-    torch.testing.assert_close(outs["0"][2], outs["1"][2], rtol=0, atol=0)
+    for mode in (1, 2):
+        assert outs[0][0] == outs[mode][0] and outs[0][1] == outs[mode][1]
+        torch.testing.assert_close(outs[0][2], outs[mode][2], rtol=0, atol=0)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from moerun.kernels.gemv import ticket_counters
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import round_to
 
 # tl.dot needs every tile side >= 16: query-head groups are padded up to this many rows
@@ -237,10 +237,10 @@ def _decode_attention_kernel(
     BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     """Single-launch path: split-KV partials merged by the last live split of each (sequence, kv head)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -391,12 +391,12 @@ def _launch_single(
     block_gm = triton.next_power_of_2(n_q // n_kv)
     # merge tiles of at most 8192 floats: [heads, splits, D]
     block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_gm * D)))
-    use_pdl = pdl_enabled(q.device)
+    pdl = pdl_mode(q.device)
     _decode_attention_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
         *_common_args(q, k_cache, v_cache, scale, num_splits),
         N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s, **_common_meta(q, k_cache, block_n),
-        USE_PDL=use_pdl, **launch_options(use_pdl),
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from moerun.kernels.align import align_tokens
 from moerun.kernels.gemv import ticket_counters
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -247,10 +247,10 @@ def _gemm1_gemv_kernel(
     EVEN_K: tl.constexpr,
     INDIRECT: tl.constexpr,
     ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -329,10 +329,10 @@ def _gemm2_gemv_kernel(
     ATOMIC: tl.constexpr,
     INDIRECT: tl.constexpr,
     ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -387,10 +387,10 @@ def _gemm2_gemv_fused_kernel(
     EVEN_K: tl.constexpr,
     INDIRECT: tl.constexpr,
     ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     # One program per (token, N-tile) sums the token's k slots in registers: no atomics, no second kernel.
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -419,10 +419,10 @@ def _sum_slots_kernel(
     H,
     BLOCK_SLOT: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
@@ -442,10 +442,10 @@ def _finish(acc: torch.Tensor, T: int, k: int, H: int, atomic: bool, out_dtype: 
         return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     out = torch.empty(T, H, dtype=out_dtype, device=acc.device)  # [T, H]
     block_h = min(triton.next_power_of_2(H), 1024)
-    use_pdl = pdl_enabled(acc.device)
+    pdl = pdl_mode(acc.device)
     _sum_slots_kernel[(T, triton.cdiv(H, block_h))](
-        acc, out, k, H, BLOCK_SLOT=triton.next_power_of_2(k), BLOCK_H=block_h, num_warps=4, USE_PDL=use_pdl,
-        **launch_options(use_pdl),
+        acc, out, k, H, BLOCK_SLOT=triton.next_power_of_2(k), BLOCK_H=block_h, num_warps=4, PDL=pdl,
+        **launch_options(pdl),
     )
     return out
 
@@ -499,13 +499,13 @@ def _fused_moe_gemv(
     ids = topk_ids.reshape(-1)  # [T*k]
     inter = torch.empty(pairs, I, dtype=hidden.dtype, device=hidden.device)  # [T*k, I] in the weights' dtype
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    use_pdl = pdl_enabled(hidden.device)
+    pdl = pdl_mode(hidden.device)
     _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
         hidden, *w13.args(hidden), ids, inter, k, H, I,
         hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
         BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], USE_PDL=use_pdl,
-        **launch_options(use_pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=pdl,
+        **launch_options(pdl),
     )  # fmt: skip
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     if cfg["reduce"] == "fused":
@@ -514,8 +514,8 @@ def _fused_moe_gemv(
             inter, *w2.args(inter), ids, topk_weights.reshape(-1), out, k, H, I,
             inter.stride(0), *w2.strides, out.stride(0),
             BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, INDIRECT=w2.indirect, ALIGN=w2.align,
-            num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], USE_PDL=use_pdl,
-            **launch_options(use_pdl),
+            num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], PDL=pdl,
+            **launch_options(pdl),
         )  # fmt: skip
         return out
     acc = _new_acc(T, k, H, atomic, hidden.device)
@@ -530,8 +530,8 @@ def _fused_moe_gemv(
         inter.stride(0), *w2.strides, acc.stride(0),
         BLOCK_N=bn2, BLOCK_K=bk2, BLOCK_SLOT=triton.next_power_of_2(k), EVEN_K=I % bk2 == 0, ATOMIC=atomic,
         INDIRECT=w2.indirect, ALIGN=w2.align,
-        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], USE_PDL=use_pdl,
-        **launch_options(use_pdl),
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], PDL=pdl,
+        **launch_options(pdl),
     )  # fmt: skip
     return _finish(acc, T, k, H, True, out_dtype) if atomic else out
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import round_to
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
 
@@ -301,9 +301,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column masks in the K loop
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    launch_dependents(USE_PDL)
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
@@ -322,7 +322,7 @@ def _gemv_kernel(
         # the weight tile of the next step is loaded one step ahead (the first before the 1/rms pass), so two
         # tiles are in flight per program; the last step re-reads its own tile instead of masking the load
         w_next = _weight_tile(w_rows, k_start, K, BLOCK_K, EVEN_K)
-    wait_for_previous(USE_PDL)  # x and the residual come from the previous kernel (weights did not)
+    wait_for_previous(PDL)  # x and the residual come from the previous kernel (weights did not)
     if HAS_NORM:
         inv_rms = _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K, HAS_RESIDUAL, BLOCK_T,
                            NORM_BLOCK_K, INTERPRET)  # [BLOCK_T]
@@ -438,7 +438,7 @@ def _launch(
     else:
         partials = tickets = y  # dummies, never touched
     interpret = interpreting()
-    use_pdl = pdl_enabled(x.device)
+    pdl = pdl_mode(x.device)
     _gemv_kernel[(n_tiles, split_k)](
         x,
         residual if residual is not None else x,
@@ -471,11 +471,11 @@ def _launch(
         # float32 weights: full-precision products, not TF32; the interpreter's dots run in float32 anyway
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret else "tf32",
         INTERPRET=interpret,
-        USE_PDL=use_pdl,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=True,  # explicit: Triton's default differs between releases
-        **launch_options(use_pdl),
+        **launch_options(pdl),
     )
     return y, res_out
 

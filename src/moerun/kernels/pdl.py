@@ -8,11 +8,13 @@ outputs or writes anything. The wait returns once the previous kernel has finish
 so the order of results is the same as without PDL; kernels launched without it (cuBLAS, torch ops) keep the
 ordinary stream order.
 
-Rules for a kernel taking ``USE_PDL``: before ``wait_for_previous`` only loads of data that no kernel of the step
-writes (weights, shapes), no stores and no atomics. Used on CUDA devices of compute capability 9.0 and later
-unless ``MOERUN_PDL=0``; the interpreter never uses it. Measured on an H200 (benchmarks/RESULTS.md): batch-1 decode
-of the Qwen3-30B-A3B shape 3.04 -> 2.93 ms per step. The quantized kernels (kernels/quant/) launch without it: a
-Q4_K_M step with them on PDL measured 4.7 ms against 3.8 before, not yet understood.
+Rules for a kernel taking ``PDL`` (its mode, see ``pdl_mode``): before ``wait_for_previous`` only loads of data
+that no kernel of the step writes (weights, shapes), no stores and no atomics. Used on CUDA devices of compute
+capability 9.0 and later unless ``MOERUN_PDL=0``; the interpreter never uses it. Measured on an H200
+(benchmarks/RESULTS.md): batch-1 decode of the Qwen3-30B-A3B shape 3.04 -> 2.93 ms per step. The quantized kernels
+(kernels/quant/) launch without it: a Q4_K_M step with them on PDL measured 4.7 ms against 3.8 before, not yet
+understood. ``MOERUN_PDL_TRIGGER=after_wait`` lets the next kernel launch only once this one's wait has returned
+(mode 2) instead of first thing (mode 1), so at most one kernel waits ahead of the running one (not yet measured).
 """
 
 from __future__ import annotations
@@ -39,9 +41,18 @@ def pdl_enabled(device: torch.device, rows: int = 1) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
-def launch_options(use_pdl: bool) -> dict:
+def pdl_mode(device: torch.device, rows: int = 1) -> int:
+    """The ``PDL`` argument of a kernel launch: 0 plain launch; 1 PDL, the next kernel may launch as soon as every
+    program of this one has started; 2 PDL, once every program of this one is past its wait
+    (``MOERUN_PDL_TRIGGER=after_wait``)."""
+    if not pdl_enabled(device, rows):
+        return 0
+    return 2 if os.environ.get("MOERUN_PDL_TRIGGER", "start") == "after_wait" else 1
+
+
+def launch_options(pdl: int) -> dict:
     """Keyword arguments for a Triton launch: ``launch_pdl`` only where it is used (the interpreter lacks it)."""
-    return {"launch_pdl": True} if use_pdl else {}
+    return {"launch_pdl": True} if pdl else {}
 
 
 @functools.cache
@@ -50,14 +61,17 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 @triton.jit
-def launch_dependents(USE_PDL: tl.constexpr):
-    """Lets the next kernel of the stream start (it waits for this one before it reads what this one writes)."""
-    if USE_PDL:
+def launch_dependents(PDL: tl.constexpr):
+    """First thing in a kernel: lets the next kernel of the stream start (mode 1)."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def wait_for_previous(USE_PDL: tl.constexpr):
-    """Waits until the previous kernel has finished and its writes are visible."""
-    if USE_PDL:
+def wait_for_previous(PDL: tl.constexpr):
+    """Waits until the previous kernel has finished and its writes are visible; in mode 2 then lets the next
+    kernel start."""
+    if PDL != 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()

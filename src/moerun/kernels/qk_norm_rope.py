@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import mean_of_squares, round_to
 
 
@@ -77,10 +77,10 @@ def _qk_norm_rope_write_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads first, then k heads (their columns follow q's in qkv)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -131,7 +131,7 @@ def qk_norm_rope_write_triton(
     if T == 0:
         return q
     block_d = triton.next_power_of_2(D)
-    use_pdl = pdl_enabled(qkv.device, T)
+    pdl = pdl_mode(qkv.device, T)
     _qk_norm_rope_write_kernel[(T, n_q + n_kv)](
         qkv,
         q_norm_w.contiguous(),
@@ -161,8 +161,8 @@ def qk_norm_rope_write_triton(
         num_warps=1 if block_d <= 128 else 2,
         # mul and add must round separately, as in torch; a fused multiply-add would round once
         enable_fp_fusion=False,
-        USE_PDL=use_pdl,
-        **launch_options(use_pdl),
+        PDL=pdl,
+        **launch_options(pdl),
     )
     return q
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 
 # A whole row lives in registers (at most 32 floats per thread with 16 warps); larger rows would spill.
 MAX_HIDDEN = 16384
@@ -55,10 +55,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    launch_dependents(USE_PDL)
-    wait_for_previous(USE_PDL)
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = cols < H
@@ -105,7 +105,7 @@ def rms_norm_triton(
     block_h = triton.next_power_of_2(H)
     # about 8 elements per thread: enough loads in flight without spilling
     num_warps = max(1, min(16, block_h // 256))
-    use_pdl = pdl_enabled(x.device, T)
+    pdl = pdl_mode(x.device, T)
     _rms_norm_kernel[(T,)](
         x,
         residual if residual is not None else x,
@@ -122,7 +122,7 @@ def rms_norm_triton(
         num_warps=num_warps,
         # keeps x*x and the first adds of the sum unfused, as torch's separate square and sum kernels
         enable_fp_fusion=False,
-        USE_PDL=use_pdl,
-        **launch_options(use_pdl),
+        PDL=pdl,
+        **launch_options(pdl),
     )
     return out, new_residual

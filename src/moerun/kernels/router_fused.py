@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_previous
+from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import MAX_HIDDEN, mean_of_squares, round_to
 from moerun.kernels.router import softmax_topk
 
@@ -87,16 +87,16 @@ def _route_fused_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    launch_dependents(USE_PDL)
+    launch_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     first = split * ROWS
     # The first step's router rows are requested before the norm (and before the previous kernel's end, with
     # PDL), so their trip to memory overlaps it.
     g, rows, row_ok = _load_router_rows(gate_ptr, first, 0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
-    wait_for_previous(USE_PDL)
+    wait_for_previous(PDL)
     normed = _add_rms_norm(
         x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
         stride_r, H, HAS_RESIDUAL, BLOCK_H, INTERPRET,
@@ -262,7 +262,7 @@ def route_fused_triton(
     split = triton.cdiv(E, rows)  # no program without rows
     block_h = triton.next_power_of_2(H)
     block_rows = min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows))
-    use_pdl = pdl_enabled(device)
+    pdl = pdl_mode(device)
     _route_fused_kernel[(T, split)](
         x, residual if residual is not None else x, norm_weight, gate_weight, normed, residual_out, logits,
         _ticket_counters(T, device), weights, ids, eps,
@@ -271,6 +271,6 @@ def route_fused_triton(
         BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(k), INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
-        enable_fp_fusion=False, USE_PDL=use_pdl, **launch_options(use_pdl),
+        enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return normed, residual_out, weights, ids

@@ -30,7 +30,8 @@ for stage in $stages; do
     case $stage in
     test)
         run test 420 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graphs.py \
-            tests/test_gguf_model.py tests/offload/test_zero_copy.py tests/test_bench.py ;;
+            tests/test_gguf_model.py tests/offload/test_zero_copy.py tests/offload/test_offload_generation.py \
+            tests/test_async_scheduling.py tests/test_bench.py ;;
     tune)
         run tune 240 python3 benchmarks/tune_moe.py --shape qwen3-30b-a3b --quick --m 1 2 4 8 16 32 64 \
             --log-dir "$out/tune_logs"

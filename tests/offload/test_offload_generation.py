@@ -115,11 +115,13 @@ def test_gguf_experts_offloaded_as_blocks(gguf_model, gguf_reference, policy, pr
         assert stats["bytes_copied"] == stats["bytes_copied_miss"] + stats["bytes_copied_prefetch"] > 0
 
 
-def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model):
-    # Triton's interpreter on the CPU: the fused quantized kernels run on slot ids over the repacked slot pool
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device):
+    # the fused quantized kernels (Triton's interpreter on the CPU) run on slot ids over the repacked slot pool
     from moerun.moe.offload.packed_pool import PackedSlotPool
 
-    opts = dict(OPTS, moe_backend="triton")
+    opts = dict(OPTS, device=device, moe_backend="triton")
     few = prompts(2)[:2]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in LLM(str(gguf_model), **opts).generate(few, params)]
@@ -132,7 +134,7 @@ def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model):
     for layer in range(manager.num_layers):  # every slot holds its expert's repacked blocks, the null slot zeros
         for part, ours in zip(manager.store.weights(layer), manager.pool.weights(layer)):
             full = part.dequantize(torch.float32)  # [E, N, K] from the host blocks
-            packed = torch.cat([p.dequantize(torch.float32) for p in ours], dim=1)  # [S + 1, N, K]
+            packed = torch.cat([p.dequantize(torch.float32).cpu() for p in ours], dim=1)  # [S + 1, N, K]
             assert packed[manager.pool.null_slot].abs().max() == 0
             for expert in range(manager.num_experts):
                 slot = int(manager.table.slot_of[layer, expert])

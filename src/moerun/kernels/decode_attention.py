@@ -239,9 +239,9 @@ def _decode_attention_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
+    """Single-launch path: split-KV partials merged by the last live split of each (sequence, kv head)."""
     launch_dependents(PDL)
     wait_for_previous(PDL)
-    """Single-launch path: split-KV partials merged by the last live split of each (sequence, kv head)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -391,7 +391,7 @@ def _launch_single(
     block_gm = triton.next_power_of_2(n_q // n_kv)
     # merge tiles of at most 8192 floats: [heads, splits, D]
     block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_gm * D)))
-    pdl = pdl_mode(q.device)
+    pdl = pdl_mode(q.device, B)
     _decode_attention_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
         *_common_args(q, k_cache, v_cache, scale, num_splits),

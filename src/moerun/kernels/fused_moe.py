@@ -442,7 +442,7 @@ def _finish(acc: torch.Tensor, T: int, k: int, H: int, atomic: bool, out_dtype: 
         return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     out = torch.empty(T, H, dtype=out_dtype, device=acc.device)  # [T, H]
     block_h = min(triton.next_power_of_2(H), 1024)
-    pdl = pdl_mode(acc.device)
+    pdl = pdl_mode(acc.device, T)  # the tile path (prefill sizes) sums here too
     _sum_slots_kernel[(T, triton.cdiv(H, block_h))](
         acc, out, k, H, BLOCK_SLOT=triton.next_power_of_2(k), BLOCK_H=block_h, num_warps=4, PDL=pdl,
         **launch_options(pdl),
@@ -499,7 +499,7 @@ def _fused_moe_gemv(
     ids = topk_ids.reshape(-1)  # [T*k]
     inter = torch.empty(pairs, I, dtype=hidden.dtype, device=hidden.device)  # [T*k, I] in the weights' dtype
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    pdl = pdl_mode(hidden.device)
+    pdl = pdl_mode(hidden.device, T)
     _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
         hidden, *w13.args(hidden), ids, inter, k, H, I,
         hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),

@@ -438,7 +438,7 @@ def _launch(
     else:
         partials = tickets = y  # dummies, never touched
     interpret = interpreting()
-    pdl = pdl_mode(x.device)
+    pdl = pdl_mode(x.device, T)
     _gemv_kernel[(n_tiles, split_k)](
         x,
         residual if residual is not None else x,

@@ -262,7 +262,7 @@ def route_fused_triton(
     split = triton.cdiv(E, rows)  # no program without rows
     block_h = triton.next_power_of_2(H)
     block_rows = min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows))
-    pdl = pdl_mode(device)
+    pdl = pdl_mode(device, T)
     _route_fused_kernel[(T, split)](
         x, residual if residual is not None else x, norm_weight, gate_weight, normed, residual_out, logits,
         _ticket_counters(T, device), weights, ids, eps,

@@ -42,6 +42,32 @@ def mean_of_squares(xf, N: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def add_rms_norm_row(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, n_store, eps, stride_x, stride_r,
+    H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """weight * rms_normalise(x + residual) of one row -> [BLOCK_H] in x's dtype; its first n_store columns are
+    stored in out [T, H], with x + residual in res_out [T, H] (n_store = H, or 0 where another program stores)."""
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_H] in x's dtype
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # torch adds in float32 and rounds once to x's dtype
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, INTERPRET)
+        tl.store(res_out_ptr + row * H + cols, x, mask=cols < n_store)
+    xf = x.to(tl.float32)
+    inv_rms = tl.math.rsqrt(mean_of_squares(xf, H, INTERPRET) + eps)
+    normed = round_to(xf * inv_rms, dtype, INTERPRET)  # rounded to x's dtype before the weight, as torch does
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # a product of two 16-bit floats is exact in float32, so this is one rounding like torch's
+    out = round_to(w.to(tl.float32) * normed.to(tl.float32), dtype, INTERPRET)  # [BLOCK_H]
+    tl.store(out_ptr + row * H + cols, out, mask=cols < n_store)
+    return out
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [T, H]
     res_ptr,  # [T, H] or a dummy when HAS_RESIDUAL is false
@@ -60,22 +86,8 @@ def _rms_norm_kernel(
     launch_dependents(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_H] in x's dtype
-    dtype = x.dtype
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        # torch adds in float32 and rounds once to x's dtype
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, INTERPRET)
-        tl.store(new_res_ptr + row * H + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.math.rsqrt(mean_of_squares(xf, H, INTERPRET) + eps)
-    normed = round_to(xf * inv_rms, dtype, INTERPRET)  # rounded to x's dtype before the weight, as torch does
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # a product of two 16-bit floats is exact in float32, so this is one rounding like torch's
-    out = round_to(w.to(tl.float32) * normed.to(tl.float32), dtype, INTERPRET)
-    tl.store(out_ptr + row * H + cols, out, mask=mask)
+    add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H, HAS_RESIDUAL,
+                     BLOCK_H, INTERPRET)
 
 
 def rms_norm_triton(

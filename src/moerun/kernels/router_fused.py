@@ -22,7 +22,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.rmsnorm import MAX_HIDDEN, mean_of_squares, round_to
+from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, round_to
 from moerun.kernels.router import softmax_topk
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -97,10 +97,11 @@ def _route_fused_kernel(
     # PDL), so their trip to memory overlaps it.
     g, rows, row_ok = _load_router_rows(gate_ptr, first, 0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
     wait_for_previous(PDL)
-    normed = _add_rms_norm(
+    # every program normalises the token's row; the first one stores it and the new residual
+    normed = add_rms_norm_row(
         x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
         stride_r, H, HAS_RESIDUAL, BLOCK_H, INTERPRET,
-    )  # fmt: skip
+    ).to(tl.float32)  # fmt: skip
     _store_logits(logits_ptr, g, normed, token, rows, row_ok, E, INTERPRET)
     for r0 in range(BLOCK_ROWS, ROWS, BLOCK_ROWS):
         g_r, rows_r, ok_r = _load_router_rows(gate_ptr, first, r0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
@@ -114,31 +115,6 @@ def _route_fused_kernel(
         if ticket == SPLIT - 1:
             _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E, BLOCK_K)
             tl.store(counter_ptr + token, 0)
-
-
-@triton.jit
-def _add_rms_norm(
-    x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, n_store, eps, stride_x, stride_r,
-    H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """weight * rms_normalise(x + residual) of one row in float32 [BLOCK_H], holding values of x's dtype, as
-    kernels/rmsnorm.py rounds it; its first n_store columns (H in one program of the token, else 0) are stored
-    with the new residual."""
-    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    mask = cols < H
-    x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_H] in x's dtype
-    dtype = x.dtype
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + token * stride_r + cols, mask=mask, other=0.0)
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, INTERPRET)
-        tl.store(res_out_ptr + token * H + cols, x, mask=cols < n_store)
-    xf = x.to(tl.float32)
-    inv_rms = tl.math.rsqrt(mean_of_squares(xf, H, INTERPRET) + eps)
-    normed = round_to(xf * inv_rms, dtype, INTERPRET)
-    w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0)
-    out = round_to(w.to(tl.float32) * normed.to(tl.float32), dtype, INTERPRET)  # [BLOCK_H]
-    tl.store(normed_ptr + token * H + cols, out, mask=cols < n_store)
-    return out.to(tl.float32)
 
 
 @triton.jit

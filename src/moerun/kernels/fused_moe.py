@@ -358,12 +358,7 @@ def _gemm2_gemv_kernel(
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if ticket == top_k - 1:
             tl.atomic_xchg(counter, 0)
-            slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
-            mask = (slots[:, None] < top_k) & (offs_n[None, :] < H)
-            rows = (token * top_k + slots[:, None]) * stride_ot + offs_n[None, :]  # [BLOCK_SLOT, BLOCK_N]
-            vals = tl.load(out_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
-            total = tl.sum(vals, axis=0)  # [BLOCK_N]
-            tl.store(sum_ptr + token * H + offs_n, total.to(sum_ptr.dtype.element_ty), mask=offs_n < H)
+            _store_slot_sum(out_ptr, sum_ptr, token, offs_n, top_k, H, stride_ot, BLOCK_SLOT)
 
 
 @triton.jit
@@ -412,6 +407,17 @@ def _gemm2_gemv_fused_kernel(
 
 
 @triton.jit
+def _store_slot_sum(src_ptr, out_ptr, token, offs_h, top_k, H, stride_src, BLOCK_SLOT: tl.constexpr):
+    """out[token, offs_h] = sum over the token's k slot rows of src [T*k, H] fp32, in out's dtype. The rows are
+    read through L2 (.cg): other programs of the same launch may have written them."""
+    slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
+    mask = (slots[:, None] < top_k) & (offs_h[None, :] < H)
+    rows = (token * top_k + slots[:, None]) * stride_src + offs_h[None, :]  # [BLOCK_SLOT, BLOCK_H]
+    vals = tl.load(src_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + token * H + offs_h, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=offs_h < H)
+
+
+@triton.jit
 def _sum_slots_kernel(
     src_ptr,  # [T*k, H] fp32
     out_ptr,  # [T, H]
@@ -425,10 +431,7 @@ def _sum_slots_kernel(
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
-    mask = (slots[:, None] < top_k) & (offs_h[None, :] < H)
-    vals = tl.load(src_ptr + (token * top_k + slots[:, None]) * H + offs_h[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + token * H + offs_h, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=offs_h < H)
+    _store_slot_sum(src_ptr, out_ptr, token, offs_h, top_k, H, H, BLOCK_SLOT)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -11,7 +11,7 @@ from helpers import capture_cuda_graph
 pytest.importorskip("triton")
 
 from moerun.kernels.decode_attention import decode_attention_triton, default_num_splits  # noqa: E402
-from moerun.kernels.gemv import ticket_counters  # noqa: E402
+from moerun.kernels.tickets import ticket_counters  # noqa: E402
 from moerun.ops.attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,

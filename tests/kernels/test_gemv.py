@@ -18,9 +18,9 @@ from moerun.kernels.gemv import (  # noqa: E402
     default_config,
     linear_triton,
     rms_norm_linear_triton,
-    ticket_counters,
     tuned_for,
 )
+from moerun.kernels.tickets import ticket_counters  # noqa: E402
 from moerun.layers.attention import Qwen3Attention  # noqa: E402
 from moerun.layers.norm import RMSNorm  # noqa: E402
 from moerun.layers.rotary import RotaryEmbedding  # noqa: E402

@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.gemv import ticket_counters
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import round_to
+from moerun.kernels.tickets import ticket_counters
 
 # tl.dot needs every tile side >= 16: query-head groups are padded up to this many rows
 MIN_DOT = 16

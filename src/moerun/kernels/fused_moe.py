@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.gemv import ticket_counters
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -32,6 +32,7 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import round_to
+from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
 
 # Beyond this many tokens the weight is no longer the whole cost and cuBLAS's tiled GEMMs win.
@@ -40,35 +41,6 @@ MAX_TOKENS = 16
 MIN_DOT = 16
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS = ("triton", "torch")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Ticket counters for last-arriving reductions
-# ---------------------------------------------------------------------------------------------------------
-
-_COUNTERS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 14
-
-
-def ticket_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
-    """n int32 counters on device that are 0 between launches (each kernel resets the ones it used).
-
-    The buffers are never freed: a captured CUDA graph keeps their addresses. One buffer per owner (op name),
-    and launches that share an owner must not overlap in time (same stream, as in a decode step). The first
-    call must come before any graph capture, because an allocation inside a capture belongs to that graph.
-    """
-    key = (owner, device)
-    buffers = _COUNTERS.setdefault(key, [])
-    if buffers and buffers[-1].numel() >= n:
-        return buffers[-1][:n]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"{owner}: ticket counters for {n} tiles must be allocated before CUDA-graph capture; run the op once "
-            "outside the capture (warm-up) with the same or a larger shape"
-        )
-    size = max(_MIN_COUNTERS, triton.next_power_of_2(n))
-    buffers.append(torch.zeros(size, dtype=torch.int32, device=device))  # earlier ones stay alive for graphs
-    return buffers[-1][:n]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -24,11 +24,10 @@ from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, round_to
 from moerun.kernels.router import softmax_topk
+from moerun.kernels.tickets import ticket_counters
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tokens covered by the per-device ticket buffer; larger calls allocate zeroed counters of their own.
-_COUNTER_CAPACITY = 1024
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -157,20 +156,6 @@ def _select_experts(
     tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
 
 
-def _ticket_counters(T: int, device: torch.device) -> torch.Tensor:
-    """[>= T] int32 zeros. The kernel leaves its tickets at zero, so one buffer per device serves every call (and
-    every captured graph); it is made outside any capture, else a zeroed buffer of the call's own is used.
-    Launches on one device are assumed not to overlap (one stream): concurrent ones would share tickets."""
-    buf = _counters.get(device)
-    if buf is None and T <= _COUNTER_CAPACITY:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            buf = _counters[device] = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
-    if buf is None or T > _COUNTER_CAPACITY:
-        return torch.zeros(T, dtype=torch.int32, device=device)  # [T]
-    return buf
-
-
 def _check_inputs(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -241,7 +226,7 @@ def route_fused_triton(
     pdl = pdl_mode(device, T)
     _route_fused_kernel[(T, split)](
         x, residual if residual is not None else x, norm_weight, gate_weight, normed, residual_out, logits,
-        _ticket_counters(T, device), weights, ids, eps,
+        ticket_counters(device, T, "route_fused"), weights, ids, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, gate_weight.stride(0),
         H=H, E=E, K=k, RENORMALIZE=bool(renormalize), HAS_RESIDUAL=residual is not None, SPLIT=split, ROWS=rows,
         BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),

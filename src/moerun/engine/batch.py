@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moerun.device import to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -48,7 +50,7 @@ class ForwardBatch:
             last_rows.append(row)
         T, B = len(positions), len(slots)
         # one host-to-device copy for all the metadata
-        dev = to_device(positions + token_slots + list(slots) + seq_lens + last_rows, torch.int64, device)
+        dev = to_device(positions + token_slots + list(slots) + seq_lens + last_rows, device, torch.int64)
         return cls(
             is_prefill=is_prefill,
             positions=dev[:T],
@@ -62,11 +64,3 @@ class ForwardBatch:
             max_seq_len=max(seq_lens),
         )
 
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on device, without waiting for work queued there (through pinned memory on
-    CUDA: a pageable copy would wait for the stream, and async scheduling keeps a step queued)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

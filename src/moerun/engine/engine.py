@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from moerun.config import EngineConfig
-from moerun.engine.batch import ForwardBatch, to_device
+from moerun.device import to_device
+from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.pending import PendingTokens, next_input_ids
 from moerun.engine.runner import ModelRunner
@@ -100,7 +101,7 @@ class Engine:
             ids.extend(seq.token_slice(start, n))
             starts.append(start)
         batch = ForwardBatch.build(starts, plan.num_new_tokens, [s.slot for s in plan.seqs], self.device)
-        input_ids = to_device(ids, torch.int64, self.device)
+        input_ids = to_device(ids, self.device, torch.int64)
         for seq, n in zip(plan.seqs, plan.num_new_tokens):
             seq.num_computed += n
         ready = [i for i, s in enumerate(plan.seqs) if s.num_computed >= len(s.prompt_ids)]

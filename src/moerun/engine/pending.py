@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.engine.batch import to_device
+from moerun.device import to_device
 from moerun.engine.sequence import Sequence
 
 
@@ -52,8 +52,8 @@ def next_input_ids(host_ids: list[int], source_rows: list[int], pending: Pending
     """Input ids [B] int64 on device of the next decode launch: row i is pending.device_ids[source_rows[i]] where
     source_rows[i] >= 0 (a token the host has not read yet), else host_ids[i]. One host-to-device copy."""
     if pending is None or all(r < 0 for r in source_rows):
-        return to_device(host_ids, torch.int64, device)
-    meta = to_device([host_ids, source_rows], torch.int64, device)  # [2, B]
+        return to_device(host_ids, device, torch.int64)
+    meta = to_device([host_ids, source_rows], device, torch.int64)  # [2, B]
     known, rows = meta[0], meta[1]
     from_device = pending.device_ids.index_select(0, rows.clamp(min=0))  # [B]
     return torch.where(rows >= 0, from_device, known)

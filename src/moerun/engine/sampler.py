@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moerun.engine.batch import to_device
+from moerun.device import to_device
 from moerun.engine.sequence import Sequence
 from moerun.sampling_params import SamplingParams
 
@@ -27,12 +27,12 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     Which filters run is decided from the host-side params, so sampling never waits on the device.
     """
     dev = logits.device
-    temperature = to_device([p.temperature for p in params], torch.float32, dev)  # [B]
+    temperature = to_device([p.temperature for p in params], dev, torch.float32)  # [B]
     logits = logits / temperature[:, None]
     V = logits.shape[-1]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        top_k = to_device([p.top_k if p.top_k > 0 else V for p in params], torch.int64, dev)  # [B]
-        top_p = to_device([p.top_p for p in params], torch.float32, dev)  # [B]
+        top_k = to_device([p.top_k if p.top_k > 0 else V for p in params], dev, torch.int64)  # [B]
+        top_p = to_device([p.top_p for p in params], dev, torch.float32)  # [B]
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
         rank = torch.arange(V, device=dev)[None, :]
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
@@ -42,7 +42,7 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = to_device([p.min_p for p in params], torch.float32, dev)  # [B]
+        min_p = to_device([p.min_p for p in params], dev, torch.float32)  # [B]
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -78,12 +78,12 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # [B], the greedy choice
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
-            rows = to_device(sampled_rows, torch.int64, logits.device)
+            rows = to_device(sampled_rows, logits.device, torch.int64)
             probs = filter_probs(logits[rows], [seqs[i].params for i in sampled_rows])  # [S, V]
             picks = torch.empty(len(sampled_rows), dtype=torch.int64, device=logits.device)  # [S]
             shared = [j for j, i in enumerate(sampled_rows) if seqs[i].generator is None]
             if shared:  # rows without a seed share the engine's generator: one draw for all of them
-                at = to_device(shared, torch.int64, logits.device)
+                at = to_device(shared, logits.device, torch.int64)
                 picks[at] = torch.multinomial(probs[at], 1, generator=self.generator).squeeze(1)
             for j, i in enumerate(sampled_rows):
                 if seqs[i].generator is not None:  # a seeded row draws from its own generator

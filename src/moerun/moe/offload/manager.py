@@ -27,17 +27,18 @@ import numpy as np
 import torch
 
 from moerun import ops
+from moerun.device import to_device
 from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.cache import SlotTable
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.cpu_compute import CostModel, cpu_partial, measure_cpu, measure_h2d
-from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.packed_pool import PackedSlotPool
+from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.prefetch import RouterLookahead
 from moerun.moe.offload.stats import OffloadStats
 from moerun.moe.offload.store import HostExpertStore
-from moerun.moe.offload.transfer import Copier, StagingRing, to_device_async
+from moerun.moe.offload.transfer import Copier, StagingRing
 
 logger = logging.getLogger("moerun")
 
@@ -270,7 +271,7 @@ class ExpertOffload(OffloadManagerBase):
         return y
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device_async(array, self.device)
+        return to_device(array, self.device)
 
     # ---- setup helpers ----
     def _cost_model(self) -> CostModel:

@@ -15,16 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-import numpy as np
 import torch
-
-
-def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` without blocking the host (through a pinned buffer on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class HostTicket:

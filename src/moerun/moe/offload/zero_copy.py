@@ -25,6 +25,7 @@ import weakref
 import numpy as np
 import torch
 
+from moerun.device import to_device
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.policies import make_policy
@@ -33,7 +34,7 @@ from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.residency import Plan, Residency
 from moerun.moe.offload.stats import OffloadStats
 from moerun.moe.offload.store import HostExpertStore, _unregister_all, pinned_empty
-from moerun.moe.offload.transfer import Copier, to_device_async
+from moerun.moe.offload.transfer import Copier
 from moerun.ops.moe import fused_moe_indirect
 
 
@@ -234,7 +235,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         S = self.slots_per_layer
         w13 = np.where(ready, self.slot_w13[layers, slot] if S else 0, self.host_w13[layers, experts])
         w2 = np.where(ready, self.slot_w2[layers, slot] if S else 0, self.host_w2[layers, experts])
-        packed = to_device_async(np.stack([layers * self.num_experts + experts, w13, w2]), self.device)  # [3, n]
+        packed = to_device(np.stack([layers * self.num_experts + experts, w13, w2]), self.device)  # [3, n]
         self.w13_table.view(-1).index_copy_(0, packed[0], packed[1])
         self.w2_table.view(-1).index_copy_(0, packed[0], packed[2])
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, resolve_tuner_timing
 from moerun.kernels.gemv import (
     MIN_DOT,
     GemvConfig,
@@ -125,23 +126,8 @@ def candidates(N: int, K: int, T: int, dtype: torch.dtype, quick: bool) -> list[
 
 def per_op_us(op: Callable[[int], Any], copies: int, args: argparse.Namespace) -> float:
     """Microseconds per op: one CUDA graph runs op over every weight copy, timed by do_bench (median)."""
-    run_all = lambda: [op(i) for i in range(copies)]  # noqa: E731
-    if DEVICE != "cuda":
-        start = time.perf_counter()
-        run_all()
-        return 1e6 * (time.perf_counter() - start) / copies
-    from triton.testing import do_bench
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_all()  # compiles and allocates outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    ms = do_bench(graph.replay, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-    return 1e3 * ms / copies
+    replay, _ = graph_replay(lambda: [op(i) for i in range(copies)])
+    return 1e3 * median_ms(replay, args.warmup_ms, args.rep_ms) / copies
 
 
 def tune_case(name: str, N: int, K: int, norm: bool, T: int, dtype: torch.dtype, args, log: list) -> GemvConfig | None:
@@ -213,16 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="reduced search space")
     p.add_argument("--no-torch", dest="allow_torch", action="store_false",
                    help="always record the best Triton config, even where cuBLAS is faster")
-    p.add_argument("--out-dir", default=str(CONFIG_DIR), help="where the JSON table goes")
-    p.add_argument("--log-dir", default="tune_logs", help="where the per-candidate log goes")
-    p.add_argument("--warmup-ms", type=int, default=None)
-    p.add_argument("--rep-ms", type=int, default=None)
-    args = p.parse_args(argv)
-    if args.warmup_ms is None:
-        args.warmup_ms = 5 if args.quick else 25
-    if args.rep_ms is None:
-        args.rep_ms = 20 if args.quick else 100
-    return args
+    add_tuner_arguments(p, str(CONFIG_DIR))
+    return resolve_tuner_timing(p.parse_args(argv), quick_rep_ms=20)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, resolve_tuner_timing
 from moerun.kernels.fused_moe import fused_moe_triton
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import (
@@ -130,40 +129,6 @@ def candidates(m: int, k: int, dtype: torch.dtype, quick: bool) -> list[Config]:
     return unique
 
 
-def graph_or_eager(fn: Callable[[], Any]) -> tuple[Callable[[], Any], str]:
-    """A replay of fn captured in a CUDA graph (so launch overhead is excluded), or fn itself if capture fails."""
-    if DEVICE != "cuda":
-        return fn, "eager"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay, "graph"
-    except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager timing
-        print(f"    capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
-        torch.cuda.synchronize()
-        return fn, "eager"
-
-
-def median_ms(fn: Callable[[], Any], args: argparse.Namespace) -> float:
-    """Median milliseconds of fn: triton's do_bench (L2 flushed between runs) on CUDA, wall time otherwise."""
-    if DEVICE == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def time_candidate(m: int, cfg: Config, inputs: tuple, ref: torch.Tensor, scale: float,
                    args: argparse.Namespace) -> dict[str, Any]:
     """One log row: the candidate's error against the reference and, when correct, its median time."""
@@ -175,9 +140,9 @@ def time_candidate(m: int, cfg: Config, inputs: tuple, ref: torch.Tensor, scale:
         if not err <= 3e-2 * scale + 1e-3:
             row["error"] = f"mismatch {err:.3g} (scale {scale:.3g})"
         else:
-            fn, mode = graph_or_eager(lambda: fused_moe_triton(*inputs, cfg))
+            fn, mode = graph_replay(lambda: fused_moe_triton(*inputs, cfg))
             row["mode"] = mode
-            row["us"] = 1e3 * median_ms(fn, args)
+            row["us"] = 1e3 * median_ms(fn, args.warmup_ms, args.rep_ms)
     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile; skip it
         row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
@@ -262,16 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="reduced search space (a few minutes for both presets)")
     p.add_argument("--gemm2", action="store_true",
                    help="then search GEMM 2's tile separately around the best tile config (prefill sizes)")
-    p.add_argument("--out-dir", default=str(CONFIG_DIR), help="where the JSON tables go")
-    p.add_argument("--log-dir", default="tune_logs", help="where the per-candidate logs go")
-    p.add_argument("--warmup-ms", type=int, default=None)
-    p.add_argument("--rep-ms", type=int, default=None)
-    args = p.parse_args(argv)
-    if args.warmup_ms is None:
-        args.warmup_ms = 5 if args.quick else 25
-    if args.rep_ms is None:
-        args.rep_ms = 30 if args.quick else 100
-    return args
+    add_tuner_arguments(p, str(CONFIG_DIR))
+    return resolve_tuner_timing(p.parse_args(argv), quick_rep_ms=30)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -48,3 +51,56 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
         "hbm_copy_read_plus_write_GBps": 2 * nbytes / t_copy / 1e9,
         "bf16_matmul_TFLOPs": 2 * 8192**3 / t_mm / 1e12,
     }
+
+
+# ---- kernel tuners (benchmarks/tune_*.py) ----
+def graph_replay(fn: Callable[[], object]) -> tuple[Callable[[], object], str]:
+    """(fn captured in a CUDA graph, warmed up on a side stream first, as its replay, "graph"), so timings exclude
+    launch overhead; (fn, "eager") on the CPU or if the capture fails (said on stderr)."""
+    if not torch.cuda.is_available():
+        return fn, "eager"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles and allocates outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, "graph"
+    except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager timing
+        print(f"    capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
+        torch.cuda.synchronize()
+        return fn, "eager"
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
+    """Median milliseconds of fn: triton's do_bench (L2 flushed between runs) on CUDA, wall time otherwise."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def add_tuner_arguments(p: argparse.ArgumentParser, config_dir: str) -> None:
+    """The options every tuner takes: where its table and log go, and how long each candidate is timed."""
+    p.add_argument("--out-dir", default=config_dir, help="where the JSON table goes")
+    p.add_argument("--log-dir", default="tune_logs", help="where the per-candidate log goes")
+    p.add_argument("--warmup-ms", type=int, default=None, help="default: 5 with --quick, else 25")
+    p.add_argument("--rep-ms", type=int, default=None, help="default: --quick-rep-ms with --quick, else 100")
+
+
+def resolve_tuner_timing(args: argparse.Namespace, quick_rep_ms: int) -> argparse.Namespace:
+    """Fills --warmup-ms / --rep-ms left unset from --quick."""
+    if args.warmup_ms is None:
+        args.warmup_ms = 5 if args.quick else 25
+    if args.rep_ms is None:
+        args.rep_ms = quick_rep_ms if args.quick else 100
+    return args

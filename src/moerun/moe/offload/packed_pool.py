@@ -33,8 +33,10 @@ class PackedSlotPool:
 
     @staticmethod
     def applies(specs: list[list[PartSpec]]) -> bool:
-        """Whether every layer's quantized parts run in the fused quantized kernels (checked on one zero expert)."""
-        for layer in specs:
+        """Whether every layer's quantized parts run in the fused quantized kernels (checked on one zero expert
+        per distinct layout of a layer's parts)."""
+        layouts = {tuple((s.which, s.shape, s.qtype, s.cols) for s in layer): layer for layer in specs}
+        for layer in layouts.values():
             if any(s.qtype is None for s in layer):
                 return False
             stage = [torch.zeros((1, *s.shape), dtype=s.dtype) for s in layer]

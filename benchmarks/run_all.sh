@@ -6,7 +6,8 @@
 # Stages (default: all, in this order; each has its own time limit and log OUT_DIR/<stage>.log):
 #   test       the CUDA-only tests (kernels against references, graph replay = eager, no host sync)
 #   tune       tile tables: fused MoE (small M with the in-kernel slot sum; GEMM 2 searched separately at
-#              prefill sizes), the dense GEMV against cuBLAS, the quantized MoE decode paths
+#              prefill sizes), the dense GEMV against cuBLAS, the quantized dense GEMV, the quantized MoE
+#              decode paths
 #   e2e        moerun bench, bf16 with a per-kernel profile and transformers side by side; then Q4_K_M
 #   kernels    bench_moe.py and bench_quant_moe.py tables
 #   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB
@@ -38,6 +39,8 @@ for stage in $stages; do
         run tune 300 python3 benchmarks/tune_moe.py --shape qwen3-30b-a3b --quick --gemm2 --m 1024 2048 4096 \
             --log-dir "$out/tune_logs"
         run tune 300 python3 benchmarks/tune_gemv.py --shape qwen3-30b-a3b --quick
+        run tune 300 python3 benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick \
+            --log-dir "$out/tune_logs"
         run tune 420 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K Q6_K Q8_0 \
             --types Q4_K_M Q6_K Q8_0 --m 1 2 4 8 --out "$out/quant_tune" ;;
     e2e)

@@ -135,6 +135,36 @@ def test_default_config_paths() -> None:
     assert default_matmul_config(512, 4096, interpret=False)["path"] == "tile"
 
 
+def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
+    # a part's tuned config serves M up to its largest bucket; past it (and for other parts) the default does
+    import json
+
+    from moerun.kernels.quant import configs
+
+    tuned = {"path": "gemv_v2", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1}
+    (tmp_path / "quant_gemv_FAKE.json").write_text(json.dumps({configs.matmul_key("Q4_K", 64, 256): {"2": tuned}}))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    configs.load_matmul_table.cache_clear()
+    configs.get_matmul_config.cache_clear()
+    try:
+        assert configs.get_matmul_config("Q4_K", 64, 256, 1, "FAKE") == tuned
+        assert configs.get_matmul_config("Q4_K", 64, 256, 2, "FAKE") == tuned
+        assert configs.get_matmul_config("Q4_K", 64, 256, 3, "FAKE") == configs.default_matmul_config(3, 64, False)
+        assert configs.get_matmul_config("Q6_K", 64, 256, 1, "FAKE") == configs.default_matmul_config(1, 64, False)
+        # the MoE table of decode buckets says nothing about prefill sizes
+        moe = {"1": {**tuned, "BLOCK_N2": 4, "BLOCK_K2": 256}, "8": {**tuned, "BLOCK_N2": 8, "BLOCK_K2": 256}}
+        (tmp_path / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(moe))
+        configs.load_moe_table.cache_clear()
+        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 16, "FAKE")["BLOCK_N2"] == 8
+        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 17, "FAKE") == \
+            configs.default_moe_config(17, 8, interpret=False, qtype="Q4_K")
+    finally:
+        configs.load_matmul_table.cache_clear()
+        configs.get_matmul_config.cache_clear()
+        configs.load_moe_table.cache_clear()
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("qt", [QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 7, 300])

@@ -115,8 +115,10 @@ def test_gguf_experts_offloaded_as_blocks(gguf_model, gguf_reference, policy, pr
         assert stats["bytes_copied"] == stats["bytes_copied_miss"] + stats["bytes_copied_prefetch"] > 0
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is off "
+                                                 "where CUDA is (tests/offload/conftest.py)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device):
     # the fused quantized kernels (Triton's interpreter on the CPU) run on slot ids over the repacked slot pool
     from moerun.moe.offload.packed_pool import PackedSlotPool

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import (
@@ -101,10 +102,11 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
 def get_moe_config(
     qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None  # noqa: E741
 ) -> Config:
-    """Tuned config of the nearest M bucket for this type, shape and device, else the default for m."""
+    """Tuned config of the nearest M bucket for this type, shape and device, else the default for m (also beyond
+    twice the largest tuned M: a table tuned for decode says nothing about prefill)."""
     if not interpreting():
         table = load_moe_table(qtype, E, H, I, device or _current_device_name())
-        if table:
+        if table and m <= 2 * max(table):
             return dict(table[nearest_bucket(list(table), m)])
     return default_moe_config(m, k, qtype=qtype)
 
@@ -112,6 +114,39 @@ def get_moe_config(
 # gemv_v2 for y = x @ W^T at a few rows of x: 8 rows per program, rows of up to 2048 inputs in one chunk (so
 # o_proj's 2048 rows still spread over 256 programs); other types run these blocks on the gemv path.
 MATMUL_V2_DECODE: Config = {"path": "gemv_v2", "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
+
+
+def matmul_table_path(device: str, config_dir: Path | None = None) -> Path:
+    """The tuned table of the dense quantized matmul on a device: {matmul_key: {M: config}}."""
+    return (config_dir or CONFIG_DIR) / f"quant_gemv_{device}.json"
+
+
+def matmul_key(qtype: str, n: int, k: int) -> str:
+    """Table key of one weight part: its GGUF type and shape [n, k]."""
+    return f"type={qtype},N={n},K={k}"
+
+
+@functools.cache
+def load_matmul_table(device: str) -> dict[str, dict[int, Config]]:
+    """The device's tuned dense quantized matmul table ({} when none was shipped)."""
+    path = matmul_table_path(device)
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        raw = json.load(f)
+    return {key: {int(m): dict(cfg) for m, cfg in by_m.items()} for key, by_m in raw.items()}
+
+
+@functools.cache
+def get_matmul_config(qtype: str, n: int, k: int, m: int, device: str | None = None) -> Config:
+    """Tuned config of one weight part [n, k] of type qtype at m rows of x (the smallest tuned M bucket >= m),
+    else default_matmul_config. Memoised: every quantized projection asks on every call."""
+    if not interpreting():
+        by_m = load_matmul_table(device or _current_device_name()).get(matmul_key(qtype, n, k), {})
+        fits = [b for b in by_m if b >= m]
+        if fits:
+            return by_m[min(fits)]
+    return default_matmul_config(m, n)
 
 
 def default_matmul_config(m: int, n: int, interpret: bool | None = None) -> Config:

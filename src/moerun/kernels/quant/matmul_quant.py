@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.fused_moe import _dot_precision, _tile_pid
-from moerun.kernels.quant.configs import default_matmul_config, dot_steps, gemv_steps
+from moerun.kernels.quant.configs import dot_steps, get_matmul_config, gemv_steps
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
@@ -164,7 +164,9 @@ def quant_matmul_triton(
     bias: torch.Tensor | None = None,
     config: Config | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types)."""
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types).
+
+    config applies to every part; by default each part takes its own (configs.get_matmul_config)."""
     parts = [parts] if isinstance(parts, PackedWeight) else list(parts)
     M, K = x.shape
     n_total = sum(p.n for p in parts)
@@ -179,13 +181,12 @@ def quant_matmul_triton(
     if M == 0:
         return y
     x = x.contiguous()
-    cfg = config or default_matmul_config(M, n_total)
     col = 0
     for p in parts:
         if p.is_dense:
             b = None if bias is None else bias[col : col + p.n]
             y[:, col : col + p.n] = F.linear(x, p.codes.to(x.dtype), b)
         else:
-            _launch_part(x, y, p, bias, col, cfg)
+            _launch_part(x, y, p, bias, col, config or get_matmul_config(p.qtype.name, p.n, K, M))
         col += p.n
     return y

@@ -1,0 +1,182 @@
+"""Tune the dense quantized matmul (moerun.kernels.quant.matmul_quant) at a few rows of x on the current CUDA device.
+
+For every (GGUF type, N, K) part that a model's quantized attention projections and lm_head produce, and every M
+asked for, it checks each candidate config (the gemv path, the gemv_v2 path with its tiles and warps) once against
+dequantise + float32 matmul, then times it: a CUDA graph runs the part over enough copies of the weight to
+overflow L2 (as a decode step streams each weight once), replayed through triton.testing.do_bench, divided by
+the copies. The winners are merged into src/moerun/kernels/configs/quant_gemv_<device>.json, which
+configs.get_matmul_config reads; a log of every candidate goes to --log-dir.
+
+    python benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, resolve_tuner_timing
+from moerun.formats.quants import QuantType
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.quant.configs import (
+    default_matmul_config,
+    get_matmul_config,
+    load_matmul_table,
+    matmul_key,
+    matmul_table_path,
+)
+from moerun.kernels.quant.matmul_quant import quant_matmul_triton
+from moerun.kernels.quant.repack import pack
+from moerun.kernels.quant.synthetic import random_quantized
+from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (name, type, N, K) of the quantized parts of a decode step. Qwen3-30B-A3B in llama.cpp's Q4_K_M mix: q|k in
+# Q4_K; v in Q6_K on the layers that get more bits (else Q4_K, merged into q|k|v); o_proj in Q4_K; lm_head Q6_K.
+PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
+    "qwen3-30b-a3b-q4_k_m": [("q|k", "Q4_K", 4608, 2048), ("q|k|v", "Q4_K", 5120, 2048), ("v", "Q6_K", 512, 2048),
+                             ("o_proj", "Q4_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
+    "qwen3-30b-a3b-q8_0": [("q|k|v", "Q8_0", 5120, 2048), ("o_proj", "Q8_0", 2048, 4096),
+                           ("lm_head", "Q8_0", 151936, 2048)],
+    "qwen3-30b-a3b-q6_k": [("q|k|v", "Q6_K", 5120, 2048), ("o_proj", "Q6_K", 2048, 4096),
+                           ("lm_head", "Q6_K", 151936, 2048)],
+}  # fmt: skip
+# Weight copies read per timed graph: together at least this many bytes, so L2 (50-60 MB) cannot hold them.
+STREAM_BYTES = 3 * 64 * 2**20
+MAX_COPIES = 32
+
+
+def _gemv(bn: int, bk: int, w: int) -> Config:
+    return {"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 2}
+
+
+def _v2(bn: int, bk: int, w: int) -> Config:
+    return {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1}
+
+
+def candidates(qtype: str, K: int, M: int, quick: bool) -> list[Config]:
+    """Configs to try, the default first; gemv_v2 only for the types it reads."""
+    out = [default_matmul_config(M, 1, interpret=False), _gemv(16, 1024, 4), _gemv(32, 1024, 4)]
+    if qtype in ("Q4_K", "Q6_K", "Q8_0"):
+        bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
+            ((2, 4, 8, 16, 32, 64), (256, 512, 1024, 2048, 4096), (1, 2, 4, 8))
+        out += [_v2(bn, bk, w) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
+        out.append(_v2(8, min(K, 4096), 8))
+    unique: list[Config] = []
+    for cfg in out:
+        if cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+def tune_part(name: str, qtype: str, N: int, K: int, M: int, args, log: list) -> Config | None:
+    """The fastest correct config of one part at M rows; prints one line."""
+    gen = torch.Generator(device=DEVICE).manual_seed(N + K)
+    first = random_quantized(qtype, (N, K), DEVICE, gen)
+    ref_w = first.dequantize(torch.float32)  # [N, K]
+    nbytes = first.nbytes
+    copies = max(1, min(MAX_COPIES, math.ceil(STREAM_BYTES / nbytes))) if DEVICE == "cuda" else 1
+    parts = [pack(first)] + [pack(random_quantized(qtype, (N, K), DEVICE, gen)) for _ in range(copies - 1)]
+    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)  # [M, K]
+    ref = x.float() @ ref_w.T  # [M, N]
+    del ref_w
+    scale = ref.abs().max().item()
+    timed = []
+    for cfg in candidates(qtype, K, M, args.quick):
+        row: dict[str, Any] = {"part": name, "type": qtype, "N": N, "K": K, "M": M, "config": cfg}
+        try:
+            err = (quant_matmul_triton(x, parts[0], config=cfg).float() - ref).abs().max().item()
+            row["max_err"] = err
+            if not err <= 2e-2 * scale + 1e-3:
+                row["error"] = f"mismatch {err:.3g} (scale {scale:.3g})"
+            else:
+                calls = [lambda p=p, cfg=cfg: quant_matmul_triton(x, p, config=cfg) for p in parts]
+                replay, _ = graph_replay(lambda calls=calls: [call() for call in calls])
+                row["us"] = 1e3 * median_ms(replay, args.warmup_ms, args.rep_ms) / copies
+                timed.append((row["us"], cfg))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of registers for this tile: skip it
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        log.append(row)
+    del parts
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    if not timed:
+        print(f"{name:>8} {qtype:>5} {M:>3}  all candidates failed")
+        return None
+    best_us, best = min(timed, key=lambda r: r[0])
+    default_us = timed[0][0] if timed[0][1] == candidates(qtype, K, M, args.quick)[0] else math.nan
+    tb_s = nbytes / (best_us * 1e-6) / 1e12
+    print(f"{name:>8} {qtype:>5} {M:>3} {best_us:>8.2f} {tb_s:>6.2f} {default_us:>10.2f} {len(timed):>5}  "
+          f"{compact(best)}", flush=True)
+    return best
+
+
+def compact(cfg: Config) -> str:
+    return f"{cfg['path']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}"
+
+
+def write_table(entries: dict[str, dict[int, Config]], out_dir: Path) -> Path:
+    """Merge entries into the device's table (keeping parts and M buckets not re-tuned); returns its path."""
+    path = matmul_table_path(device_name(), out_dir)
+    table: dict[str, dict[str, dict]] = json.loads(path.read_text()) if path.is_file() else {}
+    for key, by_m in entries.items():
+        row = table.setdefault(key, {})
+        row.update({str(m): cfg for m, cfg in by_m.items()})
+        table[key] = {m: row[m] for m in sorted(row, key=int)}
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=2) + "\n")
+    load_matmul_table.cache_clear()
+    get_matmul_config.cache_clear()
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="model and quant mix (repeatable)")
+    p.add_argument("--part", nargs=3, action="append", metavar=("TYPE", "N", "K"), help="one more part to tune")
+    p.add_argument("--m", type=int, nargs="+", default=[1], help="rows of x to tune")
+    p.add_argument("--quick", action="store_true", help="reduced search space")
+    add_tuner_arguments(p, str(CONFIG_DIR))
+    return resolve_tuner_timing(p.parse_args(argv), quick_rep_ms=20)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if DEVICE != "cuda" and not interpreting():
+        sys.exit("tune_quant_gemv.py needs a CUDA device (or TRITON_INTERPRET=1 for a smoke test on tiny parts)")
+    parts = [row for preset in (args.preset or []) for row in PRESETS[preset]]
+    parts += [(f"{t}:{n}x{k}", QuantType[t].name, int(n), int(k)) for t, n, k in (args.part or [])]
+    if not parts:
+        sys.exit("give --preset NAME or --part TYPE N K")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    print(f"device {device_name()}  quick={args.quick}  M={args.m}")
+    print(f"{'part':>8} {'type':>5} {'M':>3} {'best us':>8} {'TB/s':>6} {'default us':>10} {'tried':>5}  best")
+    start = time.perf_counter()
+    entries: dict[str, dict[int, Config]] = {}
+    log: list[dict] = []
+    seen = set()
+    for name, qtype, N, K in parts:
+        if (qtype, N, K) in seen:
+            continue
+        seen.add((qtype, N, K))
+        for M in args.m:
+            best = tune_part(name, qtype, N, K, M, args, log)
+            if best is not None:
+                entries.setdefault(matmul_key(qtype, N, K), {})[M] = best
+    log_path = Path(args.log_dir) / f"tune_quant_gemv_{device_name()}.jsonl"
+    log_path.write_text("".join(json.dumps(row) + "\n" for row in log))
+    if entries and DEVICE == "cuda":
+        print(f"wrote {write_table(entries, Path(args.out_dir))}")
+    print(f"tuning took {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

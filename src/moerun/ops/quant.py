@@ -88,20 +88,22 @@ def fused_moe_quantized(
     w2: Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton path of ops.fused_moe for quantized experts: the fused dequantising kernels when every part has
-    one (else dequantise the layer and run the dense kernels)."""
+    one (else dequantise the layer and run the dense kernels). -> [T, H] in out_dtype (default hidden's)."""
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if fused_kernels_apply(p13, p2):
-        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids)
+        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype)
     if isinstance(w13, list) or isinstance(w2, list):
         raise ValueError("repacked expert parts without a fused quantized kernel: "
                          f"{[p.qtype.name for p in p13]} / {[p.qtype.name for p in p2]}")
     from moerun.kernels.fused_moe import fused_moe_triton
 
-    return fused_moe_triton(hidden, w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype), topk_weights, topk_ids)
+    out = fused_moe_triton(hidden, w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype), topk_weights, topk_ids)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def fused_kernels_apply(p13: list[PackedWeight], p2: list[PackedWeight]) -> bool:

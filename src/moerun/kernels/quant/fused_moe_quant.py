@@ -428,9 +428,11 @@ def fused_moe_quant(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: Config | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
-    w2 [E, H, I] packed -> [T, H] in hidden's dtype; the expert GEMMs run in hidden's dtype as the reference."""
+    w2 [E, H, I] packed -> [T, H] in out_dtype (default: hidden's dtype); the expert GEMMs run in hidden's dtype as
+    the reference. out_dtype float32 keeps the sum over the k slots unrounded (partial sums of expert subsets)."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
@@ -450,8 +452,9 @@ def fused_moe_quant(
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     if hidden.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"unsupported hidden dtype {hidden.dtype}")
+    out_dtype = out_dtype or hidden.dtype
     if T == 0:
-        return torch.empty(0, H, dtype=hidden.dtype, device=hidden.device)
+        return torch.empty(0, H, dtype=out_dtype, device=hidden.device)
     x = hidden.contiguous()
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
@@ -459,7 +462,7 @@ def fused_moe_quant(
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
     if cfg["path"] == "gemv_v2":
         if v2_supported(gw, uw, w2):
-            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, hidden.dtype)
+            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype)
         cfg = {**cfg, "path": "gemv"}
     run = _gemv if cfg["path"] == "gemv" else _tile  # tile and gemv_dot share the tl.dot kernels
-    return run(x, gate, up, w2, weights, ids, cfg, hidden.dtype)
+    return run(x, gate, up, w2, weights, ids, cfg, out_dtype)

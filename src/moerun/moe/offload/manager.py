@@ -39,6 +39,8 @@ from moerun.moe.offload.prefetch import RouterLookahead
 from moerun.moe.offload.stats import OffloadStats
 from moerun.moe.offload.store import HostExpertStore
 from moerun.moe.offload.transfer import Copier, StagingRing
+from moerun.ops.dispatch import pick_backend
+from moerun.ops.quant import fused_moe_quantized
 
 logger = logging.getLogger("moerun")
 
@@ -254,6 +256,9 @@ class ExpertOffload(OffloadManagerBase):
              slot_ids: torch.Tensor, fp32: bool) -> torch.Tensor:
         w13, w2 = weights
         dense = isinstance(w13, torch.Tensor)
+        if fp32 and not dense and pick_backend(self.backend, x.device, "MoE") == "triton":
+            # the quantized kernels compute in x's dtype and return the k-slot sum unrounded
+            return fused_moe_quantized(x, w13, w2, topk_weights, slot_ids, out_dtype=torch.float32)
         h = x.float() if fp32 and dense else x  # the kernels cast x to the weights' dtype; the sum stays fp32
         out = ops.fused_moe(h, w13, w2, topk_weights, slot_ids, backend=self.backend)
         return out.float() if fp32 else out

@@ -58,11 +58,12 @@ def _gemv(bn, bk, w, bn2, bk2) -> Config:
             "BLOCK_K2": bk2, "num_warps2": w, "num_stages2": 2, "reduce": "sum"}  # fmt: skip
 
 
-def _v2(bn, bk, w, bn2, bk2, w2) -> Config:
+def _v2(bn, bk, w, bn2, bk2, w2, x_prep=False) -> Config:
     """gemv_v2 (Q4_K, Q6_K, Q8_0; other types run these blocks on the gemv path): GEMM 1 BLOCK_N rows of
-    gate/up in chunks of BLOCK_K inputs; GEMM 2 BLOCK_N2 output rows of all k slots, chunks of BLOCK_K2."""
+    gate/up in chunks of BLOCK_K inputs (x_prep: reading x prepared in the weights' layout by one more launch);
+    GEMM 2 BLOCK_N2 output rows of all k slots, chunks of BLOCK_K2."""
     return {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "BLOCK_N2": bn2,
-            "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 1}  # fmt: skip
+            "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 1, "x_prep": x_prep}  # fmt: skip
 
 
 def _dot(path, bm, bn, bk, g, w, s, bn2=None, red="atomic") -> Config:
@@ -94,6 +95,12 @@ POOL: dict[str, Config] = {
     "v16n2": _v2(16, 1024, 4, 2, 1024, 1),
     "v16n4w2": _v2(16, 1024, 4, 4, 1024, 2),
     "v32k2": _v2(32, 2048, 8, 8, 1024, 4),
+    "v16p": _v2(16, 512, 2, 4, 256, 2, True),
+    "v16k1p": _v2(16, 1024, 4, 8, 512, 4, True),
+    "v8p": _v2(8, 1024, 2, 8, 512, 4, True),
+    "v8k5p": _v2(8, 512, 2, 4, 256, 2, True),
+    "v32p": _v2(32, 1024, 4, 8, 512, 4, True),
+    "v4p": _v2(4, 512, 1, 4, 256, 2, True),
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
     "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
@@ -105,9 +112,10 @@ POOL: dict[str, Config] = {
 
 def tune_candidates(m: int) -> list[str]:
     """Names of the POOL configs tried at m tokens (k = 8)."""
-    v2 = ["v16", "v16k2", "v16w8", "v16w2", "v32", "v16n4", "v16n16", "v8", "v8k2", "v16n2", "v16n4w2", "v32k2"]
-    if m <= 4:
-        return ["g16", "g16k256", "g16w8", "g32", "d32", "d32w2", "d64"] + v2
+    v2 = ["v16", "v16k2", "v16w8", "v16w2", "v32", "v16n4", "v16n16", "v8", "v8k2", "v16n2", "v16n4w2", "v32k2",
+          "v16p", "v16k1p", "v8p", "v8k5p", "v32p", "v4p"]
+    if m <= 4:  # the gemv and gemv_dot decode paths never won against gemv_v2 on an H200: one of each
+        return ["g16", "d32"] + v2
     if m <= 8:
         return ["g16", "d32", "t16x64"] + v2
     if m <= 32:

@@ -35,6 +35,7 @@ else:
     V2 = {"path": "gemv_v2", "BLOCK_N": 256, "BLOCK_K": 4096, "BLOCK_N2": 256, "BLOCK_K2": 4096}
 # GEMM 1 in many small chunks; GEMM 2's 24 (Q8_0: 48) groups as a remainder of two chunks (16 + 8, 32 + 16).
 V2_CHUNKED = {**V2, "BLOCK_K": 128, "BLOCK_K2": 1024}
+V2_PREP = {**V2, "x_prep": True}  # GEMM 1 reads x prepared once in the weights' position-major layout
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -88,6 +89,17 @@ def test_q8_0_padded_rows(seed) -> None:
     check(seed, 3, 5, 96, 160, 3, QuantType.Q8_0, None, torch.float32, V2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+def test_prepared_x_each_type(seed, qt, dtype) -> None:
+    check(seed, 3, 5, 512, 256, 2, qt, QuantType.Q6_K, dtype, V2_PREP)
+    check(seed, 2, 3, 768, 256, 2, qt, None, dtype, {**V2_CHUNKED, "x_prep": True})
+
+
+def test_prepared_x_padded_rows(seed) -> None:
+    check(seed, 3, 5, 96, 160, 3, QuantType.Q8_0, None, torch.float32, V2_PREP)
+
+
 def test_other_types_fall_back_to_gemv(seed) -> None:
     check(seed, 2, 3, 256, 256, 2, QuantType.Q5_K, None, torch.bfloat16, V2)
 
@@ -115,15 +127,16 @@ def test_decode_default_by_gate_type() -> None:
 MATMUL_V2 = {"path": "gemv_v2", "BLOCK_N": 16 if ON_CUDA else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
 
 
+@pytest.mark.parametrize("x_prep", [False, True], ids=["x", "prepared_x"])
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
-def test_matmul_v2_each_type(seed, qt, M) -> None:
+def test_matmul_v2_each_type(seed, qt, M, x_prep) -> None:
     # N = 48 is not a multiple of BLOCK_N; Q8_0 rows of 288 need padding; K = 512 is two 256-input chunks.
     N, K = 48, 512 if qt.is_k_quant else 288
     t = random_quantized(qt, (N, K), DEVICE)
     x = torch.randn(M, K, device=DEVICE).bfloat16()
     bias = torch.randn(N, device=DEVICE).bfloat16()
-    out = quant_matmul_triton(x, pack(t), bias, config=MATMUL_V2)
+    out = quant_matmul_triton(x, pack(t), bias, config={**MATMUL_V2, "x_prep": x_prep})
     ref = F.linear(x, t.dequantize().to(x.dtype), bias)
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item(),
@@ -147,8 +160,9 @@ def test_matmul_v2_parts_with_fallback_type(seed) -> None:
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("cfg", [V2, V2_PREP], ids=["x", "prepared_x"])
 @pytest.mark.parametrize("T", [1, 8])
-def test_qwen3_30b_shape_cuda_graph(seed, qt, T) -> None:
+def test_qwen3_30b_shape_cuda_graph(seed, qt, T, cfg) -> None:
     E, H, I, k = 128, 2048, 768, 8  # noqa: E741
     w13, w2 = make_experts(E, H, I, qt, QuantType.Q6_K if qt == QuantType.Q4_K else None)
     p13, p2 = packed_parts(w13), packed_parts(w2)[0]
@@ -157,6 +171,6 @@ def test_qwen3_30b_shape_cuda_graph(seed, qt, T) -> None:
 
     def step() -> torch.Tensor:
         weights, ids = route_triton(logits, k, True)
-        return fused_moe_quant(hidden, p13, p2, weights, ids, V2)
+        return fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
 
     check_graphed_moe(step, hidden, logits, w13, w2, k, TOLERANCE[torch.bfloat16], seed, replays=2)

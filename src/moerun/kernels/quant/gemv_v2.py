@@ -167,6 +167,90 @@ def _x_tiles(QT: tl.constexpr, WPG: tl.constexpr, x_row, K, g4, j4, EVEN_K: tl.c
 
 
 @triton.jit
+def _pm_index(QT: tl.constexpr, e):
+    """(position, word, exponent s) of row elements e in the position-major layout of type QT: element e is
+    multiplied by the code at position `position` of int32 word `word` of its row, whose mask leaves 2^s on it."""
+    if QT == 8:
+        pos = e % 4
+        word = e // 4
+        exp = 8 * (pos % 2)
+    else:
+        r = e % 64
+        pos = 2 * (r % 4) + r // 32
+        word = 8 * (e // 64) + (r % 32) // 4
+        if QT == 12:
+            exp = 4 * (pos % 4)
+        else:
+            exp = 8 * ((pos // 2) % 2)
+    return pos, word, exp
+
+
+@triton.jit
+def _x_prep_kernel(
+    x_ptr,  # [T, K]
+    xp_ptr,  # [T, K_PAD] position-major, pre-scaled
+    xs_ptr,  # [T, K_PAD / 16] float32 sums of every 16 consecutive values
+    K,
+    K_PAD,
+    WORDS,  # words per row (K_PAD / positions per word)
+    stride_xt,
+    stride_pt,
+    stride_st,
+    QT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """x in the layout the weights of type QT are read in (as GEMM 1 writes GEMM 2's input), once per row of x."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] elements
+    v = tl.load(x_ptr + t * stride_xt + offs, mask=offs < K, other=0.0).to(tl.float32)
+    pos, word, exp = _pm_index(QT, offs)
+    pre = v * ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    tl.store(xp_ptr + t * stride_pt + pos * WORDS + word, pre.to(xp_ptr.dtype.element_ty), mask=offs < K_PAD)
+    sums = tl.sum(tl.reshape(v, [BLOCK // 16, 16]), axis=1)  # [BLOCK / 16]
+    offs_s = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    tl.store(xs_ptr + t * stride_st + offs_s, sums, mask=offs_s * 16 < K_PAD)
+
+
+@triton.jit
+def _xp_tiles(QT: tl.constexpr, a, s_row, g3, ok4, ok3, WORDS):
+    """The x tiles of _v2_dot read from position-major x (_x_prep_kernel, or GEMM 1's output): a points at
+    position 0 of each (group, word), s_row at the row's sums of 16, g3 the group indices ([.., G])."""
+    x0 = tl.load(a, mask=ok4, other=0.0).to(tl.float32)
+    x1 = tl.load(a + WORDS, mask=ok4, other=0.0).to(tl.float32)
+    x2 = tl.load(a + 2 * WORDS, mask=ok4, other=0.0).to(tl.float32)
+    x3 = tl.load(a + 3 * WORDS, mask=ok4, other=0.0).to(tl.float32)
+    if QT == 8:
+        x4, x5, x6, x7 = x0, x1, x2, x3  # unused
+        X0 = tl.load(s_row + 2 * g3, mask=ok3, other=0.0) + tl.load(s_row + 2 * g3 + 1, mask=ok3, other=0.0)
+        X1 = X0
+    else:
+        x4 = tl.load(a + 4 * WORDS, mask=ok4, other=0.0).to(tl.float32)
+        x5 = tl.load(a + 5 * WORDS, mask=ok4, other=0.0).to(tl.float32)
+        x6 = tl.load(a + 6 * WORDS, mask=ok4, other=0.0).to(tl.float32)
+        x7 = tl.load(a + 7 * WORDS, mask=ok4, other=0.0).to(tl.float32)
+        if QT == 12:  # pair g, plane p: elements 64g + 32p + [0, 32)
+            X0 = tl.load(s_row + 4 * g3, mask=ok3, other=0.0) + tl.load(s_row + 4 * g3 + 1, mask=ok3, other=0.0)
+            X1 = tl.load(s_row + 4 * g3 + 2, mask=ok3, other=0.0) + tl.load(s_row + 4 * g3 + 3, mask=ok3, other=0.0)
+        else:  # group (q, h), plane p: elements 64q + 32p + 16h + [0, 16)
+            first = 4 * (g3 // 2) + g3 % 2
+            X0 = tl.load(s_row + first, mask=ok3, other=0.0)
+            X1 = tl.load(s_row + first + 2, mask=ok3, other=0.0)
+    return x0, x1, x2, x3, x4, x5, x6, x7, X0, X1
+
+
+@triton.jit
+def _x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, K, X_WORDS, gi, EVEN_K: tl.constexpr,
+             XP: tl.constexpr):  # fmt: skip
+    """x tiles of one row of x for groups gi [G]: from the prepared position-major row (XP) or from x itself."""
+    g4 = gi[None, None, :, None]  # [1, 1, G, 1]
+    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
+    if XP:
+        g3 = gi[None, None, :]  # [1, 1, G]
+        return _xp_tiles(QT, xp_row + g4 * WPG + j4, xs_row, g3, g4 >= 0, g3 >= 0, X_WORDS)
+    return _x_tiles(QT, WPG, x_row, K, g4, j4, EVEN_K)
+
+
+@triton.jit
 def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
                 G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1):  # fmt: skip
     """Partial sums [BLOCK_N] of rows [BLOCK_N] (ok: which to read) over groups [g0, g0 + G) against one token's
@@ -180,13 +264,13 @@ def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, ro
 
 
 @triton.jit
-def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, H, gc, gh, gs, gd, uc, uh, us, ud, rows_g, rows_u,
-                 ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr):  # fmt: skip
+def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, H, X_WORDS, gc, gh, gs, gd, uc, uh,
+                 us, ud, rows_g, rows_u, ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr,
+                 XP: tl.constexpr):  # fmt: skip
     """(gate, up) partial sums [BLOCK_N] over groups [g0, g0 + G) of the rows (rows where ok is false read
     nothing)."""
     gi = g0 + tl.arange(0, G)  # [G]
-    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
-    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_tiles(QT, WPG, x_row, H, gi[None, None, :, None], j4, EVEN_K)
+    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, H, X_WORDS, gi, EVEN_K, XP)
     dg = _rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)
     du = _rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)
     return dg, du
@@ -195,6 +279,8 @@ def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, H, gc, gh, gs, gd, 
 @triton.jit
 def _gemm1_v2_kernel(
     x_ptr,  # [T, H]
+    xp_ptr,  # [T, H_pad] x position-major for the gate type (XP; else a dummy)
+    xs_ptr,  # [T, H_pad / 16] float32 sums of 16 (XP; else a dummy)
     ids_ptr,  # [T*k]
     inter_ptr,  # [T*k, I_pad] position-major, pre-scaled for the down type QW
     sums_ptr,  # [T*k, I_pad / 16] float32
@@ -209,7 +295,10 @@ def _gemm1_v2_kernel(
     U_OFF,
     KQ,  # pairs per row (padded H / 64)
     I_WORDS,  # words per row of down (positions per word x I_WORDS = padded I)
+    X_WORDS,  # words per row of gate / up
     stride_xt,
+    stride_pt,
+    stride_pst,
     stride_it,
     stride_st,
     QT: tl.constexpr,
@@ -221,6 +310,7 @@ def _gemm1_v2_kernel(
     REM: tl.constexpr,  # groups left, covered by one chunk per set bit
     LOG_BG: tl.constexpr,
     EVEN_K: tl.constexpr,
+    XP: tl.constexpr,  # read x from xp / xs
 ):  # fmt: skip
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -232,34 +322,26 @@ def _gemm1_v2_kernel(
     rows_g = expert * G_ROWS + G_OFF + n  # [BLOCK_N]
     rows_u = expert * U_ROWS + U_OFF + n
     x_row = x_ptr + token * stride_xt
+    xp_row = xp_ptr + token * stride_pt
+    xs_row = xs_ptr + token * stride_pst
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(FULL):
-        dg, du = _gemm1_chunk(QT, WPG, x_row, H, gc, gh, gs, gd, uc, uh, us, ud, rows_g, rows_u, ok, c * BLOCK_G,
-                              BLOCK_G, KQ, EVEN_K)  # fmt: skip
+        dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud, rows_g,
+                              rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP)  # fmt: skip
         acc_g += dg
         acc_u += du
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
-            dg, du = _gemm1_chunk(QT, WPG, x_row, H, gc, gh, gs, gd, uc, uh, us, ud, rows_g, rows_u, ok,
-                                  FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K)  # fmt: skip
+            dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud,
+                                  rows_g, rows_u, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K,
+                                  XP)  # fmt: skip
             acc_g += dg
             acc_u += du
     # Rounded to the activation dtype, as the reference's intermediate is.
     act = tl.where(ok, _silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
     # Position-major store for GEMM 2: element e -> (position, word) of the down type's layout, times 2^-s.
-    if QW == 8:
-        pos = offs_n % 4
-        word = offs_n // 4
-        exp = 8 * (pos % 2)
-    else:
-        r = offs_n % 64
-        pos = 2 * (r % 4) + r // 32
-        word = 8 * (offs_n // 64) + (r % 32) // 4
-        if QW == 12:
-            exp = 4 * (pos % 4)
-        else:
-            exp = 8 * ((pos // 2) % 2)
+    pos, word, exp = _pm_index(QW, offs_n)
     pre = act * ((127 - exp) << 23).to(tl.float32, bitcast=True)
     i_row = inter_ptr + slot.to(tl.int64) * stride_it
     tl.store(i_row + pos * I_WORDS + word, pre.to(inter_ptr.dtype.element_ty), mask=ok)
@@ -281,27 +363,8 @@ def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, slot,
     ok4 = ok[None, :, None, None]  # [1, SLOTS, 1, 1]
     ok3 = ok[None, :, None]
     a = inter_ptr + slot[None, :, None, None] * stride_it + g4 * WPG + j4  # [1, SLOTS, G, WPG] position 0
-    x0 = tl.load(a, mask=ok4, other=0.0).to(tl.float32)
-    x1 = tl.load(a + I_WORDS, mask=ok4, other=0.0).to(tl.float32)
-    x2 = tl.load(a + 2 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
-    x3 = tl.load(a + 3 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
     s_row = sums_ptr + slot[None, :, None] * stride_st  # [1, SLOTS, 1]; one sum per 16 elements
-    if QT == 8:
-        x4, x5, x6, x7 = x0, x1, x2, x3  # unused
-        X0 = tl.load(s_row + 2 * g3, mask=ok3, other=0.0) + tl.load(s_row + 2 * g3 + 1, mask=ok3, other=0.0)
-        X1 = X0
-    else:
-        x4 = tl.load(a + 4 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
-        x5 = tl.load(a + 5 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
-        x6 = tl.load(a + 6 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
-        x7 = tl.load(a + 7 * I_WORDS, mask=ok4, other=0.0).to(tl.float32)
-        if QT == 12:  # pair g, plane p: elements 64g + 32p + [0, 32)
-            X0 = tl.load(s_row + 4 * g3, mask=ok3, other=0.0) + tl.load(s_row + 4 * g3 + 1, mask=ok3, other=0.0)
-            X1 = tl.load(s_row + 4 * g3 + 2, mask=ok3, other=0.0) + tl.load(s_row + 4 * g3 + 3, mask=ok3, other=0.0)
-        else:  # group (q, h), plane p: elements 64q + 32p + 16h + [0, 16)
-            first = 4 * (g3 // 2) + g3 % 2
-            X0 = tl.load(s_row + first, mask=ok3, other=0.0)
-            X1 = tl.load(s_row + first + 2, mask=ok3, other=0.0)
+    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _xp_tiles(QT, a, s_row, g3, ok4, ok3, I_WORDS)
     return _v2_dot(QT, WPG, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
                    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
 
@@ -355,6 +418,8 @@ def _gemm2_v2_kernel(
 @triton.jit
 def _matmul_v2_kernel(
     x_ptr,  # [M, K]
+    xp_ptr,  # [M, K_pad] x position-major (XP; else a dummy)
+    xs_ptr,  # [M, K_pad / 16] float32 sums of 16 (XP; else a dummy)
     y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
     bias_ptr,  # [N_total] or a dummy
     wc, wh, ws, wd,  # weight arrays (codes / high as int32 words)
@@ -362,7 +427,10 @@ def _matmul_v2_kernel(
     K,
     KQ,
     col_off,
+    X_WORDS,
     stride_xm,
+    stride_pm,
+    stride_psm,
     stride_ym,
     QT: tl.constexpr,
     WPG: tl.constexpr,
@@ -373,6 +441,7 @@ def _matmul_v2_kernel(
     REM: tl.constexpr,
     LOG_BG: tl.constexpr,
     EVEN_K: tl.constexpr,
+    XP: tl.constexpr,  # read x from xp / xs
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     pid_n = tl.program_id(0)
@@ -381,18 +450,19 @@ def _matmul_v2_kernel(
     ok = offs_n < N
     rows = tl.where(ok, offs_n, 0).to(tl.int64)
     x_row = x_ptr + m * stride_xm
-    j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
+    xp_row = xp_ptr + m * stride_pm
+    xs_row = xs_ptr + m * stride_psm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(FULL):
         gi = c * BLOCK_G + tl.arange(0, BLOCK_G)
-        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_tiles(QT, WPG, x_row, K, gi[None, None, :, None], j4, EVEN_K)
+        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, K, X_WORDS, gi, EVEN_K, XP)
         acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, c * BLOCK_G, BLOCK_G, KQ,
                            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             gi = FULL * BLOCK_G + (REM & ((1 << b) - 1)) + tl.arange(0, 1 << b)
-            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_tiles(QT, WPG, x_row, K, gi[None, None, :, None], j4,
-                                                              EVEN_K)  # fmt: skip
+            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, K, X_WORDS, gi,
+                                                              EVEN_K, XP)  # fmt: skip
             acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b,
                                KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
     if HAS_BIAS:
@@ -439,16 +509,35 @@ def _arrays(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return codes, high, codes if p.sub is None else p.sub, p.scale
 
 
+def prepare_x(x: torch.Tensor, qtype: QuantType, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] in the position-major layout of weights of type qtype (K padded to k_pad, pre-scaled as _v2_dot
+    wants) and its float32 sums of every 16 values: ([T, k_pad], [T, k_pad / 16]). One launch."""
+    T, K = x.shape
+    # bf16 keeps the dtype (a power-of-two scale is exact); fp16 goes to float32, whose range 2^-12 x keeps.
+    xp = torch.empty(T, k_pad, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32,
+                     device=x.device)  # fmt: skip
+    xs = torch.empty(T, k_pad // 16, dtype=torch.float32, device=x.device)
+    block = min(1024, triton.next_power_of_2(k_pad))
+    _x_prep_kernel[(T, triton.cdiv(k_pad, block))](
+        x, xp, xs, K, k_pad, k_pad // _positions(qtype), x.stride(0), xp.stride(0), xs.stride(0), QT=int(qtype),
+        BLOCK=block,
+    )  # fmt: skip
+    return xp, xs
+
+
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config) -> None:  # fmt: skip
-    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w."""
+    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w;
+    with cfg["x_prep"], x is read through prepare_x."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
+    xp, xs = prepare_x(x, w.qtype, w.k_pad) if cfg.get("x_prep") else (x, x)
     _matmul_v2_kernel[(triton.cdiv(w.n, cfg["BLOCK_N"]), M)](
-        x, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
+        x, xp, xs, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off, w.k_pad // _positions(w.qtype),
+        x.stride(0), xp.stride(0), xs.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=_words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
         EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], XP=xp is not x,
     )  # fmt: skip
 
 
@@ -469,11 +558,12 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     i_words = i_pad // _positions(w2.qtype)
     bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     groups1 = gw.k_pad // _group_elems(gw.qtype)
+    xp, xs = prepare_x(x, gw.qtype, gw.k_pad) if cfg.get("x_prep") else (x, x)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
-        x, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
-        x.stride(0), inter.stride(0), sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
-        WPG=_words_per_group(gw.qtype), BLOCK_N=bn1,
-        EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
+        x, xp, xs, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq,
+        i_words, gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), inter.stride(0),
+        sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype), BLOCK_N=bn1,
+        EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype), XP=xp is not x,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]

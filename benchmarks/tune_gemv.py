@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, resolve_tuner_timing
+from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, merge_table, resolve_tuner_timing
 from moerun.kernels.gemv import (
     MIN_DOT,
     GemvConfig,
@@ -176,13 +176,8 @@ def compact(cfg: GemvConfig) -> str:
 
 def write_table(entries: dict[str, dict[int, GemvConfig]], out_dir: Path) -> Path:
     """Merge entries into the device's table (keeping shapes and T buckets not re-tuned); returns its path."""
-    path = table_path(device_name(), out_dir)
-    table: dict[str, dict[str, dict]] = json.loads(path.read_text()) if path.is_file() else {}
-    for key, by_t in entries.items():
-        row = table.setdefault(key, {})
-        row.update({str(t): cfg.to_dict() for t, cfg in by_t.items()})
-        table[key] = {t: row[t] for t in sorted(row, key=int)}
-    path.write_text(json.dumps(dict(sorted(table.items())), indent=2) + "\n")
+    raw = {key: {t: cfg.to_dict() for t, cfg in by_t.items()} for key, by_t in entries.items()}
+    path = merge_table(table_path(device_name(), out_dir), raw)
     load_table.cache_clear()
     return path
 

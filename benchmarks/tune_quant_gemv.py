@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, resolve_tuner_timing
+from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, merge_table, resolve_tuner_timing
 from moerun.formats.quants import QuantType
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.configs import (
@@ -128,13 +128,7 @@ def compact(cfg: Config) -> str:
 
 def write_table(entries: dict[str, dict[int, Config]], out_dir: Path) -> Path:
     """Merge entries into the device's table (keeping parts and M buckets not re-tuned); returns its path."""
-    path = matmul_table_path(device_name(), out_dir)
-    table: dict[str, dict[str, dict]] = json.loads(path.read_text()) if path.is_file() else {}
-    for key, by_m in entries.items():
-        row = table.setdefault(key, {})
-        row.update({str(m): cfg for m, cfg in by_m.items()})
-        table[key] = {m: row[m] for m in sorted(row, key=int)}
-    path.write_text(json.dumps(dict(sorted(table.items())), indent=2) + "\n")
+    path = merge_table(matmul_table_path(device_name(), out_dir), entries)
     load_matmul_table.cache_clear()
     get_matmul_config.cache_clear()
     return path

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -104,3 +106,15 @@ def resolve_tuner_timing(args: argparse.Namespace, quick_rep_ms: int) -> argpars
     if args.rep_ms is None:
         args.rep_ms = quick_rep_ms if args.quick else 100
     return args
+
+
+def merge_table(path: Path, entries: dict[str, dict[int, dict]]) -> Path:
+    """Merges tuned entries {key: {bucket: config}} into the JSON table at path, keeping the keys and buckets not
+    re-tuned, sorted; returns path."""
+    table: dict[str, dict[str, dict]] = json.loads(path.read_text()) if path.is_file() else {}
+    for key, by_bucket in entries.items():
+        row = table.setdefault(key, {})
+        row.update({str(b): cfg for b, cfg in by_bucket.items()})
+        table[key] = {b: row[b] for b in sorted(row, key=int)}
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=2) + "\n")
+    return path

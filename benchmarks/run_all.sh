@@ -12,6 +12,7 @@
 #   kernels    bench_moe.py and bench_quant_moe.py tables
 #   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB
 #   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
+#   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
@@ -65,6 +66,13 @@ for stage in $stages; do
                     --out "$out/pdl_${1}_${2}${quant:+_q4km}"
             done
         done ;;
+    quant)
+        run quant 300 python3 benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick \
+            --log-dir "$out/tune_logs"
+        run quant 240 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K_M --types Q4_K_M \
+            --m 1 2 4 8 --out "$out/quant_tune"
+        run quant 240 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M --prefill-lens 2048 \
+            --batch-sizes 1 --max-model-len 4096 --steps 32 --profile --out "$out/bench_q4km" ;;
     *)
         echo "unknown stage $stage" >&2 ;;
     esac

@@ -20,6 +20,11 @@ slots of the token as a [BLOCK_N2, slots] tile of rows whose columns share their
 and sums them in registers, and stores [T, H] in the output dtype: no atomics, no third launch. A row's K is
 covered in chunks of BLOCK_K inputs (a power of two of groups) and the binary remainder, all unrolled, so every
 load of a program can be in flight at once and any padded K runs unmasked.
+
+x itself sits element-major, so GEMM 1 and the dense GEMV read its values for a word's eight positions as scalar
+loads four elements apart, reloaded by every program (the L1 pipe, not DRAM, limited a Q6_K lm_head). With the
+config key "x_prep", one small launch first writes x in the position-major, pre-scaled layout that GEMM 2 reads
+(prepare_x, plus the sums of 16), and the kernels read it with vector loads instead.
 """
 
 from __future__ import annotations

@@ -201,11 +201,18 @@ class ExpertOffload(OffloadManagerBase):
             return
         admitted = self.table.admit(layer, np.asarray(experts, dtype=np.int64), prefetch=prefetch)
         nbytes = self.store.expert_bytes(layer)
-        for a in admitted:
-            self.copier.copy_expert(self.pool.slot_views(layer, a.slot), self.store.expert_parts(layer, a.expert))
-            if isinstance(self.pool, PackedSlotPool):
-                with self.copier.on_stream():  # after the copy into the staging row, before the next one
-                    self.pool.after_copy(layer, a.slot)
+        if isinstance(self.pool, PackedSlotPool):  # GGUF blocks into staging rows, repacked into slots per batch
+            rows = self.pool.staging_rows
+            for first in range(0, len(admitted), rows):
+                batch = admitted[first : first + rows]
+                for row, a in enumerate(batch):
+                    parts = self.store.expert_parts(layer, a.expert)
+                    self.copier.copy_expert(self.pool.staging_views(layer, row), parts)
+                with self.copier.on_stream():  # after these copies, before the next batch's
+                    self.pool.repack_staged(layer, [a.slot for a in batch])
+        else:
+            for a in admitted:
+                self.copier.copy_expert(self.pool.slot_views(layer, a.slot), self.store.expert_parts(layer, a.expert))
         st = self.stats
         st.copies += len(admitted)
         st.bytes_copied += len(admitted) * nbytes

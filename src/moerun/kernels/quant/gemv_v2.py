@@ -51,6 +51,18 @@ def v2_supported(gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> bo
 
 
 @triton.jit
+def _masked_dot(lo, hi, MASK_A: tl.constexpr, MASK_B: tl.constexpr, xa, xb, xc, xd):
+    """Sum of four codes times x: the codes under MASK_A and MASK_B (each or'ed with 0x4B000000) of the words lo
+    (bytes 0, 1) and hi (bytes 2, 3, shifted down), each word already or'ed with 0x4B000000; read as floats
+    they are 2^23 + code 2^s, so one and, one subtract and one FMA per code."""
+    s = ((lo & MASK_A).to(tl.float32, bitcast=True) - 8388608.0) * xa
+    s += ((lo & MASK_B).to(tl.float32, bitcast=True) - 8388608.0) * xb
+    s += ((hi & MASK_A).to(tl.float32, bitcast=True) - 8388608.0) * xc
+    s += ((hi & MASK_B).to(tl.float32, bitcast=True) - 8388608.0) * xd
+    return s
+
+
+@triton.jit
 def _v2_dot(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3,
             x0, x1, x2, x3, x4, x5, x6, x7, X0, X1):  # fmt: skip
     """Sums over the chunk's groups of each row's weights times x: [R0, R1] float32.
@@ -63,26 +75,15 @@ def _v2_dot(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows4,
     # A word or'ed once with 0x4B000000, then and'ed with 0x4B000000 | mask per position: one op per weight.
     if QT == 8:  # Q8_0: a group is a 32-element block (8 words) with its d
         w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        wm = w | 0x4B000000
-        tm = (w >> 16) | 0x4B000000
-        s = ((wm & 0x4B0000FF).to(tl.float32, bitcast=True) - 8388608.0) * x0
-        s += ((wm & 0x4B00FF00).to(tl.float32, bitcast=True) - 8388608.0) * x1
-        s += ((tm & 0x4B0000FF).to(tl.float32, bitcast=True) - 8388608.0) * x2
-        s += ((tm & 0x4B00FF00).to(tl.float32, bitcast=True) - 8388608.0) * x3
+        s = _masked_dot(w | 0x4B000000, (w >> 16) | 0x4B000000, 0x4B0000FF, 0x4B00FF00, x0, x1, x2, x3)
         d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)  # [R0, R1, G]
         part = d * (tl.sum(s, axis=3) - 128.0 * X0)
     elif QT == 12:  # Q4_K: a group is pair q (8 words: sub-blocks 2q in the low, 2q + 1 in the high nibbles)
         w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
         wm = w | 0x4B000000
         tm = (w >> 16) | 0x4B000000  # nibbles of bytes 2, 3 at bits 0..15
-        s0 = ((wm & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0) * x0
-        s0 += ((wm & 0x4B000F00).to(tl.float32, bitcast=True) - 8388608.0) * x2
-        s0 += ((tm & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0) * x4
-        s0 += ((tm & 0x4B000F00).to(tl.float32, bitcast=True) - 8388608.0) * x6
-        s1 = ((wm & 0x4B0000F0).to(tl.float32, bitcast=True) - 8388608.0) * x1
-        s1 += ((wm & 0x4B00F000).to(tl.float32, bitcast=True) - 8388608.0) * x3
-        s1 += ((tm & 0x4B0000F0).to(tl.float32, bitcast=True) - 8388608.0) * x5
-        s1 += ((tm & 0x4B00F000).to(tl.float32, bitcast=True) - 8388608.0) * x7
+        s0 = _masked_dot(wm, tm, 0x4B00000F, 0x4B000F00, x0, x2, x4, x6)  # low nibbles: plane 0
+        s1 = _masked_dot(wm, tm, 0x4B0000F0, 0x4B00F000, x1, x3, x5, x7)  # high nibbles: plane 1
         sw = tl.load(sub + rows3 * KQ + g3, mask=ok3, other=0)  # [R0, R1, G] bytes (sc 2q, sc 2q+1, mn 2q, mn 2q+1)
         sp = scale + (rows3 * (KQ // 4) + g3 // 4) * 2  # d, dmin per 256 elements
         d = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
@@ -101,18 +102,8 @@ def _v2_dot(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows4,
         hw = hw >> (4 * (q4 % 2))
         c0 = (w & 0x0F0F0F0F) | ((hw << 4) & 0x30303030)  # plane-0 6-bit codes, one per byte
         c1 = ((w >> 4) & 0x0F0F0F0F) | ((hw << 2) & 0x30303030)  # plane-1 codes
-        c0m = c0 | 0x4B000000
-        c1m = c1 | 0x4B000000
-        t0m = (c0 >> 16) | 0x4B000000
-        t1m = (c1 >> 16) | 0x4B000000
-        s0 = ((c0m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x0
-        s0 += ((c0m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x2
-        s0 += ((t0m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x4
-        s0 += ((t0m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x6
-        s1 = ((c1m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x1
-        s1 += ((c1m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x3
-        s1 += ((t1m & 0x4B00003F).to(tl.float32, bitcast=True) - 8388608.0) * x5
-        s1 += ((t1m & 0x4B003F00).to(tl.float32, bitcast=True) - 8388608.0) * x7
+        s0 = _masked_dot(c0 | 0x4B000000, (c0 >> 16) | 0x4B000000, 0x4B00003F, 0x4B003F00, x0, x2, x4, x6)
+        s1 = _masked_dot(c1 | 0x4B000000, (c1 >> 16) | 0x4B000000, 0x4B00003F, 0x4B003F00, x1, x3, x5, x7)
         sw = tl.load(sub + rows3 * KQ + g3 // 2, mask=ok3, other=0)  # [R0, R1, G] signed bytes
         h3 = g3 % 2
         sc0 = ((sw << (24 - 8 * h3)) >> 24).to(tl.float32)  # byte h

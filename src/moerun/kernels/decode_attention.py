@@ -82,14 +82,25 @@ def _chunk_softmax(q, k_base, v_base, start, end, stride_kl, stride_vl, qk_scale
 
 
 @triton.jit
-def _load_q(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr, INTERPRET: tl.constexpr):
-    """The query rows of heads [BLOCK_G] of sequence b -> [BLOCK_G, D] (float32 in the interpreter)."""
-    d = tl.arange(0, D)
+def _split_softmax(q_ptr, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, stride_qb, stride_qh,
+                   stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, G: tl.constexpr,
+                   BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
+    """The online softmax of the query heads of kv_head (sequence b) over cache positions [start, end) of the
+    sequence's slot: (acc [BLOCK_G, D], l, m [BLOCK_G], heads [BLOCK_G], g_mask [BLOCK_G])."""
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+    d = tl.arange(0, D)  # [D]
+    g_mask = g < G
+    heads = kv_head * G + g  # [BLOCK_G] query heads of this kv head
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
     if INTERPRET:
         q = q.to(tl.float32)
-    return q
+    acc, l, m = _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
+                               v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl,
+                               qk_scale, BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)
+    return acc, l, m, heads, g_mask
 
 
 @triton.jit
@@ -125,16 +136,12 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(seq_len_ptr + b).to(tl.int32), max_len)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
     start, end, _ = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, BLOCK_N)
-    g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     d = tl.arange(0, D)  # [D]
-    g_mask = g < G
-    heads = kv_head * G + g  # [BLOCK_G] query heads of this kv head
-    q = _load_q(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, INTERPRET)
-    acc, l, m = _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
-                               v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl,
-                               qk_scale, BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)
+    acc, l, m, heads, g_mask = _split_softmax(q_ptr, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale,
+                                              stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs,
+                                              stride_vl, stride_vh, G, BLOCK_G, D, BLOCK_N, DOT_PRECISION,
+                                              INTERPRET)  # fmt: skip
     has_any = l > 0.0
     out = acc / tl.where(has_any, l, 1.0)[:, None]  # [BLOCK_G, D], zeros for an empty chunk
     lse = tl.where(has_any, m + tl.math.log2(tl.where(has_any, l, 1.0)), float("-inf"))  # [BLOCK_G]
@@ -249,14 +256,10 @@ def _decode_attention_kernel(
     start, end, live = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, MIN_CHUNK)
     d = tl.arange(0, D)  # [D]
     if split < live:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
-        g_mask = g < G
-        heads = kv_head * G + g  # [BLOCK_G] query heads of this kv head
-        q = _load_q(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, INTERPRET)
-        acc, l, m = _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
-                                   v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl,
-                                   qk_scale, BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)
+        acc, l, m, heads, g_mask = _split_softmax(q_ptr, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale,
+                                                  stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs,
+                                                  stride_vl, stride_vh, G, BLOCK_G, D, BLOCK_N, DOT_PRECISION,
+                                                  INTERPRET)  # fmt: skip
         out = acc / tl.where(g_mask, l, 1.0)[:, None]  # [BLOCK_G, D]; a live chunk has l > 0
         if live == 1:
             # the whole sequence in one chunk: no partials, no ticket

@@ -94,6 +94,30 @@ def test_qk_norm_rope_write_matches_reference(seed: int, dtype: torch.dtype, T: 
     run_and_compare(make_case(T, n_q, n_kv, D, dtype), seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_write_prompt(seed: int, dtype: torch.dtype) -> None:
+    """A prompt (more tokens than MANY_TOKENS, several heads per program, head counts that leave the last group
+    part-empty): q, the caches, and k written out for prefill attention all match the reference."""
+    from moerun.kernels.qk_norm_rope import MANY_TOKENS
+
+    T, n_q, n_kv, D = MANY_TOKENS + 21, 12, 3, 64
+    case = make_case(1, n_q, n_kv, D, dtype)
+    case.qkv = (torch.randn(T, (n_q + 2 * n_kv) * D) * 2).to(dtype).to(DEVICE)
+    first = int(torch.randint(0, MAX_LEN - T + 1, ()))
+    case.positions = torch.arange(first, first + T, device=DEVICE)  # one sequence's positions in one slot
+    case.slots = torch.full((T,), int(torch.randint(0, SLOTS, ())), device=DEVICE)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    k_out = torch.empty(T, n_kv, D, dtype=dtype, device=DEVICE)
+    ref_k = torch.empty_like(k_out)
+    q = qk_norm_rope_write_triton(*case.args(k_cache, v_cache), k_out=k_out)
+    ref_q = qk_norm_rope_write_reference(*case.args(case.k_cache, case.v_cache), k_out=ref_k)
+    assert_rope_close(q, ref_q, seed)
+    assert_rope_close(k_out, ref_k, seed)
+    assert_rope_close(k_cache, case.k_cache, seed)
+    assert torch.equal(v_cache, case.v_cache), f"seed={seed}"
+    assert torch.equal(k_cache[case.slots, case.positions], k_out), f"seed={seed}"
+
+
 def test_qk_norm_rope_write_strided_qkv(seed: int) -> None:
     case = make_case(3, 2, 1, 32, torch.bfloat16)
     wide = torch.randn(3, case.qkv.shape[1] + 8, dtype=torch.bfloat16, device=DEVICE)

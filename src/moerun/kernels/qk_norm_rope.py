@@ -12,39 +12,46 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.rmsnorm import mean_of_squares, round_to
+from moerun.kernels.rmsnorm import mean_of_squares_rows, round_to
+
+
+# Prompts of more than this many tokens run several heads per program (decode keeps one head per program).
+MANY_TOKENS = 16
+HEADS_PER_PROGRAM = 8
 
 
 @triton.jit
-def _norm_rope_head(
-    src_ptr,  # [D] one head of q or k
-    w_ptr,  # [D] its norm weight
-    cos_ptr,  # [D] the table row of its position
+def _norm_rope_heads(
+    src_ptr,  # first element of head 0 of q or k in this token's qkv row
+    heads,  # [HB] head indices; those at or past n_heads are padding
+    n_heads,
+    w_ptr,  # [D] the norm weight
+    cos_ptr,  # [D] the table row of this token's position
     sin_ptr,  # [D]
     eps,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """One head [D]: weight * rms_normalise(x), rotated NeoX style; returns it in the source dtype."""
+    """Heads [HB, D]: weight * rms_normalise(x), rotated NeoX style; returns [HB, BLOCK_D] in the source dtype."""
     half: tl.constexpr = D // 2
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    mask = d < D
+    d_ok = d < D
     partner = tl.where(d < half, d + half, d - half)  # the element each one rotates with
-    x = tl.load(src_ptr + d, mask=mask, other=0.0)  # [BLOCK_D] in the model dtype
+    mask = (heads[:, None] < n_heads) & d_ok[None, :]  # [HB, BLOCK_D]
+    rows = src_ptr + heads[:, None] * D  # [HB, 1]
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0)  # [HB, BLOCK_D] in the model dtype
     dtype = x.dtype
     xf = x.to(tl.float32)
-    xpf = tl.load(src_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(mean_of_squares(xf, D, INTERPRET) + eps)
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    xpf = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.math.rsqrt(mean_of_squares_rows(xf, D, INTERPRET) + eps)[:, None]  # [HB, 1]
+    w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_D]
+    wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     normed = round_to(w * round_to(xf * inv_rms, dtype, INTERPRET).to(tl.float32), dtype, INTERPRET)
     normed_p = round_to(wp * round_to(xpf * inv_rms, dtype, INTERPRET).to(tl.float32), dtype, INTERPRET)
-    # cat(-x2, x1): negation is exact, done in float32 because the interpreter cannot negate bfloat16
-    rotated = tl.where(d < half, -normed_p.to(tl.float32), normed_p.to(tl.float32))
-    c = tl.load(cos_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    # x*cos and rot*sin each round before the sum, as three separate torch ops do
+    rotated = tl.where((d < half)[None, :], -normed_p.to(tl.float32), normed_p.to(tl.float32))
+    c = tl.load(cos_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     a = round_to(normed.to(tl.float32) * c, dtype, INTERPRET).to(tl.float32)
     b = round_to(rotated * s, dtype, INTERPRET).to(tl.float32)
     return round_to(a + b, dtype, INTERPRET)
@@ -60,6 +67,7 @@ def _qk_norm_rope_write_kernel(
     pos_ptr,  # [T]
     slot_ptr,  # [T]
     q_ptr,  # [T, n_q, D] output
+    k_out_ptr,  # [T, n_kv, D] output (WRITE_K)
     k_cache_ptr,  # [S, L, n_kv, D]
     v_cache_ptr,  # [S, L, n_kv, D]
     eps,
@@ -76,31 +84,38 @@ def _qk_norm_rope_write_kernel(
     N_KV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HB: tl.constexpr,  # heads per program
+    WRITE_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # q heads first, then k heads (their columns follow q's in qkv)
+    group = tl.program_id(1)  # groups of q heads first, then of k heads (their columns follow q's in qkv)
+    q_groups: tl.constexpr = (N_Q + HB - 1) // HB
     pos = tl.load(pos_ptr + t).to(tl.int64)
     row_ptr = qkv_ptr + t * stride_qkv
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    mask = d < D
     cos_row = cos_ptr + pos * stride_cos
     sin_row = sin_ptr + pos * stride_sin
-    if head < N_Q:
-        out = _norm_rope_head(row_ptr + head * D, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
-        tl.store(q_ptr + (t * N_Q + head) * D + d, out, mask=mask)
+    if group < q_groups:
+        heads = group * HB + tl.arange(0, HB)  # [HB]
+        out = _norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        mask = (heads[:, None] < N_Q) & (d[None, :] < D)
+        tl.store(q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=mask)
     else:
-        kv_head = head - N_Q
-        out = _norm_rope_head(row_ptr + head * D, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        kv = (group - q_groups) * HB + tl.arange(0, HB)  # [HB] kv heads
+        out = _norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        mask = (kv[:, None] < N_KV) & (d[None, :] < D)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv_head * stride_kh
-        tl.store(k_dst + d, out.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v = tl.load(row_ptr + (N_Q + N_KV + kv_head) * D + d, mask=mask)  # v passes through unchanged
-        v_dst = v_cache_ptr + slot * stride_vs + pos * stride_vl + kv_head * stride_vh
-        tl.store(v_dst + d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
+        tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        if WRITE_K:
+            tl.store(k_out_ptr + (t * N_KV + kv[:, None]) * D + d[None, :], out, mask=mask)
+        v = tl.load(row_ptr + (N_Q + N_KV + kv[:, None]) * D + d[None, :], mask=mask)  # v passes through unchanged
+        v_dst = v_cache_ptr + slot * stride_vs + pos * stride_vl + kv[:, None] * stride_vh + d[None, :]
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_write_triton(
@@ -116,14 +131,19 @@ def qk_norm_rope_write_triton(
     v_cache: torch.Tensor,
     n_q: int,
     n_kv: int,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Normalised, rotated q [T, n_q, D]; writes normalised, rotated k and raw v into the caches at (slot, position).
+    """Normalised, rotated q [T, n_q, D]; writes normalised, rotated k and raw v into the caches at (slot, position),
+    and k also into ``k_out`` [T, n_kv, D] when given.
 
     positions must lie in the cos/sin tables and the cache, token_slots in the cache (not checked: no host reads).
     """
     D = cos.shape[-1]
     _check(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
     T = qkv.shape[0]
+    if k_out is not None and (k_out.shape != (T, n_kv, D) or not k_out.is_contiguous() or k_out.dtype != qkv.dtype):
+        raise ValueError(f"k_out must be a contiguous [{T}, {n_kv}, {D}] tensor of {qkv.dtype}, got "
+                         f"{tuple(k_out.shape)} of {k_out.dtype}")
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     cos, sin = _unit_inner_stride(cos), _unit_inner_stride(sin)
@@ -131,8 +151,10 @@ def qk_norm_rope_write_triton(
     if T == 0:
         return q
     block_d = triton.next_power_of_2(D)
+    hb = HEADS_PER_PROGRAM if T > MANY_TOKENS else 1
+    groups = triton.cdiv(n_q, hb) + triton.cdiv(n_kv, hb)
     pdl = pdl_mode(qkv.device, T)
-    _qk_norm_rope_write_kernel[(T, n_q + n_kv)](
+    _qk_norm_rope_write_kernel[(T, groups)](
         qkv,
         q_norm_w.contiguous(),
         k_norm_w.contiguous(),
@@ -141,6 +163,7 @@ def qk_norm_rope_write_triton(
         positions,
         token_slots,
         q,
+        k_out if k_out is not None else q,
         k_cache,
         v_cache,
         eps,
@@ -157,8 +180,10 @@ def qk_norm_rope_write_triton(
         N_KV=n_kv,
         D=D,
         BLOCK_D=block_d,
+        HB=hb,
+        WRITE_K=k_out is not None,
         INTERPRET=interpreting(),
-        num_warps=1 if block_d <= 128 else 2,
+        num_warps=max(1, min(hb * block_d // 256, 8)) if hb > 1 else (1 if block_d <= 128 else 2),
         # mul and add must round separately, as in torch; a fused multiply-add would round once
         enable_fp_fusion=False,
         PDL=pdl,

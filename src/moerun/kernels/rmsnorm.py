@@ -32,13 +32,24 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def mean_of_squares(xf, N: tl.constexpr, INTERPRET: tl.constexpr):
-    """sum(xf^2) / N over a float32 vector whose padding is zero, finished as torch's mean is on each device."""
-    total = tl.sum(xf * xf, axis=0)
+def _mean(total, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """total / N as torch's mean finishes it on each device."""
     if INTERPRET:
         return total / N  # torch on the CPU divides the sum
     else:
         return total * (1.0 / N)  # torch on CUDA multiplies by 1/N rounded to float32
+
+
+@triton.jit
+def mean_of_squares(xf, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """sum(xf^2) / N over a float32 vector whose padding is zero, finished as torch's mean is on each device."""
+    return _mean(tl.sum(xf * xf, axis=0), N, INTERPRET)
+
+
+@triton.jit
+def mean_of_squares_rows(xf, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """mean_of_squares of each row of a float32 [R, BLOCK] tile -> [R]."""
+    return _mean(tl.sum(xf * xf, axis=1), N, INTERPRET)
 
 
 @triton.jit

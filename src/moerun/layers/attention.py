@@ -16,6 +16,24 @@ from moerun.layers.rotary import RotaryEmbedding
 from moerun.ops.linear import gemv_applies
 
 
+# Whether SDPA gets the kv heads as they are (enable_gqa) or repeated to the query heads first. PyTorch picks a
+# flash kernel for either on sm_90 (cuDNN's, measured in benchmarks/RESULTS.md); without CUDA the repeat is kept.
+GQA_IN_SDPA = True
+
+
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """SDPA of q [B, n_q, n, D] over k, v [B, n_kv, L, D] (n_q a multiple of n_kv): causal when mask is None
+    (n == L), else under the boolean mask [n, L] -> [B, n_q, n, D]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and not (GQA_IN_SDPA and q.device.type == "cuda"):
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, n_q, L, D]
+    gqa = group > 1 and k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 class Qwen3Attention(nn.Module):
     """Self-attention of one layer. Shapes: T tokens, n_q query heads, n_kv key/value heads, D head dim."""
 
@@ -68,41 +86,44 @@ class Qwen3Attention(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H]."""
-        T = qkv.shape[0]
+        T, D = qkv.shape[0], self.head_dim
         cos, sin = self.rotary.cos_sin(qkv.device, qkv.dtype)
+        # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
+        k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op
         q = ops.qk_norm_rope_write(
             qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
-            batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q, self.n_kv,
+            batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q, self.n_kv, k_out=k_new,
         )  # [T, n_q, D]
         if batch.is_prefill:
-            out = self._prefill(q, batch, cache)
+            v_new = qkv[:, (self.n_q + self.n_kv) * D :].unflatten(-1, (self.n_kv, D))  # [T, n_kv, D] view
+            out = self._prefill(q, k_new, v_new, batch, cache)
         elif q.device.type == "cuda":
             out = ops.decode_attention(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
                                        self.scale)
         else:
             out = self._decode_eager(q, batch, cache)
-        return self.o_proj(out.reshape(T, self.n_q * self.head_dim))
+        return self.o_proj(out.reshape(T, self.n_q * D))
 
-    def _prefill(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Causal attention per sequence over its cached keys (this step's were just written)."""
+    def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, batch: ForwardBatch,
+                 cache: KVCache) -> torch.Tensor:
+        """Causal attention per sequence: q [T, n_q, D] over this step's k/v [T, n_kv, D] for a sequence that starts
+        at position 0, else over its cached keys (this step's were just written) -> [T, n_q, D]."""
         outs, row = [], 0
-        group = self.n_q // self.n_kv
         for i, (start, n) in enumerate(zip(batch.start_positions, batch.query_lens)):
             qi = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, n_q, n, D]
-            kc, vc = cache.gather(self.layer, batch.slot_ids[i : i + 1], start + n)  # [1, L, n_kv, D]
-            # kv heads repeated to the query heads: 4-D, same-head inputs reach the flash kernels on CUDA
-            ki = kc.transpose(1, 2).repeat_interleave(group, dim=1)  # [1, n_q, L, D]
-            vi = vc.transpose(1, 2).repeat_interleave(group, dim=1)
             if start == 0:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+                ki = k_new[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, n_kv, n, D]
+                vi = v_new[row : row + n].transpose(0, 1).unsqueeze(0)
+                oi = sdpa_gqa(qi, ki, vi, None, self.scale)
             else:
+                kc, vc = cache.gather(self.layer, batch.slot_ids[i : i + 1], start + n)  # [1, L, n_kv, D]
                 q_pos = torch.arange(start, start + n, device=q.device)[:, None]
                 mask = torch.arange(start + n, device=q.device)[None, :] <= q_pos  # [n, L]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale)
+                oi = sdpa_gqa(qi, kc.transpose(1, 2), vc.transpose(1, 2), mask, self.scale)
             outs.append(oi[0].transpose(0, 1))  # [n, n_q, D]
             row += n
-        return torch.cat(outs, dim=0)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     def _decode_eager(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """One new token per sequence over its cached context, reading only up to the batch's longest (CPU)."""

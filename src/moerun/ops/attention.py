@@ -27,6 +27,7 @@ def qk_norm_rope_write_reference(
     v_cache: torch.Tensor,
     n_q: int,
     n_kv: int,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What Qwen3Attention does between the qkv projection and attention, as separate torch ops."""
     T, D = qkv.shape[0], cos.shape[-1]
@@ -38,6 +39,8 @@ def qk_norm_rope_write_reference(
     q, k = _rotate(q, cos_t, sin_t), _rotate(k, cos_t, sin_t)
     k_cache[token_slots, positions] = k
     v_cache[token_slots, positions] = v.reshape(T, n_kv, D)
+    if k_out is not None:
+        k_out.copy_(k)
     return q
 
 
@@ -55,18 +58,20 @@ def qk_norm_rope_write(
     n_q: int,
     n_kv: int,
     backend: str | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [T, (n_q + 2 n_kv) D] -> q [T, n_q, D] normed and rotated at positions [T]; k (normed, rotated) and v go
-    to k_cache, v_cache [S, L, n_kv, D] at [token_slots[t], positions[t]]. cos, sin: [P, D] tables in qkv's dtype.
+    to k_cache, v_cache [S, L, n_kv, D] at [token_slots[t], positions[t]], and k also to ``k_out`` [T, n_kv, D]
+    when given (prefill attends to it without reading the cache back). cos, sin: [P, D] tables in qkv's dtype.
     """
     if pick_backend(backend, qkv.device, "qk-norm-rope") == "torch":
         return qk_norm_rope_write_reference(
-            qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv
+            qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, k_out
         )
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
 
     return qk_norm_rope_write_triton(
-        qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv
+        qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, k_out
     )
 
 

@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--locality", type=float, default=0.5, help="probability a token keeps the previous experts")
     p.add_argument("--quick", action="store_true", help="fewer steps and no variant rows (about half the time)")
     p.add_argument("--no-gguf", action="store_true", help="skip the Q4_K_M-shaped variant")
+    p.add_argument("--only-gguf", action="store_true", help="run only the Q4_K_M-shaped rows (no bf16 model)")
     p.add_argument("--vs", choices=["transformers"], help="also time transformers + accelerate offloading")
     p.add_argument("--hf-tokens", type=int, default=3, help="decode tokens timed for transformers")
     p.add_argument("--hf-budgets", help="budgets for transformers (default: all --budgets)")
@@ -324,6 +325,35 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = Tokenizer.from_folder(qwen3_tokenizer_dir())
     fp = footprint_of_config(mc, dtype)
+    free = int(available_bytes(device) * 0.9)
+    rows: list[dict[str, Any]] = []
+    build_s = 0.0
+    if args.only_gguf:
+        print(HEADER, flush=True)
+    else:
+        build_s = run_bf16(args, mc, hf_config, dtype, device, tokenizer, fp, pinned_bps, max_seqs, chunk, rows)
+    if mc.hidden_size % 256 or mc.moe_intermediate_size % 256:
+        print(f"skipping Q4_K_M: rows of {mc.hidden_size} / {mc.moe_intermediate_size} are not whole Q4_K blocks")
+    elif not args.no_gguf:
+        rows += run_gguf(mc, device, args, tokenizer, pinned_bps, fp, free, max_seqs, chunk)
+    result = {"model": args.preset + (f" ({args.layers} layers)" if args.layers else ""),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "h2d": bw, "build_seconds": build_s,
+              "total_seconds": time.perf_counter() - t_start, "steps": args.steps, "prompt_len": args.prompt_len,
+              "skew": {"zipf": args.zipf, "locality": args.locality}, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_offload.json").write_text(json.dumps(result, indent=2, default=str))
+    png = plot(rows, out / "bench_offload.png")
+    print(f"\ntotal {result['total_seconds']:.0f} s; wrote {out / 'bench_offload.json'}" + (f", {png}" if png else ""))
+    return 0
+
+
+def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: torch.dtype, device: torch.device,
+             tokenizer, fp: Footprint, pinned_bps: float, max_seqs: int, chunk: int,
+             rows: list[dict[str, Any]]) -> float:
+    """The bf16 rows (every budget and mode, the variants, transformers + accelerate) appended to ``rows``;
+    returns the seconds it took to build the random bf16 experts."""
     t0 = time.perf_counter()
     store = random_expert_store(mc, device)
     model = random_offloaded_model(mc, device, mc.num_experts_per_tok, store=store)
@@ -337,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         return plan_placement(footprint, mc, dtype, args.max_model_len, max_seqs, chunk, free, budget_gib,
                               None, replace(cfg, force=True))
 
-    rows: list[dict[str, Any]] = []
     print(HEADER, flush=True)
     budgets = _floats(args.budgets)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -385,21 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_row_line(rows[-1]) if "tok_s" in r else f"transformers at {budget} GiB: {r['error']}", flush=True)
     del model, store
     gc.collect()
-    if mc.hidden_size % 256 or mc.moe_intermediate_size % 256:
-        print(f"skipping Q4_K_M: rows of {mc.hidden_size} / {mc.moe_intermediate_size} are not whole Q4_K blocks")
-    elif not args.no_gguf:
-        rows += run_gguf(mc, device, args, tokenizer, pinned_bps, fp, free, max_seqs, chunk)
-    result = {"model": args.preset + (f" ({args.layers} layers)" if args.layers else ""),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "h2d": bw, "build_seconds": build_s,
-              "total_seconds": time.perf_counter() - t_start, "steps": args.steps, "prompt_len": args.prompt_len,
-              "skew": {"zipf": args.zipf, "locality": args.locality}, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_offload.json").write_text(json.dumps(result, indent=2, default=str))
-    png = plot(rows, out / "bench_offload.png")
-    print(f"\ntotal {result['total_seconds']:.0f} s; wrote {out / 'bench_offload.json'}" + (f", {png}" if png else ""))
-    return 0
+    return build_s
 
 
 def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, tokenizer, pinned_bps: float,

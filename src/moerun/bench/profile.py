@@ -1,8 +1,11 @@
-"""Where a batch-1 decode step spends its time: graph replay vs whole engine step, and GPU time per kernel."""
+"""Where a batch-1 decode step and a single-prompt prefill spend their time: GPU time per kernel (and, for decode,
+graph replay against the whole engine step)."""
 
 from __future__ import annotations
 
 import torch
+
+from typing import Callable
 
 from moerun.api import LLM
 from moerun.engine.batch import ForwardBatch
@@ -34,39 +37,63 @@ def profile_decode(llm: LLM, context_len: int = 128, top: int = 15) -> dict:
         def step() -> None:
             llm.model.compute_logits(llm.model(ids, batch, engine.cache))
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
+        out.update(kernel_table(step, top))
     finally:
         engine.cache.release(slot)
+    return out
+
+
+@torch.inference_mode()
+def profile_prefill(llm: LLM, length: int, top: int = 15) -> dict:
+    """The kernels of one eager single-prompt prefill of ``length`` tokens ranked by GPU time."""
+    engine = llm.engine
+    if engine.device.type != "cuda" or length >= llm.engine_config.max_model_len:
+        return {}
+    slot = engine.cache.allocate()
+    try:
+        batch = ForwardBatch.build([0], [length], [slot], engine.device)
+        ids = torch.randint(0, llm.model_config.vocab_size, (length,), device=engine.device)
+        rows = batch.last_rows
+
+        def step() -> None:
+            llm.model.compute_logits(llm.model(ids, batch, engine.cache)[rows])
+
+        return {"tokens": length, **kernel_table(step, top)}
+    finally:
+        engine.cache.release(slot)
+
+
+def kernel_table(step: Callable[[], object], top: int, repeats: int = 3) -> dict:
+    """GPU time per kernel of ``step`` (after warm-up), averaged over ``repeats`` calls, ranked."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             entry = kernels.setdefault(evt.name, [0.0, 0])
-            entry[0] += evt.device_time / 1e3 / 3  # ms per step
-            entry[1] += 1 / 3
+            entry[0] += evt.device_time / 1e3 / repeats  # ms per step
+            entry[1] += 1 / repeats
     total = sum(v[0] for v in kernels.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    out["gpu_kernel_ms_per_step"] = total
-    out["kernels_per_step"] = int(round(sum(v[1] for v in kernels.values())))
-    out["top_kernels"] = [{"name": n[:90], "ms": v[0], "calls": round(v[1]), "share": v[0] / total}
-                          for n, v in ranked[:top]]
-    return out
+    return {"gpu_kernel_ms_per_step": total, "kernels_per_step": int(round(sum(v[1] for v in kernels.values()))),
+            "top_kernels": [{"name": n[:90], "ms": v[0], "calls": round(v[1]), "share": v[0] / total}
+                            for n, v in ranked[:top]]}
 
 
-def format_profile(p: dict) -> str:
+def format_profile(p: dict, title: str = "batch-1 decode profile") -> str:
     if not p:
         return ""
-    lines = ["", "batch-1 decode profile"]
+    lines = ["", title]
     if "graph_replay_ms" in p:
         lines.append(f"  graph replay (model + logits)       {p['graph_replay_ms']:.3f} ms")
-    lines.append(f"  eager step: {p['kernels_per_step']} kernels, {p['gpu_kernel_ms_per_step']:.3f} ms of GPU time")
+    lines.append(f"  eager {'step' if 'tokens' not in p else 'forward'}: {p['kernels_per_step']} kernels, {p['gpu_kernel_ms_per_step']:.3f} ms of GPU time")
     for k in p["top_kernels"]:
         lines.append(f"  {100 * k['share']:5.1f}%  {k['ms']:.3f} ms  x{k['calls']:<4} {k['name']}")
     return "\n".join(lines)

@@ -96,9 +96,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if ceilings:
             entry["bandwidth_util"] = nbytes / (entry["step_ms"] / 1e3) / (ceilings["hbm_read_GBps"] * 1e9)
     if args.profile:
-        from moerun.bench.profile import profile_decode
+        from moerun.bench.profile import profile_decode, profile_prefill
 
         result["profile"] = profile_decode(llm, args.prompt_len)
+        lengths = [L for L in _ints(args.prefill_lens) if L <= 2048]
+        if lengths:  # the longest prompt up to 2048 tokens
+            result["prefill_profile"] = profile_prefill(llm, max(lengths))
         if llm.engine.async_scheduling and 1 in result["decode"]:  # what async scheduling gains at batch 1
             llm.engine.async_scheduling = False
             result["profile"]["sync_step_ms"] = measure_decode(llm, [1], args.prompt_len, args.steps)[1]["step_ms"]
@@ -142,10 +145,13 @@ def main(args: argparse.Namespace) -> int:
     result = run(args)
     paths = write_outputs(result, Path(args.out))
     print(format_table(result))
-    if result.get("profile"):
-        from moerun.bench.profile import format_profile
+    from moerun.bench.profile import format_profile
 
+    if result.get("profile"):
         print(format_profile(result["profile"]))
+    if result.get("prefill_profile"):
+        tokens = result["prefill_profile"]["tokens"]
+        print(format_profile(result["prefill_profile"], f"prefill profile, one prompt of {tokens} tokens"))
     if "hf_logits_check" in result:
         print(f"\nlogits vs transformers on the same weights: relative error {result['hf_logits_check']:.2e}")
     print("\nwrote " + ", ".join(str(p) for p in paths))

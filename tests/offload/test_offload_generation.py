@@ -142,3 +142,21 @@ def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device):
                 slot = int(manager.table.slot_of[layer, expert])
                 if slot >= 0:
                     torch.testing.assert_close(packed[slot], full[expert], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_copy_mode_decodes_through_layer_graphs(hf_model, prefetch):
+    # three sequences replay the bucket of four: a padding row routes too, but only real rows are served
+    opts = dict(OPTS, device="cuda")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    few = prompts(3)[:3]
+    expected = [o.token_ids for o in LLM(str(hf_model), **opts).generate(few, params)]
+    llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), **opts,
+              offload=OffloadConfig(policy="lru", prefetch=prefetch, mode="copy"))
+    runner = llm.engine.runner
+    assert runner.layer_graphs is not None and not runner.graphs
+    assert [o.token_ids for o in llm.generate(few, params)] == expected
+    stats = llm.stats()
+    assert runner.layer_graphs.replays > 0 and stats["misses_copied"] > 0
+    llm.model.expert_offload.table.check()

@@ -69,3 +69,28 @@ def test_batch_limits() -> None:
         pool.repack_staged(0, [0, 1, 2, 0])
     with pytest.raises(IndexError, match="slot 3"):
         pool.repack_staged(0, [3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a pinned host store)")
+def test_admission_copies_the_pinned_packed_copy(seed) -> None:
+    from moerun.moe.offload.store import HostExpertStore
+
+    gen = torch.Generator().manual_seed(seed)
+    layers = [specs(QuantType.Q6_K), specs(QuantType.Q4_K)]
+    E = 6
+    store = HostExpertStore([expert_blocks(layer, E, gen) for layer in layers], layers)
+    store.pin()
+    pool = PackedSlotPool(layers, slots_per_layer=3, device=torch.device("cuda"), store=store)
+    assert pool.host_packed is not None
+    for layer, slot, expert in ((0, 2, 5), (1, 0, 3), (0, 0, 1)):
+        for d, s in zip(*pool.packed_copy(layer, slot, expert)):
+            assert s.is_pinned()
+            d.copy_(s)
+        w13, w2 = weights_from_parts([part[expert : expert + 1] for part in store.parts[layer]], layers[layer])
+        pooled = pool.weights(layer)[0] + pool.weights(layer)[1]
+        for ours, alone in zip(pooled, packed_parts(w13) + packed_parts(w2)):
+            for d, s in zip(ours.tensors(), alone.tensors()):
+                if d is not None:
+                    assert torch.equal(d[slot].cpu(), s[0]), f"seed={seed} layer={layer} slot={slot}"
+    with pytest.raises(IndexError, match="slot 3"):
+        pool.packed_copy(0, 3, 0)

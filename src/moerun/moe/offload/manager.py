@@ -14,14 +14,20 @@ Per layer and forward pass (T tokens routed to k experts each):
 4. Prefetch: the lookahead's candidates for the next layers are copied behind the misses.
 5. The partial results (float32 when there are several) are summed.
 
-On CUDA the host waits once per MoE layer for the routing ids, so decoding runs eagerly (no CUDA graphs) in this
-mode ('copy'); zero_copy.py serves dense experts without that wait.
+On CUDA the host waits once per MoE layer for the routing ids, so a whole decode step cannot be one CUDA graph in
+this mode ('copy'). Steps 1-2 are the layer's device part (``_begin``) and 3-5 its host part (``_finish``): with
+overlap on CUDA, decode replays one graph per decoder layer that ends with the device part, and the host part
+runs after each replay (engine/layer_graphs.py); prefill runs eagerly. zero_copy.py serves dense experts without
+the host's wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,7 +44,7 @@ from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.prefetch import RouterLookahead
 from moerun.moe.offload.stats import OffloadStats
 from moerun.moe.offload.store import HostExpertStore
-from moerun.moe.offload.transfer import Copier, StagingRing
+from moerun.moe.offload.transfer import Copier, HostTicket, StagingRing
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.quant import fused_moe_quantized
 
@@ -49,6 +55,19 @@ def _resolve_backend(backend: str | None, device: torch.device) -> str:
     from moerun.ops.dispatch import pick_backend
 
     return pick_backend(backend, device, "MoE")
+
+
+@dataclass
+class _LayerStart:
+    """What a layer's device part leaves for its host part."""
+
+    layer: int
+    x: torch.Tensor  # [T, H]
+    topk_weights: torch.Tensor  # [T, k]
+    topk_ids: torch.Tensor  # [T, k]
+    ticket: HostTicket  # routing ids (+ lookahead, + x and weights for CPU compute) on their way to the host
+    has_proposal: bool
+    partials: list[torch.Tensor]  # the pass over the cached experts (overlap), float32 [T, H]
 
 
 class ExpertOffload(OffloadManagerBase):
@@ -79,7 +98,9 @@ class ExpertOffload(OffloadManagerBase):
         # Quantized slots on the Triton path stay repacked for the fused quantized kernels (packed_pool.py); where
         # those kernels do not take a layer's types, each pass dequantises the slots it computes ("compact").
         packed = S > 0 and resolved == "triton" and PackedSlotPool.applies(store.specs)
-        self.pool = (PackedSlotPool if packed else SlotPool)(store.specs, S, device) if S > 0 else None
+        self.pool: SlotPool | PackedSlotPool | None = None
+        if S > 0:
+            self.pool = PackedSlotPool(store.specs, S, device, store) if packed else SlotPool(store.specs, S, device)
         staging = None
         if device.type == "cuda" and not store.pinned:
             staging = StagingRing(max(store.expert_bytes(i) for i in range(L)) + 4096, config.staging_buffers)
@@ -90,6 +111,9 @@ class ExpertOffload(OffloadManagerBase):
         self.overlap = device.type == "cuda" if config.overlap is None else config.overlap
         self.compact = self.pool is not None and self.pool.quantized and resolved == "triton" and not packed
         self.speculative = self.overlap and self.pool is not None and not self.compact
+        self._capture_bucket: int | None = None  # set while layer graphs are captured (engine/layer_graphs.py)
+        self.captured: dict[tuple[int, int], _LayerStart] = {}  # (bucket, layer) -> its graph's device part
+        self.split_capture: Callable[[], None] | None = None  # ends a layer graph after the routing's copy
         self.cost: CostModel | None = None
         if config.cpu_compute == "auto":
             self.cost = self._cost_model()
@@ -97,28 +121,84 @@ class ExpertOffload(OffloadManagerBase):
     # ---- per-layer forward ----
     def forward_layer(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
-        T = x.shape[0]
-        st = self.stats
-        if layer == 0:
-            st.forward_passes += 1
-            st.tokens += T
+        """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype.
+
+        While a layer graph is captured (``capturing``), only the device part runs and its partial sum (float32,
+        the cached experts) is returned; ``finish_replayed`` serves the rest after each replay.
+        """
+        start = self._begin(layer, x, topk_weights, topk_ids)
+        if self._capture_bucket is not None:
+            self.captured[(self._capture_bucket, layer)] = start
+            return start.partials[0]
+        return self._finish(start, x.shape[0])
+
+    @property
+    def layer_graphable(self) -> bool:
+        """Whether decode can run as one CUDA graph per layer (engine/layer_graphs.py): the device part of a layer
+        (speculative pass over the cached experts) exists and runs on CUDA."""
+        return self.speculative and self.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def capturing(self, bucket: int) -> Iterator[None]:
+        """Layer graphs of ``bucket`` are being captured: forward_layer runs only the device part."""
+        self._capture_bucket = bucket
+        try:
+            yield
+        finally:
+            self._capture_bucket = None
+
+    def before_replay(self, layer: int) -> None:
+        """Before the graph that computes ``layer``'s cached experts replays: the compute stream waits for
+        prefetch copies into that layer still in flight (graphs cannot wait on events recorded outside them)."""
+        self.copier.wait_layer(layer)
+
+    def routing_replayed(self, bucket: int, layer: int) -> None:
+        """After the graph that sends ``layer``'s routing of ``bucket`` to the host replayed: the routing is
+        ready once the compute stream gets here."""
+        ticket = self.captured[(bucket, layer)].ticket
+        ticket.event = torch.cuda.Event()
+        ticket.event.record()
+
+    def finish_replayed(self, bucket: int, layer: int, rows: int) -> torch.Tensor | None:
+        """After ``layer``'s graphs of ``bucket`` replayed: its misses served for the first ``rows`` (real) rows.
+        Returns the layer's output [bucket, H] with the misses added, or None when the graphed pass over the
+        cached experts is the whole output."""
+        return self._finish(self.captured[(bucket, layer)], rows, graphed=True)
+
+    def _begin(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> "_LayerStart":
+        """Device part of a layer: lookahead, routing to the host, and (overlap) the pass over cached experts."""
         cpu_on = self.config.cpu_compute != "off"
         proposal = self.lookahead.propose(layer, x) if self.lookahead is not None else None
         sent = [topk_ids] + (list(proposal) if proposal is not None else []) + ([x, topk_weights] if cpu_on else [])
-        ticket = self.copier.to_host(sent)
+        ticket = self.copier.to_host(sent, record=self._capture_bucket is None)
+        if self._capture_bucket is not None and self.split_capture is not None:
+            self.split_capture()  # a layer graph ends here: the host may read the routing from now on
         partials: list[torch.Tensor] = []
         if self.speculative:
-            self.copier.wait_layer(layer)
+            if self._capture_bucket is None:  # a layer graph waits before its replay (before_replay)
+                self.copier.wait_layer(layer)
             slots = self.table.device_table[layer][topk_ids.long()]  # [T, k], -1 where not cached
             hit = slots >= 0
             w = torch.where(hit, topk_weights, torch.zeros_like(topk_weights))
             partials.append(self._run(layer, x, self.pool.weights(layer),
                                       w, torch.where(hit, slots, self.table.null_slot), fp32=True))
+        return _LayerStart(layer, x, topk_weights, topk_ids, ticket, proposal is not None, partials)
+
+    def _finish(self, start: "_LayerStart", rows: int, graphed: bool = False) -> torch.Tensor | None:
+        """Host part of a layer: the first ``rows`` tokens' routing decides hits, misses (copied or computed on
+        the CPU) and prefetches; returns the sum of the passes in x's dtype (graphed: None when the pass over
+        the cached experts, which the layer graph already wrote out, is the only one)."""
+        layer, x, topk_weights, topk_ids = start.layer, start.x, start.topk_weights, start.topk_ids
+        st = self.stats
+        if layer == 0:
+            st.forward_passes += 1
+            st.tokens += rows
+        partials = list(start.partials)
         t0 = time.perf_counter()
-        host = ticket.wait()
+        host = start.ticket.wait()
         st.routing_wait_s += time.perf_counter() - t0
-        ids_h = host[0].numpy()
+        ids_h = host[0].numpy()[:rows]
         experts, counts = np.unique(ids_h, return_counts=True)
         cached = self.table.lookup(layer, experts) >= 0
         st.lookups += len(experts)
@@ -136,7 +216,7 @@ class ExpertOffload(OffloadManagerBase):
         rounds = self._rounds(resident, gpu_experts)
         n_passes = len(partials) + sum(1 for _, _, c in rounds if c) + (1 if cpu_experts else 0)
         fp32 = n_passes > 1 or bool(partials)
-        routed_all = len(cpu_experts) == 0
+        routed_all = len(cpu_experts) == 0 and rows == x.shape[0]
         for reuse, admit, compute in rounds:
             if reuse:
                 self.table.unpin(layer)
@@ -148,11 +228,13 @@ class ExpertOffload(OffloadManagerBase):
                 partials.append(self._pass(layer, x, topk_weights, topk_ids, compute, fp32, everything))
         if len(rounds) > 1 and any(r for r, _, _ in rounds):
             st.chunked_layers += 1
-        if proposal is not None:
+        if start.has_proposal:
             self._prefetch(layer, host[1].numpy(), host[2].numpy())
         if cpu_experts:
-            partials.append(self._cpu(layer, host[-2], host[-1], ids_h, cpu_experts))
+            partials.append(self._cpu(layer, host[-2], host[-1], host[0].numpy(), cpu_experts))
         self.table.unpin(layer)
+        if graphed and len(partials) == 1:
+            return None
         if not partials:  # nothing routed (cannot happen with T > 0) or an empty batch
             return torch.zeros_like(x)
         out = partials[0]
@@ -201,7 +283,10 @@ class ExpertOffload(OffloadManagerBase):
             return
         admitted = self.table.admit(layer, np.asarray(experts, dtype=np.int64), prefetch=prefetch)
         nbytes = self.store.expert_bytes(layer)
-        if isinstance(self.pool, PackedSlotPool):  # GGUF blocks into staging rows, repacked into slots per batch
+        if isinstance(self.pool, PackedSlotPool) and self.pool.host_packed is not None:  # packed already
+            for a in admitted:
+                self.copier.copy_expert(*self.pool.packed_copy(layer, a.slot, a.expert))
+        elif isinstance(self.pool, PackedSlotPool):  # GGUF blocks into staging rows, repacked into slots per batch
             rows = self.pool.staging_rows
             for first in range(0, len(admitted), rows):
                 batch = admitted[first : first + rows]

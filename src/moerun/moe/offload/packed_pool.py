@@ -8,6 +8,10 @@ The experts admitted together into a layer arrive (GGUF blocks) in the rows of a
 into their slots. On CUDA the copies and the repack run on the copy stream, in issue order, so one staging area
 serves every layer whose parts have its layout. A pass then runs the fused quantized kernels on slot ids, as for
 dense slots.
+
+With a pinned host store on CUDA the pool first keeps a repacked copy of every expert in pinned host memory
+(``host_packed``, made layer by layer on the device at start-up): an admission is then plain copies of the
+expert's packed arrays into its slot (``packed_copy``), with no staging and no repack on the host's path.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.moe.offload.store import PartSpec, weights_from_parts
+from moerun.moe.offload.store import HostExpertStore, PartSpec, weights_from_parts
 from moerun.ops.quant import fused_kernels_apply, packed_parts
 
 
@@ -28,7 +32,8 @@ class PackedSlotPool:
 
     quantized = True
 
-    def __init__(self, specs: list[list[PartSpec]], slots_per_layer: int, device: torch.device) -> None:
+    def __init__(self, specs: list[list[PartSpec]], slots_per_layer: int, device: torch.device,
+                 store: HostExpertStore | None = None) -> None:
         self.specs, self.slots_per_layer, self.device = specs, slots_per_layer, device
         self.null_slot = slots_per_layer
         self.staging_rows = max(1, min(STAGING_ROWS, slots_per_layer))
@@ -42,6 +47,9 @@ class PackedSlotPool:
         for layer in range(len(specs)):
             zero13, zero2 = self._repack_staging(layer, 1)  # a zero expert: decodes to zeros
             self.packed.append((_repeat(zero13, slots_per_layer + 1), _repeat(zero2, slots_per_layer + 1)))
+        self.host_packed: list[tuple[list[PackedWeight], list[PackedWeight]]] | None = None
+        if store is not None and store.pinned and device.type == "cuda":
+            self.host_packed = [_pinned_packed(store, layer, device) for layer in range(len(specs))]
 
     @staticmethod
     def applies(specs: list[list[PartSpec]]) -> bool:
@@ -82,6 +90,22 @@ class PackedSlotPool:
                         for row, slot in enumerate(slots):
                             d[slot].copy_(s[row])
 
+    def packed_copy(self, layer: int, slot: int, expert: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(slot arrays, the expert's pinned packed arrays): what admitting ``expert`` into ``slot`` copies
+        (``host_packed`` only)."""
+        if self.host_packed is None:
+            raise ValueError("this pool keeps no packed host copy of the experts")
+        if not 0 <= slot < self.slots_per_layer:
+            raise IndexError(f"layer {layer}: slot {slot} outside [0, {self.slots_per_layer})")
+        dst, src = [], []
+        for dst_parts, src_parts in zip(self.packed[layer], self.host_packed[layer]):
+            for d, s in zip(dst_parts, src_parts):
+                for dt, st in zip(d.tensors(), s.tensors()):
+                    if dt is not None:
+                        dst.append(dt[slot])
+                        src.append(st[expert])
+        return dst, src
+
     def weights(self, layer: int) -> tuple[list[PackedWeight], list[PackedWeight]]:
         """(w13, w2) over the whole pool of a layer, repacked: the fused quantized kernels take them on slot ids."""
         return self.packed[layer]
@@ -90,6 +114,21 @@ class PackedSlotPool:
         # fresh QuantizedWeights over the first staging rows: nothing cached from an earlier batch
         w13, w2 = weights_from_parts([t[:rows] for t in self.staging[layer]], self.specs[layer])
         return packed_parts(w13), packed_parts(w2)
+
+
+def _pinned_packed(store: HostExpertStore, layer: int,
+                   device: torch.device) -> tuple[list[PackedWeight], list[PackedWeight]]:
+    """Every expert of one layer repacked (on ``device``) into pinned host arrays: (w13 parts, w2 parts) [E, N, K]."""
+    w13, w2 = weights_from_parts([t.to(device, non_blocking=True) for t in store.parts[layer]], store.specs[layer])
+    out = []
+    for parts in (packed_parts(w13), packed_parts(w2)):
+        pinned = []
+        for p in parts:
+            arrays = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+                      for t in p.tensors()]
+            pinned.append(PackedWeight(p.qtype, p.shape, p.k_pad, *arrays))
+        out.append(pinned)
+    return out[0], out[1]
 
 
 def _layout(layer: list[PartSpec]) -> tuple:

@@ -71,8 +71,9 @@ class Copier:
         self.stall_s = 0.0  # resolved stall time (CUDA: compute waiting on copies; CPU: time spent copying)
 
     # ---- device -> host ----
-    def to_host(self, tensors: list[torch.Tensor]) -> HostTicket:
-        """Starts copying small device tensors to the host (on the compute stream, after what is queued)."""
+    def to_host(self, tensors: list[torch.Tensor], record: bool = True) -> HostTicket:
+        """Starts copying small device tensors to the host (on the compute stream, after what is queued).
+        ``record=False`` (inside a graph capture) leaves the ticket's event to the caller, recorded after replay."""
         if not self.cuda:
             return HostTicket([t.detach() for t in tensors], None)
         outs = []
@@ -80,8 +81,10 @@ class Copier:
             o = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             o.copy_(t, non_blocking=True)
             outs.append(o)
-        event = torch.cuda.Event()
-        event.record()
+        event = None
+        if record:
+            event = torch.cuda.Event()
+            event.record()
         return HostTicket(outs, event)
 
     # ---- host -> device ----

@@ -28,6 +28,8 @@ class OffloadConfig:
     prefetch_depth: how many following MoE layers to prefetch for.
     prefetch_per_layer: at most this many experts per target layer and step (None: the model's top-k).
     prefetch_min_confidence: skip candidates whose mean router probability over the batch is below this.
+    prefetch_min_accuracy: pause prefetching (for 32 forward passes, then probe again) when fewer than this share
+        of the last 256 settled prefetches were routed to (0: never pause).
     cpu_compute: 'off'; 'auto' computes a missed expert on the CPU when the cost model says it beats the copy;
         'always' computes every missed expert on the CPU (llama.cpp's --n-cpu-moe, Fiddler).
     overlap: compute the resident experts of a layer while its missed ones are being copied (None: on CUDA only).
@@ -43,6 +45,7 @@ class OffloadConfig:
     prefetch_depth: int = 1
     prefetch_per_layer: int | None = None
     prefetch_min_confidence: float = 0.0
+    prefetch_min_accuracy: float = 0.25
     cpu_compute: str = "off"
     overlap: bool | None = None
     pin: str = "auto"
@@ -70,6 +73,8 @@ class OffloadConfig:
             raise ValueError(f"cpu_compute must be one of {CPU_COMPUTE}, got {self.cpu_compute!r}")
         if self.pin not in PIN_MODES:
             raise ValueError(f"pin must be one of {PIN_MODES}, got {self.pin!r}")
+        if not 0.0 <= self.prefetch_min_accuracy <= 1.0:
+            raise ValueError(f"prefetch_min_accuracy must be in [0, 1], got {self.prefetch_min_accuracy}")
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.prefetch_per_layer is not None and self.prefetch_per_layer < 0:

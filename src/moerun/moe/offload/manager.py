@@ -41,7 +41,7 @@ from moerun.moe.offload.cpu_compute import CostModel, cpu_partial, measure_cpu, 
 from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.pool import SlotPool
-from moerun.moe.offload.prefetch import RouterLookahead
+from moerun.moe.offload.prefetch import PrefetchGate, RouterLookahead
 from moerun.moe.offload.stats import OffloadStats
 from moerun.moe.offload.store import HostExpertStore
 from moerun.moe.offload.transfer import Copier, HostTicket, StagingRing
@@ -108,6 +108,7 @@ class ExpertOffload(OffloadManagerBase):
         per_layer = top_k if config.prefetch_per_layer is None else config.prefetch_per_layer
         self.lookahead = (RouterLookahead([g.detach() for g in gates], config.prefetch_depth, per_layer)
                           if config.prefetch and S > 0 and L > 1 else None)
+        self.prefetch_gate = PrefetchGate(config.prefetch_min_accuracy, pause=32 * L)  # about 32 forward passes
         self.overlap = device.type == "cuda" if config.overlap is None else config.overlap
         self.compact = self.pool is not None and self.pool.quantized and resolved == "triton" and not packed
         self.speculative = self.overlap and self.pool is not None and not self.compact
@@ -228,7 +229,7 @@ class ExpertOffload(OffloadManagerBase):
                 partials.append(self._pass(layer, x, topk_weights, topk_ids, compute, fp32, everything))
         if len(rounds) > 1 and any(r for r, _, _ in rounds):
             st.chunked_layers += 1
-        if start.has_proposal:
+        if start.has_proposal and self.prefetch_gate.open(st):
             self._prefetch(layer, host[1].numpy(), host[2].numpy())
         if cpu_experts:
             partials.append(self._cpu(layer, host[-2], host[-1], host[0].numpy(), cpu_experts))
@@ -389,7 +390,8 @@ class ExpertOffload(OffloadManagerBase):
         """Counters and rates (see stats.py) plus the cache's configuration."""
         self.stats.copy_stall_s = self.copier.stall_seconds()
         d = self.stats.as_dict()
-        d.update(self.config_stats(), prefetch=self.lookahead is not None, cpu_compute=self.config.cpu_compute,
+        d.update(self.config_stats(), prefetch=self.lookahead is not None, prefetch_pauses=self.prefetch_gate.pauses,
+                 cpu_compute=self.config.cpu_compute,
                  overlap=self.overlap)
         if self.cost is not None:
             d["cost_model"] = self.cost.as_dict()
@@ -399,3 +401,4 @@ class ExpertOffload(OffloadManagerBase):
         self.copier.stall_seconds()
         self.copier.stall_s = 0.0
         self.stats.reset()
+        self.prefetch_gate.reset()

@@ -3,11 +3,16 @@
 Consecutive layers' inputs are close (the residual stream changes little per layer), so the next router on the
 current hidden state ranks the next layer's experts well without any retraining. Candidates are ranked by their
 router probability averaged over the batch (the confidence); the caller bounds how many it copies.
+
+Where the prediction fails (routers that do not agree across layers, as in a model with random weights), every
+prefetch is a wasted copy and host time: ``PrefetchGate`` pauses prefetching while its measured accuracy is low.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moerun.moe.offload.stats import OffloadStats
 
 
 class RouterLookahead:
@@ -35,3 +40,37 @@ class RouterLookahead:
         probs = torch.softmax(logits.float().view(-1, D, E), dim=-1).mean(dim=0)  # [D, E]
         conf, ids = torch.topk(probs, min(self.per_layer, E), dim=-1)  # [D, P]
         return ids.to(torch.int32), conf
+
+
+class PrefetchGate:
+    """Prefetch only while it pays: after every ``window`` settled prefetches (useful + wasted), an accuracy
+    below ``min_accuracy`` over that window pauses prefetching for the next ``pause`` prefetch opportunities (one
+    per MoE layer and forward pass); then it probes again."""
+
+    def __init__(self, min_accuracy: float, window: int = 256, pause: int = 32) -> None:
+        self.min_accuracy, self.window, self.pause = min_accuracy, window, pause
+        self.calls = 0  # prefetch opportunities so far
+        self.paused_until = 0  # opportunity from which prefetching resumes
+        self._useful = self._settled = 0  # counters at the start of the current window
+        self.pauses = 0
+
+    def reset(self) -> None:
+        """The statistics were reset: the current window restarts from zero (a pause in progress stands)."""
+        self._useful = self._settled = 0
+
+    def open(self, stats: OffloadStats) -> bool:
+        """Whether this opportunity may prefetch."""
+        self.calls += 1
+        if self.min_accuracy <= 0:
+            return True
+        if self.calls <= self.paused_until:
+            return False
+        settled = stats.prefetch_useful + stats.prefetch_wasted
+        if settled - self._settled >= self.window:
+            accuracy = (stats.prefetch_useful - self._useful) / (settled - self._settled)
+            self._useful, self._settled = stats.prefetch_useful, settled
+            if accuracy < self.min_accuracy:
+                self.paused_until = self.calls + self.pause
+                self.pauses += 1
+                return False
+        return True

@@ -157,7 +157,8 @@ class ExpertOffload(OffloadManagerBase):
         """After the graph that sends ``layer``'s routing of ``bucket`` to the host replayed: the routing is
         ready once the compute stream gets here."""
         ticket = self.captured[(bucket, layer)].ticket
-        ticket.event = torch.cuda.Event()
+        if ticket.event is None:  # one event per captured layer, recorded again at every replay
+            ticket.event = torch.cuda.Event()
         ticket.event.record()
 
     def finish_replayed(self, bucket: int, layer: int, rows: int) -> torch.Tensor | None:
@@ -200,13 +201,24 @@ class ExpertOffload(OffloadManagerBase):
         host = start.ticket.wait()
         st.routing_wait_s += time.perf_counter() - t0
         ids_h = host[0].numpy()[:rows]
-        experts, counts = np.unique(ids_h, return_counts=True)
+        routed = np.bincount(ids_h.reshape(-1), minlength=self.num_experts)  # [E] pairs per expert
+        experts = np.flatnonzero(routed)  # ascending
+        counts = routed[experts]
         cached = self.table.lookup(layer, experts) >= 0
+        n_hits = int(np.count_nonzero(cached))
         st.lookups += len(experts)
-        st.hits += int(cached.sum())
-        st.misses += int((~cached).sum())
+        st.hits += n_hits
+        st.misses += len(experts) - n_hits
         self.table.routed(layer, experts)
         self.policy.touch(layer, experts, counts)
+        if self.speculative and n_hits == len(experts):
+            # every routed expert was cached: the speculative pass is the layer's output; nothing to copy, so
+            # nothing of this layer needs pinning (prefetch never targets the layer in flight)
+            if start.has_proposal and self.prefetch_gate.open(st):
+                self._prefetch(layer, host[1].numpy(), host[2].numpy())
+            if graphed:
+                return None
+            return partials[0].to(x.dtype)
         resident = experts[cached]
         cpu_experts, gpu_experts = self._split(layer, experts[~cached], counts[~cached])
         st.misses_cpu += len(cpu_experts)

@@ -10,7 +10,7 @@
 #              decode paths
 #   e2e        moerun bench, bf16 with a per-kernel profile and transformers side by side; then Q4_K_M
 #   kernels    bench_moe.py and bench_quant_moe.py tables
-#   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB
+#   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB; the host part of copy mode
 #   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
 #   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
@@ -33,6 +33,7 @@ for stage in $stages; do
     test)
         run test 420 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graphs.py \
             tests/test_gguf_model.py tests/offload/test_zero_copy.py tests/offload/test_offload_generation.py \
+            tests/offload/test_packed_pool.py \
             tests/test_async_scheduling.py tests/test_bench.py ;;
     tune)
         run tune 240 python3 benchmarks/tune_moe.py --shape qwen3-30b-a3b --quick --m 1 2 4 8 16 32 64 \
@@ -56,7 +57,8 @@ for stage in $stages; do
             --out "$out/bench_quant" ;;
     offload)
         run offload 560 python3 benchmarks/bench_offload.py --modes zero_copy,copy --vs transformers \
-            --hf-budgets 8 --out "$out/bench_offload" ;;
+            --hf-budgets 8 --out "$out/bench_offload"
+        run offload 120 python3 benchmarks/bench_offload_host.py ;;
     pdl)
         for quant in "" "--quant Q4_K_M"; do
             for mode in "0 start" "1 start" "1 after_wait"; do

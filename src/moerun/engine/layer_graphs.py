@@ -19,12 +19,17 @@ and their statistics); a padding row's missed experts contribute nothing to its 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.static_inputs import StaticInputs
+
+if TYPE_CHECKING:
+    from moerun.moe.offload.manager import ExpertOffload
 
 
 class _BucketGraphs:
@@ -41,7 +46,7 @@ class _BucketGraphs:
 class LayerGraphs:
     """Captures and replays the per-layer decode graphs of every bucket."""
 
-    def __init__(self, model: nn.Module, cache: KVCache, manager, buckets: list[int]) -> None:
+    def __init__(self, model: nn.Module, cache: KVCache, manager: "ExpertOffload", buckets: list[int]) -> None:
         self.model, self.cache, self.manager, self.buckets = model, cache, manager, buckets
         self.inputs = StaticInputs(buckets[-1], cache)
         self.logits = torch.zeros(buckets[-1], model.config.vocab_size, dtype=torch.float32, device=cache.k.device)
@@ -66,7 +71,7 @@ class LayerGraphs:
                 self.graphs[b] = self._capture_bucket(b, ids, batch, pool)
             torch.cuda.synchronize()
 
-    def _capture_bucket(self, b: int, ids: torch.Tensor, batch: ForwardBatch, pool) -> _BucketGraphs:
+    def _capture_bucket(self, b: int, ids: torch.Tensor, batch: ForwardBatch, pool: tuple) -> _BucketGraphs:
         inner = self.model.model
         g = _BucketGraphs()
         x, residual = None, None
@@ -122,7 +127,7 @@ class LayerGraphs:
         return self.logits[:B]
 
 
-def _begin_capture(pool) -> torch.cuda.CUDAGraph:
+def _begin_capture(pool: tuple) -> torch.cuda.CUDAGraph:
     """A graph capturing the current stream from now on (relaxed: the routing's pinned host buffers are
     allocated while capturing)."""
     graph = torch.cuda.CUDAGraph()

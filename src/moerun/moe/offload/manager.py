@@ -332,10 +332,11 @@ class ExpertOffload(OffloadManagerBase):
         target layer's unpinned slots; the layer in flight is never a target)."""
         min_conf = self.config.prefetch_min_confidence
         for d, target in enumerate(self.lookahead.targets(layer)):
+            want = (conf[d] >= min_conf) & (self.table.slot_of[target, ids[d]] < 0)  # [P] not cached yet
+            if not want.any():
+                continue
             room = self.slots_per_layer - self.table.num_pinned(target)
-            cands = [int(e) for e, c in zip(ids[d], conf[d])
-                     if c >= min_conf and self.table.slot_of[target, e] < 0][: max(room, 0)]
-            self._admit(target, cands, prefetch=True)
+            self._admit(target, ids[d][want][: max(room, 0)].tolist(), prefetch=True)
 
     def _pass(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               compute: list[int], fp32: bool, everything: bool) -> torch.Tensor:

@@ -26,7 +26,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid
 from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, supported
-from moerun.kernels.quant.gemv_v2 import fused_moe_gemv_v2, v2_supported
+from moerun.kernels.quant.gemv_v2 import PartTables, fused_moe_gemv_v2, part_base, v2_supported
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
@@ -184,6 +184,7 @@ def _gemm1_tile_kernel(
     block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
     gc, gh, gs, gd,
     uc, uh, us, ud,
+    gt, ut,  # INDIRECT: [E, 4] int64 addresses of each expert's gate / up arrays (else dummies)
     num_pairs,
     top_k,
     H,
@@ -206,6 +207,7 @@ def _gemm1_tile_kernel(
     PER_SLOT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Unused blocks (past the padded length too) have expert -1.
@@ -215,8 +217,16 @@ def _gemm1_tile_kernel(
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n = (offs_n % I).to(tl.int64)
-    rows_g = (expert * G_ROWS + G_OFF + n)[:, None]  # [BLOCK_N, 1]
-    rows_u = (expert * U_ROWS + U_OFF + n)[:, None]
+    if INDIRECT:
+        gc, gh, gs, gd = part_base(gt, expert, 0, gc), part_base(gt, expert, 1, gh), part_base(gt, expert, 2, gs), \
+            part_base(gt, expert, 3, gd)
+        uc, uh, us, ud = part_base(ut, expert, 0, uc), part_base(ut, expert, 1, uh), part_base(ut, expert, 2, us), \
+            part_base(ut, expert, 3, ud)
+        rows_g = (G_OFF + n)[:, None]  # [BLOCK_N, 1]
+        rows_u = (U_OFF + n)[:, None]
+    else:
+        rows_g = (expert * G_ROWS + G_OFF + n)[:, None]  # [BLOCK_N, 1]
+        rows_u = (expert * U_ROWS + U_OFF + n)[:, None]
     lane_k = tl.arange(0, 32)  # [32]
     lane = lane_k[None, :]  # [1, 32]
     x_cols = x_ptr + token[None, :] * stride_xt  # [1, BLOCK_M]
@@ -260,6 +270,7 @@ def _gemm2_tile_kernel(
     sorted_ids_ptr,  # [P]
     block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
     wc, wh, ws, wd,
+    wt,  # INDIRECT: [E, 4] int64 addresses of each expert's down arrays (else a dummy)
     num_pairs,
     top_k,
     H,
@@ -278,13 +289,19 @@ def _gemm2_tile_kernel(
     ATOMIC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
+    if INDIRECT:
+        wc, wh, ws, wd = part_base(wt, expert, 0, wc), part_base(wt, expert, 1, wh), part_base(wt, expert, 2, ws), \
+            part_base(wt, expert, 3, wd)
+        rows = (offs_n % H).to(tl.int64)[:, None]  # [BLOCK_N, 1]
+    else:
+        rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
     lane_k = tl.arange(0, 32)
     lane = lane_k[None, :]
     a_cols = inter_ptr + irow[None, :] * stride_it  # [1, BLOCK_M]
@@ -378,12 +395,12 @@ def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
 
 
 def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
-          cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+          cfg: Config, out_dtype: torch.dtype, tables: PartTables | None = None) -> torch.Tensor:  # fmt: skip
     """tile path (token-slots aligned by expert, grouped GEMMs over M-blocks) and gemv_dot path (one token-slot
-    per M-block, no sorting: tensor cores at decode)."""
+    per M-block, no sorting: tensor cores at decode); experts through ``tables`` when given."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
-    E = w2.shape[0]
+    E = tables[2].shape[0] if tables else w2.shape[0]
     I = w2.k  # noqa: E741
     k = ids.shape[1]
     slots = T * k
@@ -399,26 +416,35 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         sorted_ids, block_expert, group_m = align.sorted_ids, align.block_expert, cfg["GROUP_M"]
         num_pid_m = block_expert.numel()
         inter_rows = sorted_ids.numel()
-    dot = dict(PER_SLOT=per_slot, DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype))
+    dot = dict(PER_SLOT=per_slot, DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+               INDIRECT=tables is not None)
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
     _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
         x, inter, sorted_ids, block_expert, *gw.kernel_args(), *uw.kernel_args(),
-        slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m, x.stride(0), inter.stride(0),
-        QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
+        *(tables[:2] if tables else (ids, ids)), slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m,
+        x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
         PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, **dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, atomic, x.device)
     bn2 = cfg["BLOCK_N2"]
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
-        inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(),
+        inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(), tables[2] if tables else ids,
         slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
         QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
         GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
+
+
+def expert_addresses(p: PackedWeight) -> torch.Tensor:
+    """[E, 4] int64 addresses of each expert's arrays (codes, high, sub, scale; an absent array gives the codes'
+    address, never read) of a stacked PackedWeight [E, N, K]: the rows of an address table for fused_moe_quant."""
+    codes = p.codes
+    rows = [[(codes if t is None else t)[e].data_ptr() for t in p.tensors()] for e in range(codes.shape[0])]
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def fused_moe_quant(
@@ -429,29 +455,43 @@ def fused_moe_quant(
     topk_ids: torch.Tensor,
     config: Config | None = None,
     out_dtype: torch.dtype | None = None,
+    tables: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
     w2 [E, H, I] packed -> [T, H] in out_dtype (default: hidden's dtype); the expert GEMMs run in hidden's dtype as
-    the reference. out_dtype float32 keeps the sum over the k slots unrounded (partial sums of expert subsets)."""
+    the reference. out_dtype float32 keeps the sum over the k slots unrounded (partial sums of expert subsets).
+
+    ``tables`` = (one [E, 4] int64 table per w13 part, one for w2): expert e's arrays are read at the addresses
+    of row e (``expert_addresses``), which may lie in any allocation, device or pinned host memory (read over
+    PCIe); w13 and w2 then only give the types, shapes and pointer types (any number of experts). The decode
+    paths run gemv_v2 (Q4_K / Q6_K / Q8_0) or gemv_dot, prefill the tile path."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
-    E, I = w2.shape[0], w2.k  # noqa: E741
+    parts13 = [w13] if isinstance(w13, PackedWeight) else list(w13)
+    E, I = (tables[1].shape[0] if tables else w2.shape[0]), w2.k  # noqa: E741
     k = topk_ids.shape[1]
     for name, p, n in (("gate", gw, None), ("up", uw, None), ("down", w2, H)):
-        if len(p.shape) != 3 or p.shape[0] != E or (n is not None and p.n != n):
+        if len(p.shape) != 3 or (tables is None and p.shape[0] != E) or (n is not None and p.n != n):
             raise ValueError(f"{name} weight has shape {p.shape}; expected [E={E}, rows, K]")
         if not supported(p.qtype):
             raise ValueError(f"{name} weight type {p.qtype.name} has no quantized kernel")
     if gw.k != H or uw.k != H or gw.kq != uw.kq:
         raise ValueError(f"gate/up rows have {gw.k}/{uw.k} inputs; expected H = {H}")
-    two_i = sum(p.n for p in ([w13] if isinstance(w13, PackedWeight) else w13))
+    two_i = sum(p.n for p in parts13)
     if two_i != 2 * I:
         raise ValueError(f"w13 has {two_i} rows; expected 2 x I = {2 * I} (I from w2 {w2.shape})")
     if tuple(topk_weights.shape) != (T, k):
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     if hidden.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"unsupported hidden dtype {hidden.dtype}")
+    part_tables = None
+    if tables is not None:
+        t13, t2 = tables
+        if len(t13) != len(parts13) or any(t.shape != (E, 4) or t.dtype != torch.int64 for t in (*t13, t2)):
+            raise ValueError(f"tables must be one [E, 4] int64 table per w13 part ({len(parts13)}) and one for w2")
+        index = {id(p): i for i, p in enumerate(parts13)}
+        part_tables = (t13[index[id(gw)]].contiguous(), t13[index[id(uw)]].contiguous(), t2.contiguous())
     out_dtype = out_dtype or hidden.dtype
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=hidden.device)
@@ -460,9 +500,12 @@ def fused_moe_quant(
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
+    if part_tables is not None and cfg["path"] == "gemv":  # the plain gemv kernels take no address tables
+        cfg = normalize_config({**cfg, "path": "gemv_v2" if v2_supported(gw, uw, w2) else "gemv_dot"})
     if cfg["path"] == "gemv_v2":
         if v2_supported(gw, uw, w2):
-            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype)
-        cfg = {**cfg, "path": "gemv"}
-    run = _gemv if cfg["path"] == "gemv" else _tile  # tile and gemv_dot share the tl.dot kernels
-    return run(x, gate, up, w2, weights, ids, cfg, out_dtype)
+            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)
+        cfg = normalize_config({**cfg, "path": "gemv" if part_tables is None else "gemv_dot"})
+    if cfg["path"] == "gemv":
+        return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
+    return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile and gemv_dot: tl.dot kernels

@@ -40,6 +40,7 @@ from moerun.kernels.tile_configs import Config
 
 V2_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
+PartTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down: [E, 4] int64 array addresses
 
 
 def v2_supported(gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> bool:
@@ -48,6 +49,15 @@ def v2_supported(gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> bo
 
 
 # --------------------------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def part_base(table_ptr, expert, a: tl.constexpr, like):
+    """Array ``a`` (0 codes, 1 high, 2 sub, 3 scale) of expert ``expert`` (a scalar or a tensor of experts) from
+    an int64 address table [E, 4], as pointers of ``like``'s element type: ``like`` plus an element offset, so
+    that the address may lie in any allocation (a device slot or pinned host memory, read over PCIe)."""
+    offset = tl.load(table_ptr + expert * 4 + a) - like.to(tl.int64)  # bytes
+    return like + offset // (like.dtype.element_ty.primitive_bitwidth // 8)
 
 
 @triton.jit
@@ -282,6 +292,7 @@ def _gemm1_v2_kernel(
     sums_ptr,  # [T*k, I_pad / 16] float32
     gc, gh, gs, gd,  # gate arrays (codes / high as int32 words)
     uc, uh, us, ud,  # up arrays
+    gt, ut,  # INDIRECT: [E, 4] int64 addresses of each expert's gate / up arrays (else dummies)
     top_k,
     H,
     I,  # noqa: E741
@@ -307,6 +318,7 @@ def _gemm1_v2_kernel(
     LOG_BG: tl.constexpr,
     EVEN_K: tl.constexpr,
     XP: tl.constexpr,  # read x from xp / xs
+    INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
 ):  # fmt: skip
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -315,8 +327,16 @@ def _gemm1_v2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs_n < I
     n = tl.where(ok, offs_n, 0).to(tl.int64)
-    rows_g = expert * G_ROWS + G_OFF + n  # [BLOCK_N]
-    rows_u = expert * U_ROWS + U_OFF + n
+    if INDIRECT:
+        gc, gh, gs, gd = part_base(gt, expert, 0, gc), part_base(gt, expert, 1, gh), part_base(gt, expert, 2, gs), \
+            part_base(gt, expert, 3, gd)
+        uc, uh, us, ud = part_base(ut, expert, 0, uc), part_base(ut, expert, 1, uh), part_base(ut, expert, 2, us), \
+            part_base(ut, expert, 3, ud)
+        rows_g = G_OFF + n  # [BLOCK_N]
+        rows_u = U_OFF + n
+    else:
+        rows_g = expert * G_ROWS + G_OFF + n  # [BLOCK_N]
+        rows_u = expert * U_ROWS + U_OFF + n
     x_row = x_ptr + token * stride_xt
     xp_row = xp_ptr + token * stride_pt
     xs_row = xs_ptr + token * stride_pst
@@ -373,6 +393,7 @@ def _gemm2_v2_kernel(
     topk_w_ptr,  # [T*k]
     out_ptr,  # [T, H] in the output dtype
     wc, wh, ws, wd,  # down arrays (codes / high as int32 words)
+    wt,  # INDIRECT: [E, 4] int64 addresses of each expert's down arrays (else a dummy)
     top_k,
     H,
     KQ,  # pairs per row (padded I / 64)
@@ -388,6 +409,7 @@ def _gemm2_v2_kernel(
     FULL: tl.constexpr,
     REM: tl.constexpr,
     LOG_BG: tl.constexpr,
+    INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -397,7 +419,14 @@ def _gemm2_v2_kernel(
     expert = tl.load(ids_ptr + slot, mask=ok, other=0).to(tl.int64)
     weight = tl.load(topk_w_ptr + slot, mask=ok, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, SLOTS]
+    if INDIRECT:  # each slot's arrays through the table, shaped to broadcast against [rows, slots, groups, words]
+        wc = part_base(wt, expert, 0, wc)[None, :, None, None]
+        wh = part_base(wt, expert, 1, wh)[None, :, None, None]
+        ws = part_base(wt, expert, 2, ws)[None, :, None]
+        wd = part_base(wt, expert, 3, wd)[None, :, None]
+        rows = tl.where(offs_n < H, offs_n, 0).to(tl.int64)[:, None] + tl.zeros([1, SLOTS], dtype=tl.int64)
+    else:
+        rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, SLOTS]
     acc = tl.zeros([BLOCK_N, SLOTS], dtype=tl.float32)
     for c in tl.static_range(FULL):
         acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G, BLOCK_G, KQ,
@@ -538,8 +567,11 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
 
 
 def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
-                      ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """The gemv_v2 path: x [T, H], routing [T, k] (ids int32, contiguous) -> [T, H] in out_dtype."""
+                      ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype,
+                      tables: PartTables | None = None) -> torch.Tensor:  # fmt: skip
+    """The gemv_v2 path: x [T, H], routing [T, k] (ids int32, contiguous) -> [T, H] in out_dtype. With ``tables``
+    (gate, up, down [E, 4] int64 addresses, see fused_moe_quant) the experts are found through them and the
+    PackedWeights only give types, shapes and pointer types."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
     I, i_pad = w2.k, w2.k_pad  # noqa: E741
@@ -556,19 +588,22 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     groups1 = gw.k_pad // _group_elems(gw.qtype)
     xp, xs = prepare_x(x, gw.qtype, gw.k_pad) if cfg.get("x_prep") else (x, x)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
-        x, xp, xs, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq,
+        x, xp, xs, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), *(tables[:2] if tables else (ids, ids)), k, H,
+        I, gw.n, g_off, uw.n, u_off, gw.kq,
         i_words, gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), inter.stride(0),
         sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype), BLOCK_N=bn1,
         EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype), XP=xp is not x,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
     groups2 = i_pad // _group_elems(w2.qtype)
     _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
-        inter, sums, flat_ids, weights.reshape(-1), out, *_arrays(w2), k, H, w2.kq, i_words, inter.stride(0),
+        inter, sums, flat_ids, weights.reshape(-1), out, *_arrays(w2), tables[2] if tables else ids, k, H, w2.kq,
+        i_words, inter.stride(0),
         sums.stride(0), out.stride(0), QT=int(w2.qtype), WPG=_words_per_group(w2.qtype),
         SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
-        **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+        **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps2"],
+        num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return out

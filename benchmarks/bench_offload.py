@@ -419,7 +419,7 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
 
 def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, tokenizer, pinned_bps: float,
              fp: Footprint, free: int, max_seqs: int, chunk: int) -> list[dict[str, Any]]:
-    """Q4_K_M-shaped experts (copied as blocks) at llama.cpp's --n-cpu-moe 24 / 48 device memory."""
+    """Q4_K_M-shaped experts at llama.cpp's --n-cpu-moe 24 / 48 device memory, in each of --gguf-modes."""
     specs = expert_specs(mc, "Q4_K_M")
     qfp = Footprint(fp.non_expert_bytes, tuple(sum(s.nbytes for s in layer) for layer in specs), mc.num_experts,
                     mc.num_experts_per_tok)
@@ -434,7 +434,7 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
         budget = (fp.non_expert_bytes + kv + ws + sum(qfp.expert_bytes[:gpu_layers]) * mc.num_experts) / GiB
-        cfg = OffloadConfig(policy="lru", prefetch=True, mode="copy")
+        cfg = OffloadConfig(policy="lru", prefetch=True)
         try:
             pl = plan_placement(qfp, mc, dtype, args.max_model_len, max_seqs, chunk, free, budget, None,
                                 replace(cfg, force=True))
@@ -444,7 +444,10 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
             note = f" (+{qfp.pool_bytes(slots) / GiB:.2f} GiB cache)"
         base = {"variant": f"Q4_K_M n-cpu-moe {n_cpu}{note}", "budget_gib": budget,
                 "cache_gib": qfp.pool_bytes(slots) / GiB}
-        rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
+        for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
+            rows += run_rows(model, store, slots, kv_bytes, replace(cfg, mode=mode), "random", tokenizer, args, base,
+                             pinned_bps)
+        cfg = replace(cfg, mode="copy")
         if n_cpu == n_moe // 2 and not args.quick:
             one = argparse.Namespace(**{**vars(args), "batch_sizes": "1"})
             rows += run_rows(model, store, slots, kv_bytes, replace(cfg, cpu_compute="auto"), "random", tokenizer,

@@ -56,8 +56,8 @@ for stage in $stages; do
         run kernels 420 python3 benchmarks/bench_quant_moe.py --types Q4_K Q6_K Q8_0 --m 1 4 64 1024 4096 \
             --out "$out/bench_quant" ;;
     offload)
-        run offload 560 python3 benchmarks/bench_offload.py --modes zero_copy,copy --vs transformers \
-            --hf-budgets 8 --out "$out/bench_offload"
+        run offload 560 python3 benchmarks/bench_offload.py --modes zero_copy,copy --gguf-modes copy,zero_copy \
+            --vs transformers --hf-budgets 8 --out "$out/bench_offload"
         run offload 120 python3 benchmarks/bench_offload_host.py ;;
     pdl)
         for quant in "" "--quant Q4_K_M"; do

@@ -161,6 +161,28 @@ def test_table_accounting(policy, k, slots, admit, seed, zipf, steps):
         assert s["admissions"] == 0
 
 
+# ---- quantized experts (the fused quantized kernels through address tables; Triton's interpreter on CPU) ----
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is off "
+                                                 "where CUDA is (tests/offload/conftest.py)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_quantized_experts_read_in_place(gguf_model, device):
+    opts = dict(OPTS, device=device, moe_backend="triton")
+    few = prompts(2)[:2]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(gguf_model), **opts).generate(few, params)]
+    llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
+              offload=OffloadConfig(mode="zero_copy", admit_bytes_per_step=CHURN))
+    manager = llm.model.expert_offload
+    assert isinstance(manager, ZeroCopyOffload) and manager.packed
+    assert manager.table.shape[1:] == (2, 8, 4)  # gate|up and down parts, 8 experts, 4 arrays each
+    assert [o.token_ids for o in llm.generate(few, params)] == expected
+    s = llm.stats()
+    assert s["mode"] == "zero_copy" and s["misses_host"] == s["misses"] > 0 and s["admissions"] > 0
+    assert s["hits"] + s["misses"] == s["lookups"] > 0
+    manager.check()
+
+
 # ---- options, errors, CLI ----
 def test_mode_resolution_and_errors(gguf_model):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -177,8 +199,9 @@ def test_mode_resolution_and_errors(gguf_model):
         OffloadConfig(mode="zero_copy", pin="staged")
     with pytest.raises(ValueError, match="admit_bytes_per_step must be >= 0"):
         OffloadConfig(admit_bytes_per_step=-1)
-    with pytest.raises(ValueError, match="needs dense"):
-        LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), offload_mode="zero_copy", **OPTS)
+    with pytest.raises(ValueError, match="needs the Triton backend"):  # quantized experts: the fused kernels
+        LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), offload_mode="zero_copy", **OPTS,
+            moe_backend="torch")
 
 
 def test_llm_kwarg_and_cli_flag(hf_model, capsys):

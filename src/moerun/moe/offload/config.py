@@ -88,9 +88,8 @@ class OffloadConfig:
 
 
 def resolve_mode(config: OffloadConfig, device: torch.device, dense: bool) -> str:
-    """'copy' or 'zero_copy' for experts on ``device`` (dense: every expert part is a float tensor)."""
-    if config.mode == "zero_copy" and not dense:
-        raise ValueError("offload mode 'zero_copy' needs dense (float) experts; quantized experts use mode='copy'")
+    """'copy' or 'zero_copy' for experts on ``device`` (dense: every expert part is a float tensor); 'auto' takes
+    zero_copy for dense experts only."""
     if config.mode != "auto":
         return config.mode
     zero_copy = device.type == "cuda" and dense and config.cpu_compute == "off" and config.pin != "staged"

@@ -9,9 +9,10 @@ into their slots. On CUDA the copies and the repack run on the copy stream, in i
 serves every layer whose parts have its layout. A pass then runs the fused quantized kernels on slot ids, as for
 dense slots.
 
-With a pinned host store on CUDA the pool first keeps a repacked copy of every expert in pinned host memory
-(``host_packed``, made layer by layer on the device at start-up): an admission is then plain copies of the
-expert's packed arrays into its slot (``packed_copy``), with no staging and no repack on the host's path.
+With a pinned host store on CUDA (or ``host_copy``: zero-copy offloading reads the host copy in place) the pool
+first keeps a repacked copy of every expert in host memory, pinned on CUDA (``host_packed``, made layer by layer
+on the device at start-up): an admission is then plain copies of the expert's packed arrays into its slot
+(``packed_copy``), with no staging and no repack on the host's path.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PackedSlotPool:
     quantized = True
 
     def __init__(self, specs: list[list[PartSpec]], slots_per_layer: int, device: torch.device,
-                 store: HostExpertStore | None = None) -> None:
+                 store: HostExpertStore | None = None, host_copy: bool = False) -> None:
         self.specs, self.slots_per_layer, self.device = specs, slots_per_layer, device
         self.null_slot = slots_per_layer
         self.staging_rows = max(1, min(STAGING_ROWS, slots_per_layer))
@@ -48,8 +49,8 @@ class PackedSlotPool:
             zero13, zero2 = self._repack_staging(layer, 1)  # a zero expert: decodes to zeros
             self.packed.append((_repeat(zero13, slots_per_layer + 1), _repeat(zero2, slots_per_layer + 1)))
         self.host_packed: list[tuple[list[PackedWeight], list[PackedWeight]]] | None = None
-        if store is not None and store.pinned and device.type == "cuda":
-            self.host_packed = [_pinned_packed(store, layer, device) for layer in range(len(specs))]
+        if store is not None and (host_copy or (store.pinned and device.type == "cuda")):
+            self.host_packed = [_host_packed(store, layer, device) for layer in range(len(specs))]
 
     @staticmethod
     def applies(specs: list[list[PartSpec]]) -> bool:
@@ -116,15 +117,17 @@ class PackedSlotPool:
         return packed_parts(w13), packed_parts(w2)
 
 
-def _pinned_packed(store: HostExpertStore, layer: int,
-                   device: torch.device) -> tuple[list[PackedWeight], list[PackedWeight]]:
-    """Every expert of one layer repacked (on ``device``) into pinned host arrays: (w13 parts, w2 parts) [E, N, K]."""
+def _host_packed(store: HostExpertStore, layer: int,
+                 device: torch.device) -> tuple[list[PackedWeight], list[PackedWeight]]:
+    """Every expert of one layer repacked (on ``device``) into host arrays, pinned on CUDA: (w13 parts, w2 parts)
+    [E, N, K]."""
     w13, w2 = weights_from_parts([t.to(device, non_blocking=True) for t in store.parts[layer]], store.specs[layer])
+    pin = device.type == "cuda"
     out = []
     for parts in (packed_parts(w13), packed_parts(w2)):
         pinned = []
         for p in parts:
-            arrays = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+            arrays = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
                       for t in p.tensors()]
             pinned.append(PackedWeight(p.qtype, p.shape, p.k_pad, *arrays))
         out.append(pinned)

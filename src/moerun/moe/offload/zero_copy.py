@@ -6,6 +6,11 @@ store, which the fused kernels read in place over PCIe (zero-copy; kernels/fused
 route -> table-based fused MoE, plus a count of the (token, slot) pairs each expert received, accumulated on the
 device in ``counts`` [L, E] and copied (non-blocking, inside the step) to a pinned host buffer after the last layer.
 
+Quantized experts (mode='zero_copy' asked for by name; 'auto' keeps them in copy mode) work the same way over their
+repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the tables hold one [E, 4]
+row of array addresses (codes, high, sub, scale) per packed part, and the fused quantized kernels read through them
+(kernels/quant/fused_moe_quant.py, ``tables=``; the Triton backend, the interpreter on CPU).
+
 The cache changes only between steps (``between_steps``, called by the runner before each forward pass):
 1. the routing counts of the steps finished since the last call give the statistics (hits = routed experts whose
    entry points at a slot; misses = read from host) and feed the eviction policy; when the last step has not
@@ -30,11 +35,14 @@ from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.pointers import ExpertPointers, address_alignment
+from moerun.kernels.quant.fused_moe_quant import expert_addresses, fused_moe_quant
+from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.residency import Plan, Residency
 from moerun.moe.offload.stats import OffloadStats
 from moerun.moe.offload.store import HostExpertStore, _unregister_all, pinned_empty
 from moerun.moe.offload.transfer import Copier
+from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
 
 
@@ -65,26 +73,30 @@ class ZeroCopyOffload(OffloadManagerBase):
             raise ValueError(f"slots_per_layer must be in [0, {E}], got {S}")
         if device.type == "cuda" and not store.pinned:
             raise ValueError("zero-copy offloading reads experts from pinned host memory, but the store is not pinned")
-        parts = [_dense_parts(store, layer) for layer in range(L)]
+        self.packed = any(spec.qtype is not None for layer in store.specs for spec in layer)
         self.store, self.config, self.device, self.backend, self.kv_bytes = store, config, device, backend, kv_bytes
         self.num_layers, self.num_experts, self.slots_per_layer, self.top_k = L, E, S, top_k
-        self.dtype = parts[0][0].dtype
         self.expert_bytes = [store.expert_bytes(layer) for layer in range(L)]  # one expert, all parts, per layer
         self.stats = OffloadStats()
         self.policy = make_policy(config.policy, L, E)
         self.slots = Residency(L, E, S)  # host view: which expert is in which slot, ready or loading
-        self.pool = SlotPool(store.specs, S, device) if S > 0 else None
         self.copier = Copier(device)
-        # addresses [L, E] of each expert's host rows and [L, S] of each slot's device rows
-        self.host_w13 = np.array([[w13[e].data_ptr() for e in range(E)] for w13, _ in parts], dtype=np.int64)
-        self.host_w2 = np.array([[w2[e].data_ptr() for e in range(E)] for _, w2 in parts], dtype=np.int64)
-        pool = self.pool.parts if self.pool is not None else [[None, None]] * L
-        self.slot_w13 = np.array([[p13[s].data_ptr() for s in range(S)] for p13, _ in pool], dtype=np.int64)
-        self.slot_w2 = np.array([[p2[s].data_ptr() for s in range(S)] for _, p2 in pool], dtype=np.int64)
-        self.slot_w13, self.slot_w2 = self.slot_w13.reshape(L, S), self.slot_w2.reshape(L, S)
-        self.w13_table = torch.from_numpy(self.host_w13.copy()).to(device)  # [L, E] int64
-        self.w2_table = torch.from_numpy(self.host_w2.copy()).to(device)  # [L, E] int64
-        self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
+        if self.packed:
+            self.pool, host, slot = self._packed_arrays(store, S, device, backend)
+        else:
+            parts = [_dense_parts(store, layer) for layer in range(L)]
+            self.dtype = parts[0][0].dtype
+            self.pool = SlotPool(store.specs, S, device) if S > 0 else None
+            host = np.array([[[[t[e].data_ptr()] for e in range(E)] for t in layer] for layer in parts])
+            pool = self.pool.parts if self.pool is not None else [[None, None]] * L
+            slot = np.array([[[[t[s].data_ptr()] for s in range(S)] for t in layer] for layer in pool])
+        # addresses [L, P, E, W] of each expert's host arrays and [L, P, S, W] of each slot's device arrays: P parts
+        # (dense: w13, w2; packed: each w13 part and w2), W arrays each (dense: 1; packed: codes, high, sub, scale)
+        self.host_addr = host.astype(np.int64).reshape(L, -1, E, host.shape[-1])
+        self.slot_addr = slot.astype(np.int64).reshape(L, self.host_addr.shape[1], S, self.host_addr.shape[-1])
+        self.table = torch.from_numpy(self.host_addr.copy()).to(device)  # [L, P, E, W] int64
+        if not self.packed:
+            self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
         self.counts = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] pairs routed, cumulative
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
@@ -105,7 +117,25 @@ class ZeroCopyOffload(OffloadManagerBase):
         regions = tuple(t for t in (*pool, w13, w2) if t is not None)
         align = address_alignment(*(t.data_ptr() for t in regions), w13[0].numel() * w13.element_size(),
                                   w2[0].numel() * w2.element_size())
-        return ExpertPointers(self.w13_table[layer], self.w2_table[layer], H, I, self.dtype, align, regions)
+        return ExpertPointers(self.table[layer, 0, :, 0], self.table[layer, 1, :, 0], H, I, self.dtype, align,
+                              regions)
+
+    @staticmethod
+    def _packed_arrays(store: HostExpertStore, S: int, device: torch.device,
+                       backend: str | None) -> tuple[PackedSlotPool, np.ndarray, np.ndarray]:
+        """The packed pool (with its host copy) and the array addresses [L, P, E, 4] / [L, P, S, 4] of quantized
+        experts."""
+        if pick_backend(backend, device, "MoE") != "triton" or not PackedSlotPool.applies(store.specs):
+            raise ValueError("zero-copy offloading of quantized experts runs the fused quantized kernels: it needs "
+                             "the Triton backend and expert types they read (else use mode='copy')")
+        pool = PackedSlotPool(store.specs, S, device, store, host_copy=True)
+        host, slot = [], []
+        for layer in range(store.num_layers):
+            parts = [*pool.host_packed[layer][0], *pool.host_packed[layer][1]]
+            slots = [*pool.packed[layer][0], *pool.packed[layer][1]]
+            host.append([expert_addresses(p).numpy() for p in parts])  # [P, E, 4]
+            slot.append([expert_addresses(p).numpy()[:S] for p in slots])  # [P, S, 4]
+        return pool, np.array(host), np.array(slot)
 
     def _fill(self) -> None:
         """Experts 0 .. S-1 of every layer start resident (copied now, before any step or graph capture)."""
@@ -113,7 +143,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         layers, slots = np.repeat(np.arange(L), S), np.tile(np.arange(S), L)
         self.slots.admit(Plan(layers, slots, slots, np.full(L * S, -1)))
         for layer, e in zip(layers.tolist(), slots.tolist()):
-            for dst, src in zip(self.pool.slot_views(layer, e), self.store.expert_parts(layer, e)):
+            for dst, src in zip(*self._copy_views(layer, e, e)):
                 dst.copy_(src)
             self.policy.inserted(layer, e)
         self.slots.settle(layers, slots)
@@ -127,7 +157,12 @@ class ZeroCopyOffload(OffloadManagerBase):
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
         ids = topk_ids.reshape(-1).long()  # [T*k]
         self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
-        out = fused_moe_indirect(x, self.pointers[layer], topk_weights, topk_ids, backend=self.backend)
+        if self.packed:
+            w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
+            tables = ([self.table[layer, p] for p in range(len(w13))], self.table[layer, len(w13)])
+            out = fused_moe_quant(x, w13, w2[0], topk_weights, topk_ids, tables=tables)
+        else:
+            out = fused_moe_indirect(x, self.pointers[layer], topk_weights, topk_ids, backend=self.backend)
         if layer == self.num_layers - 1 and self.host_counts is not None:
             self.host_counts.copy_(self.counts, non_blocking=True)
         return out
@@ -230,20 +265,28 @@ class ZeroCopyOffload(OffloadManagerBase):
         stream's order."""
         if len(layers) == 0:
             return
-        ready = self.slots.ready[layers, experts]
+        ready = self.slots.ready[layers, experts]  # [n]
         slot = np.maximum(self.slots.slot_of[layers, experts], 0)
-        S = self.slots_per_layer
-        w13 = np.where(ready, self.slot_w13[layers, slot] if S else 0, self.host_w13[layers, experts])
-        w2 = np.where(ready, self.slot_w2[layers, slot] if S else 0, self.host_w2[layers, experts])
-        packed = to_device(np.stack([layers * self.num_experts + experts, w13, w2]), self.device)  # [3, n]
-        self.w13_table.view(-1).index_copy_(0, packed[0], packed[1])
-        self.w2_table.view(-1).index_copy_(0, packed[0], packed[2])
+        L, P, E, W = self.table.shape
+        host = self.host_addr[layers, :, experts]  # [n, P, W]
+        at = self.slot_addr[layers, :, slot] if self.slots_per_layer else host
+        values = np.where(ready[:, None, None], at, host)  # [n, P, W]
+        flat = ((layers[:, None, None] * P + np.arange(P)[None, :, None]) * E + experts[:, None, None]) * W \
+            + np.arange(W)[None, None, :]  # [n, P, W] indices into the flattened table
+        packed = to_device(np.stack([flat.reshape(-1), values.reshape(-1)]), self.device)  # [2, n P W]
+        self.table.view(-1).index_copy_(0, packed[0], packed[1])
+
+    def _copy_views(self, layer: int, expert: int, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(slot arrays, the expert's host arrays) that admitting ``expert`` into ``slot`` copies."""
+        if self.packed:
+            return self.pool.packed_copy(layer, slot, expert)
+        return self.pool.slot_views(layer, slot), self.store.expert_parts(layer, expert)
 
     def _copy(self, plan: Plan) -> None:
         """Copies the admitted experts into their slots on the copy stream, after everything queued so far."""
         self.copier.after_compute()
         for layer, e, slot in zip(plan.layers.tolist(), plan.experts.tolist(), plan.slots.tolist()):
-            self.copier.copy_expert(self.pool.slot_views(layer, slot), self.store.expert_parts(layer, e))
+            self.copier.copy_expert(*self._copy_views(layer, e, slot))
         self.pending.append((self.copier.record(), plan))
         nbytes = int(sum(self.expert_bytes[layer] for layer in plan.layers.tolist()))
         self.stats.copies += len(plan)
@@ -279,10 +322,12 @@ class ZeroCopyOffload(OffloadManagerBase):
         for _, plan in self.pending:
             loading[plan.layers, plan.experts] = True
         assert (loading == self.slots.loading).all(), "the experts loading are not those with copies in flight"
-        ready, slot = self.slots.ready, np.maximum(self.slots.slot_of, 0)
-        S = self.slots_per_layer
-        for table, host, slots in ((self.w13_table, self.host_w13, self.slot_w13),
-                                   (self.w2_table, self.host_w2, self.slot_w2)):
-            at_slot = np.take_along_axis(slots, slot, axis=1) if S else host
-            expected = np.where(ready, at_slot, host)  # [L, E]
-            assert (table.cpu().numpy() == expected).all(), "a table entry points at neither its slot nor its host copy"
+        ready, slot = self.slots.ready, np.maximum(self.slots.slot_of, 0)  # [L, E]
+        host = self.host_addr  # [L, P, E, W]
+        if self.slots_per_layer:
+            at_slot = np.take_along_axis(self.slot_addr, slot[:, None, :, None], axis=2)  # [L, P, E, W]
+        else:
+            at_slot = host
+        expected = np.where(ready[:, None, :, None], at_slot, host)
+        assert (self.table.cpu().numpy() == expected).all(), \
+            "a table entry points at neither its slot nor its host copy"

@@ -434,27 +434,35 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
         budget = (fp.non_expert_bytes + kv + ws + sum(qfp.expert_bytes[:gpu_layers]) * mc.num_experts) / GiB
-        cfg = OffloadConfig(policy="lru", prefetch=True)
-        try:
-            pl = plan_placement(qfp, mc, dtype, args.max_model_len, max_seqs, chunk, free, budget, None,
-                                replace(cfg, force=True))
-            slots, kv_bytes, note = pl.slots_per_layer, pl.kv_bytes, ""
-        except ValueError:  # no room for even top-k slots per layer: run the smallest cache, over the budget
-            slots, kv_bytes = mc.num_experts_per_tok, kv
-            note = f" (+{qfp.pool_bytes(slots) / GiB:.2f} GiB cache)"
-        base = {"variant": f"Q4_K_M n-cpu-moe {n_cpu}{note}", "budget_gib": budget,
-                "cache_gib": qfp.pool_bytes(slots) / GiB}
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
-            rows += run_rows(model, store, slots, kv_bytes, replace(cfg, mode=mode), "random", tokenizer, args, base,
-                             pinned_bps)
-        cfg = replace(cfg, mode="copy")
+            cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode)
+            slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
+            rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
         if n_cpu == n_moe // 2 and not args.quick:
+            cfg = OffloadConfig(policy="lru", prefetch=True, mode="copy", cpu_compute="auto")
+            slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
             one = argparse.Namespace(**{**vars(args), "batch_sizes": "1"})
-            rows += run_rows(model, store, slots, kv_bytes, replace(cfg, cpu_compute="auto"), "random", tokenizer,
-                             one, {**base, "variant": f"Q4_K_M n-cpu-moe {n_cpu} CPU auto"}, pinned_bps)
+            rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, one,
+                             {**base, "variant": f"Q4_K_M n-cpu-moe {n_cpu} CPU auto"}, pinned_bps)
     del model, store
     gc.collect()
     return rows
+
+
+def gguf_placement(qfp: Footprint, mc: ModelConfig, args: argparse.Namespace, max_seqs: int, chunk: int, free: int,
+                   budget: float, kv: int, cfg: OffloadConfig, n_cpu: int) -> tuple[int, int, dict[str, Any]]:
+    """(slots per layer, KV bytes, row labels) of the Q4_K_M experts within ``budget`` GiB in cfg's mode; zero-copy
+    may run with fewer than top-k slots a layer (even none), since it reads misses in place."""
+    try:
+        pl = plan_placement(qfp, mc, mc.dtype, args.max_model_len, max_seqs, chunk, free, budget, None,
+                            replace(cfg, force=True))
+        slots, kv_bytes, note = pl.slots_per_layer, pl.kv_bytes, ""
+    except ValueError:  # no room for even top-k slots per layer: run the smallest cache, over the budget
+        slots, kv_bytes = mc.num_experts_per_tok, kv
+        note = f" (+{qfp.pool_bytes(slots) / GiB:.2f} GiB cache)"
+    base = {"variant": f"Q4_K_M n-cpu-moe {n_cpu}{note}", "budget_gib": budget,
+            "cache_gib": qfp.pool_bytes(slots) / GiB}
+    return slots, kv_bytes, base
 
 
 if __name__ == "__main__":

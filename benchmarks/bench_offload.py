@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer steps and no variant rows (about half the time)")
     p.add_argument("--no-gguf", action="store_true", help="skip the Q4_K_M-shaped variant")
     p.add_argument("--only-gguf", action="store_true", help="run only the Q4_K_M-shaped rows (no bf16 model)")
+    p.add_argument("--gguf-modes", default="copy", help="offload modes of the Q4_K_M rows, in order (copy,zero_copy)")
     p.add_argument("--vs", choices=["transformers"], help="also time transformers + accelerate offloading")
     p.add_argument("--hf-tokens", type=int, default=3, help="decode tokens timed for transformers")
     p.add_argument("--hf-budgets", help="budgets for transformers (default: all --budgets)")

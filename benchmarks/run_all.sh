@@ -13,6 +13,7 @@
 #   offload    bench_offload.py, both modes, with transformers + accelerate at 8 GiB; the host part of copy mode
 #   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
 #   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
+#   gguf-offload  the quantized-offload GPU tests, then the Q4_K_M rows alone in copy and zero-copy mode
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
@@ -75,6 +76,11 @@ for stage in $stages; do
             --m 1 2 4 8 --out "$out/quant_tune"
         run quant 240 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M --prefill-lens 2048 \
             --batch-sizes 1 --max-model-len 4096 --steps 32 --profile --out "$out/bench_q4km" ;;
+    gguf-offload)
+        run gguf-offload 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_moe_indirect.py \
+            tests/offload/test_zero_copy.py tests/offload/test_offload_generation.py tests/offload/test_packed_pool.py
+        run gguf-offload 300 python3 benchmarks/bench_offload.py --only-gguf --gguf-modes copy,zero_copy --steps 16 \
+            --out "$out/bench_offload_gguf" ;;
     *)
         echo "unknown stage $stage" >&2 ;;
     esac

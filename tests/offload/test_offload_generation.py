@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_common import GREEDY, prompts
+from offload_common import GREEDY, SHORT, TRITON_DEVICES, prompts, triton_run
 from moerun import LLM, SamplingParams
 from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.planner import footprint_of_config, footprint_of_gguf
@@ -115,23 +115,17 @@ def test_gguf_experts_offloaded_as_blocks(gguf_model, gguf_reference, policy, pr
         assert stats["bytes_copied"] == stats["bytes_copied_miss"] + stats["bytes_copied_prefetch"] > 0
 
 
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is off "
-                                                 "where CUDA is (tests/offload/conftest.py)")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device):
     # the fused quantized kernels (Triton's interpreter on the CPU) run on slot ids over the repacked slot pool
     from moerun.moe.offload.packed_pool import PackedSlotPool
 
-    opts = dict(OPTS, device=device, moe_backend="triton")
-    few = prompts(2)[:2]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(str(gguf_model), **opts).generate(few, params)]
+    opts, few, expected = triton_run(LLM, gguf_model, device, OPTS)
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
               offload=OffloadConfig(policy="lru", prefetch=True))
     manager = llm.model.expert_offload
     assert isinstance(manager.pool, PackedSlotPool) and not manager.compact
-    assert [o.token_ids for o in llm.generate(few, params)] == expected
+    assert [o.token_ids for o in llm.generate(few, SHORT)] == expected
     assert llm.stats()["misses_copied"] > 0
     for layer in range(manager.num_layers):  # every slot holds its expert's repacked blocks, the null slot zeros
         for part, ours in zip(manager.store.weights(layer), manager.pool.weights(layer)):

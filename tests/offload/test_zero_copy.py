@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload_common import GREEDY, prompts
+from offload_common import GREEDY, SHORT, TRITON_DEVICES, prompts, triton_run
 from moerun import LLM
 from moerun.cli import main
 from moerun.moe.offload import OffloadConfig
@@ -162,21 +162,15 @@ def test_table_accounting(policy, k, slots, admit, seed, zipf, steps):
 
 
 # ---- quantized experts (the fused quantized kernels through address tables; Triton's interpreter on CPU) ----
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is off "
-                                                 "where CUDA is (tests/offload/conftest.py)")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_quantized_experts_read_in_place(gguf_model, device):
-    opts = dict(OPTS, device=device, moe_backend="triton")
-    few = prompts(2)[:2]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(str(gguf_model), **opts).generate(few, params)]
+    opts, few, expected = triton_run(LLM, gguf_model, device, OPTS)
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
               offload=OffloadConfig(mode="zero_copy", admit_bytes_per_step=CHURN))
     manager = llm.model.expert_offload
     assert isinstance(manager, ZeroCopyOffload) and manager.packed
     assert manager.table.shape[1:] == (2, 8, 4)  # gate|up and down parts, 8 experts, 4 arrays each
-    assert [o.token_ids for o in llm.generate(few, params)] == expected
+    assert [o.token_ids for o in llm.generate(few, SHORT)] == expected
     s = llm.stats()
     assert s["mode"] == "zero_copy" and s["misses_host"] == s["misses"] > 0 and s["admissions"] > 0
     assert s["hits"] + s["misses"] == s["lookups"] > 0

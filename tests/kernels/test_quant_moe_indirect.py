@@ -9,8 +9,8 @@ import torch
 pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantType  # noqa: E402
-from moerun.kernels.quant.fused_moe_quant import expert_addresses, fused_moe_quant  # noqa: E402
-from moerun.kernels.quant.repack import PackedWeight  # noqa: E402
+from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
+from moerun.kernels.quant.repack import PackedWeight, expert_addresses  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
 from moerun.ops.moe_reference import route_reference  # noqa: E402

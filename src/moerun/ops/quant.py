@@ -89,14 +89,18 @@ def fused_moe_quantized(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out_dtype: torch.dtype | None = None,
+    tables: tuple[list[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton path of ops.fused_moe for quantized experts: the fused dequantising kernels when every part has
-    one (else dequantise the layer and run the dense kernels). -> [T, H] in out_dtype (default hidden's)."""
+    one (else dequantise the layer and run the dense kernels). -> [T, H] in out_dtype (default hidden's).
+    ``tables``: each expert's arrays found through address tables (fused_moe_quant's ``tables``)."""
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if fused_kernels_apply(p13, p2):
-        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype)
+        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype, tables=tables)
+    if tables is not None:
+        raise ValueError("experts through address tables need the fused quantized kernels")
     if isinstance(w13, list) or isinstance(w2, list):
         raise ValueError("repacked expert parts without a fused quantized kernel: "
                          f"{[p.qtype.name for p in p13]} / {[p.qtype.name for p in p2]}")

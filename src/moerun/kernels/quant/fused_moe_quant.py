@@ -439,14 +439,6 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
     return _finish(acc, T, k, H, atomic, out_dtype)
 
 
-def expert_addresses(p: PackedWeight) -> torch.Tensor:
-    """[E, 4] int64 addresses of each expert's arrays (codes, high, sub, scale; an absent array gives the codes'
-    address, never read) of a stacked PackedWeight [E, N, K]: the rows of an address table for fused_moe_quant."""
-    codes = p.codes
-    rows = [[(codes if t is None else t)[e].data_ptr() for t in p.tensors()] for e in range(codes.shape[0])]
-    return torch.tensor(rows, dtype=torch.int64)
-
-
 def fused_moe_quant(
     hidden: torch.Tensor,
     w13: Sequence[PackedWeight] | PackedWeight,

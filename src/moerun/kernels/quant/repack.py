@@ -153,6 +153,15 @@ class PackedWeight:
         return f"PackedWeight({self.qtype.name}, shape={self.shape}, k_pad={self.k_pad}, device={self.device})"
 
 
+def expert_addresses(p: PackedWeight) -> torch.Tensor:
+    """[E, 4] int64 addresses of each expert's arrays (codes, high, sub, scale; an absent array gives the codes'
+    address, never read) of a stacked PackedWeight [E, N, K]: the rows of an address table for the fused quantized
+    kernels (fused_moe_quant.py)."""
+    codes = p.codes
+    rows = [[(codes if t is None else t)[e].data_ptr() for t in p.tensors()] for e in range(codes.shape[0])]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def cat_rows(parts: Sequence[PackedWeight]) -> PackedWeight:
     """Parts of one type and K stacked along N (q|k|v, gate|up) into one PackedWeight."""
     first = parts[0]

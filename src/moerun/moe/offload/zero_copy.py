@@ -35,7 +35,7 @@ from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.pointers import ExpertPointers, address_alignment
-from moerun.kernels.quant.fused_moe_quant import expert_addresses, fused_moe_quant
+from moerun.kernels.quant.repack import expert_addresses
 from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.residency import Plan, Residency
@@ -44,6 +44,7 @@ from moerun.moe.offload.store import HostExpertStore, _unregister_all, pinned_em
 from moerun.moe.offload.transfer import Copier
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
+from moerun.ops.quant import fused_moe_quantized
 
 
 def _dense_parts(store: HostExpertStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +161,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
             tables = ([self.table[layer, p] for p in range(len(w13))], self.table[layer, len(w13)])
-            out = fused_moe_quant(x, w13, w2[0], topk_weights, topk_ids, tables=tables)
+            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=tables)
         else:
             out = fused_moe_indirect(x, self.pointers[layer], topk_weights, topk_ids, backend=self.backend)
         if layer == self.num_layers - 1 and self.host_counts is not None:

@@ -61,3 +61,20 @@ def test_errors_exit_2_with_a_message(tiny_checkpoint, tmp_path, capsys):
     assert "temperature must be >= 0" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_runs_without_triton(demo_cache, tmp_path):
+    # Triton is a test extra: the base install (`pip install -e .`) must generate without it, on every CLI path
+    # that imports the offloading and quantized modules.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"  # any `import triton` now fails
+            "from moerun.cli import main\n"
+            "import moerun.moe.offload, moerun.moe.offload.zero_copy, moerun.engine.layer_graphs\n"
+            "sys.exit(main(['generate', '--prompt', 'Hello', '--max-tokens', '3', '--temperature', '0']))\n")
+    env = {**os.environ, "MOERUN_CACHE": str(demo_cache)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -26,7 +26,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid
 from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, supported
-from moerun.kernels.quant.gemv_v2 import PartTables, fused_moe_gemv_v2, part_base, v2_supported
+from moerun.kernels.quant.gemv_v2 import PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
@@ -218,10 +218,8 @@ def _gemm1_tile_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n = (offs_n % I).to(tl.int64)
     if INDIRECT:
-        gc, gh, gs, gd = part_base(gt, expert, 0, gc), part_base(gt, expert, 1, gh), part_base(gt, expert, 2, gs), \
-            part_base(gt, expert, 3, gd)
-        uc, uh, us, ud = part_base(ut, expert, 0, uc), part_base(ut, expert, 1, uh), part_base(ut, expert, 2, us), \
-            part_base(ut, expert, 3, ud)
+        gc, gh, gs, gd = part_bases(gt, expert, gc, gh, gs, gd)
+        uc, uh, us, ud = part_bases(ut, expert, uc, uh, us, ud)
         rows_g = (G_OFF + n)[:, None]  # [BLOCK_N, 1]
         rows_u = (U_OFF + n)[:, None]
     else:
@@ -297,8 +295,7 @@ def _gemm2_tile_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if INDIRECT:
-        wc, wh, ws, wd = part_base(wt, expert, 0, wc), part_base(wt, expert, 1, wh), part_base(wt, expert, 2, ws), \
-            part_base(wt, expert, 3, wd)
+        wc, wh, ws, wd = part_bases(wt, expert, wc, wh, ws, wd)
         rows = (offs_n % H).to(tl.int64)[:, None]  # [BLOCK_N, 1]
     else:
         rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]

@@ -61,6 +61,13 @@ def part_base(table_ptr, expert, a: tl.constexpr, like):
 
 
 @triton.jit
+def part_bases(table_ptr, expert, codes, high, sub, scale):
+    """``part_base`` of all four arrays of one expert part: (codes, high, sub, scale) pointers."""
+    return (part_base(table_ptr, expert, 0, codes), part_base(table_ptr, expert, 1, high),
+            part_base(table_ptr, expert, 2, sub), part_base(table_ptr, expert, 3, scale))
+
+
+@triton.jit
 def _masked_dot(lo, hi, MASK_A: tl.constexpr, MASK_B: tl.constexpr, xa, xb, xc, xd):
     """Sum of four codes times x: the codes under MASK_A and MASK_B (each or'ed with 0x4B000000) of the words lo
     (bytes 0, 1) and hi (bytes 2, 3, shifted down), each word already or'ed with 0x4B000000; read as floats
@@ -328,10 +335,8 @@ def _gemm1_v2_kernel(
     ok = offs_n < I
     n = tl.where(ok, offs_n, 0).to(tl.int64)
     if INDIRECT:
-        gc, gh, gs, gd = part_base(gt, expert, 0, gc), part_base(gt, expert, 1, gh), part_base(gt, expert, 2, gs), \
-            part_base(gt, expert, 3, gd)
-        uc, uh, us, ud = part_base(ut, expert, 0, uc), part_base(ut, expert, 1, uh), part_base(ut, expert, 2, us), \
-            part_base(ut, expert, 3, ud)
+        gc, gh, gs, gd = part_bases(gt, expert, gc, gh, gs, gd)
+        uc, uh, us, ud = part_bases(ut, expert, uc, uh, us, ud)
         rows_g = G_OFF + n  # [BLOCK_N]
         rows_u = U_OFF + n
     else:
@@ -420,10 +425,8 @@ def _gemm2_v2_kernel(
     weight = tl.load(topk_w_ptr + slot, mask=ok, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if INDIRECT:  # each slot's arrays through the table, shaped to broadcast against [rows, slots, groups, words]
-        wc = part_base(wt, expert, 0, wc)[None, :, None, None]
-        wh = part_base(wt, expert, 1, wh)[None, :, None, None]
-        ws = part_base(wt, expert, 2, ws)[None, :, None]
-        wd = part_base(wt, expert, 3, wd)[None, :, None]
+        wc, wh, ws, wd = part_bases(wt, expert, wc, wh, ws, wd)  # [SLOTS] each
+        wc, wh, ws, wd = wc[None, :, None, None], wh[None, :, None, None], ws[None, :, None], wd[None, :, None]
         rows = tl.where(offs_n < H, offs_n, 0).to(tl.int64)[:, None] + tl.zeros([1, SLOTS], dtype=tl.int64)
     else:
         rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, SLOTS]

@@ -113,7 +113,7 @@ class LLM:
         offload = model.__dict__.get("expert_offload")
         if offload is not None:  # offloaded experts: whole-step graphs when the manager's forward is device work
             # only, else one graph per layer where the manager has a device part (engine/layer_graphs.py), else eager
-            if not offload.graphable and not getattr(offload, "layer_graphable", False):
+            if not offload.graphable and not offload.layer_graphable:
                 engine_config = dataclasses.replace(engine_config, cuda_graphs=False)
             mc, ec = self.model_config, engine_config
             slots = offload.kv_slots(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, ec.max_model_len,

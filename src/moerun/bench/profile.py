@@ -3,9 +3,9 @@ graph replay against the whole engine step)."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from typing import Callable
+import torch
 
 from moerun.api import LLM
 from moerun.engine.batch import ForwardBatch
@@ -93,7 +93,8 @@ def format_profile(p: dict, title: str = "batch-1 decode profile") -> str:
     lines = ["", title]
     if "graph_replay_ms" in p:
         lines.append(f"  graph replay (model + logits)       {p['graph_replay_ms']:.3f} ms")
-    lines.append(f"  eager {'step' if 'tokens' not in p else 'forward'}: {p['kernels_per_step']} kernels, {p['gpu_kernel_ms_per_step']:.3f} ms of GPU time")
+    what = "forward" if "tokens" in p else "step"
+    lines.append(f"  eager {what}: {p['kernels_per_step']} kernels, {p['gpu_kernel_ms_per_step']:.3f} ms of GPU time")
     for k in p["top_kernels"]:
         lines.append(f"  {100 * k['share']:5.1f}%  {k['ms']:.3f} ms  x{k['calls']:<4} {k['name']}")
     return "\n".join(lines)

@@ -83,7 +83,7 @@ class LayerGraphs:
                     graphs[-1].capture_end()
                     graphs.append(_begin_capture(pool))
 
-                before = set(self.manager.captured)
+                begun = len(self.manager.captured)
                 self.manager.split_capture = split
                 h = inner.embed_tokens(ids) if i == 0 else x  # [b, H]
                 out, residual = layer(h, residual, batch, self.cache)
@@ -91,9 +91,9 @@ class LayerGraphs:
                 nxt.copy_(out)
                 graphs[-1].capture_end()
                 self.manager.split_capture = None
-                began = [key for key in self.manager.captured if key not in before]
-                g.layers.append(graphs)
-                g.moe_layer.append(began[0][1] if began else None)
+                g.layers.append(graphs)  # a MoE layer adds its (bucket, layer) key, the newest of the dict
+                g.moe_layer.append(next(reversed(self.manager.captured))[1] if len(self.manager.captured) > begun
+                                   else None)
                 x = nxt
                 g.inputs.append(x)
             final = _begin_capture(pool)

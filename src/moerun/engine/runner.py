@@ -72,7 +72,7 @@ class ModelRunner:
             return
         offload = self.model.__dict__.get("expert_offload")
         if offload is not None and not offload.graphable:
-            if getattr(offload, "layer_graphable", False):
+            if offload.layer_graphable:
                 self.layer_graphs = LayerGraphs(self.model, self.cache, offload, self.buckets)
                 self.layer_graphs.capture()
             return

@@ -29,6 +29,9 @@ class OffloadManagerBase:
     """Engine hooks of a manager that has ``policy``, ``store``, ``device``, ``kv_bytes``, ``config``, ``mode``,
     ``slots_per_layer``, ``num_experts`` and ``num_layers``."""
 
+    graphable = False  # a forward pass is device work only: decode steps are captured whole
+    layer_graphable = False  # decode runs as CUDA graphs per layer with host work between (engine/layer_graphs.py)
+
     def new_request(self) -> None:
         """A request was added: the activation-aware policy starts a new activation matrix."""
         self.policy.new_request()

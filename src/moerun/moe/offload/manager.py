@@ -73,7 +73,7 @@ class _LayerStart:
 class ExpertOffload(OffloadManagerBase):
     """The cache (slot table + device pools), host store, copier, policy, lookahead and statistics."""
 
-    graphable = False  # the host reads every layer's routing: forward passes cannot be captured
+    graphable = False  # the host reads every layer's routing: forward passes cannot be captured whole
     mode = "copy"
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device, dtype: torch.dtype,
@@ -214,11 +214,8 @@ class ExpertOffload(OffloadManagerBase):
         if self.speculative and n_hits == len(experts):
             # every routed expert was cached: the speculative pass is the layer's output; nothing to copy, so
             # nothing of this layer needs pinning (prefetch never targets the layer in flight)
-            if start.has_proposal and self.prefetch_gate.open(st):
-                self._prefetch(layer, host[1].numpy(), host[2].numpy())
-            if graphed:
-                return None
-            return partials[0].to(x.dtype)
+            self._prefetch_next(start, host)
+            return None if graphed else partials[0].to(x.dtype)
         resident = experts[cached]
         cpu_experts, gpu_experts = self._split(layer, experts[~cached], counts[~cached])
         st.misses_cpu += len(cpu_experts)
@@ -241,8 +238,7 @@ class ExpertOffload(OffloadManagerBase):
                 partials.append(self._pass(layer, x, topk_weights, topk_ids, compute, fp32, everything))
         if len(rounds) > 1 and any(r for r, _, _ in rounds):
             st.chunked_layers += 1
-        if start.has_proposal and self.prefetch_gate.open(st):
-            self._prefetch(layer, host[1].numpy(), host[2].numpy())
+        self._prefetch_next(start, host)
         if cpu_experts:
             partials.append(self._cpu(layer, host[-2], host[-1], host[0].numpy(), cpu_experts))
         self.table.unpin(layer)
@@ -327,6 +323,11 @@ class ExpertOffload(OffloadManagerBase):
             else:
                 self.copier.compute_wait(event)
 
+    def _prefetch_next(self, start: "_LayerStart", host: list[torch.Tensor]) -> None:
+        """Prefetch for the layers after ``start``'s from its lookahead (host[1], host[2]), unless the gate is shut."""
+        if start.has_proposal and self.prefetch_gate.open(self.stats):
+            self._prefetch(start.layer, host[1].numpy(), host[2].numpy())
+
     def _prefetch(self, layer: int, ids: np.ndarray, conf: np.ndarray) -> None:
         """Copies the lookahead's candidates [D, P] for the layers after ``layer`` (best first, bounded by the
         target layer's unpinned slots; the layer in flight is never a target)."""
@@ -404,8 +405,7 @@ class ExpertOffload(OffloadManagerBase):
         self.stats.copy_stall_s = self.copier.stall_seconds()
         d = self.stats.as_dict()
         d.update(self.config_stats(), prefetch=self.lookahead is not None, prefetch_pauses=self.prefetch_gate.pauses,
-                 cpu_compute=self.config.cpu_compute,
-                 overlap=self.overlap)
+                 cpu_compute=self.config.cpu_compute, overlap=self.overlap)
         if self.cost is not None:
             d["cost_model"] = self.cost.as_dict()
         return d

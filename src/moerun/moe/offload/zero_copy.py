@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from moerun.device import to_device
+from moerun.kernels.quant.repack import expert_addresses
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
+from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.policies import make_policy
 from moerun.moe.offload.pointers import ExpertPointers, address_alignment
-from moerun.kernels.quant.repack import expert_addresses
-from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.residency import Plan, Residency
 from moerun.moe.offload.stats import OffloadStats
@@ -96,7 +96,11 @@ class ZeroCopyOffload(OffloadManagerBase):
         self.host_addr = host.astype(np.int64).reshape(L, -1, E, host.shape[-1])
         self.slot_addr = slot.astype(np.int64).reshape(L, self.host_addr.shape[1], S, self.host_addr.shape[-1])
         self.table = torch.from_numpy(self.host_addr.copy()).to(device)  # [L, P, E, W] int64
-        if not self.packed:
+        if self.packed:  # per layer: (one [E, 4] table per w13 part, one for w2), views of self.table
+            P = self.table.shape[1]
+            self.quant_tables = [([self.table[layer, p] for p in range(P - 1)], self.table[layer, P - 1])
+                                 for layer in range(L)]
+        else:
             self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
         self.counts = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] pairs routed, cumulative
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
@@ -160,8 +164,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
-            tables = ([self.table[layer, p] for p in range(len(w13))], self.table[layer, len(w13)])
-            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=tables)
+            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=self.quant_tables[layer])
         else:
             out = fused_moe_indirect(x, self.pointers[layer], topk_weights, topk_ids, backend=self.backend)
         if layer == self.num_layers - 1 and self.host_counts is not None:

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantizedTensor, QuantType  # noqa: E402
 from moerun.kernels.quant.decode import dequantize_triton  # noqa: E402
-from moerun.kernels.quant.repack import PACKED_TYPES, cat_rows, pack, padded_k  # noqa: E402
+from moerun.kernels.quant.repack import PACKED_TYPES, cat_rows, pack, packed_nbytes, padded_k  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.kernels.interpreter import interpreting  # noqa: E402
 
@@ -48,6 +48,15 @@ def test_packed_bytes_close_to_gguf(qt: QuantType) -> None:
     t = random_quantized(qt, (4, 8, 2048))
     pw = pack(t)
     assert t.nbytes <= pw.nbytes <= t.nbytes * 1.03
+
+
+@pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
+def test_packed_nbytes_predicts_the_packed_arrays(qt: QuantType) -> None:
+    # what the offload planner budgets for a slot, before anything is packed; rows of 288 pad to 512
+    k = 768 if qt.block_elems == 256 else 288
+    shape = (3, 5, k)
+    assert packed_nbytes(qt, shape) == pack(random_quantized(qt, shape)).nbytes
+    assert packed_nbytes(QuantType.BF16, shape) == 3 * 5 * k * 2
 
 
 def test_on_gpu_matches_cpu_packing() -> None:

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantType, row_nbytes  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
-from moerun.moe.offload.packed_pool import PackedSlotPool  # noqa: E402
+from moerun.moe.offload.packed_pool import PackedSlotPool, packed_part_bytes  # noqa: E402
 from moerun.moe.offload.store import PartSpec, weights_from_parts  # noqa: E402
 from moerun.ops.quant import packed_parts  # noqa: E402
 
@@ -69,6 +69,37 @@ def test_batch_limits() -> None:
         pool.repack_staged(0, [0, 1, 2, 0])
     with pytest.raises(IndexError, match="slot 3"):
         pool.repack_staged(0, [3])
+
+
+@pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
+def test_slot_bytes_as_the_planner_counts_them(down) -> None:
+    # the planner budgets each slot by packed_part_bytes; a slot of the pool holds exactly that
+    layer = specs(down)
+    pool = PackedSlotPool([layer], slots_per_layer=2, device=torch.device("cpu"))
+    held = sum(t[0].numel() * t.element_size() for parts in pool.weights(0) for p in parts for t in p.tensors()
+               if t is not None)
+    assert held == sum(packed_part_bytes(s) for s in layer)
+
+
+def test_host_copy_replaces_the_staging_area(seed) -> None:
+    from moerun.moe.offload.store import HostExpertStore
+
+    gen = torch.Generator().manual_seed(seed)
+    layers = [specs(QuantType.Q6_K), specs(QuantType.Q4_K)]
+    store = HostExpertStore([expert_blocks(layer, 4, gen) for layer in layers], layers)
+    pool = PackedSlotPool(layers, slots_per_layer=2, device=torch.device("cpu"), store=store, host_copy=True)
+    assert pool.host_packed is not None and not pool.staging
+    with pytest.raises(ValueError, match="no staging area"):
+        pool.staging_views(0, 0)
+    with pytest.raises(ValueError, match="no staging area"):
+        pool.repack_staged(0, [0])
+    for d, s in zip(*pool.packed_copy(1, 1, 3)):
+        d.copy_(s)
+    w13, w2 = weights_from_parts([part[3:4] for part in store.parts[1]], layers[1])
+    for ours, alone in zip(pool.weights(1)[0] + pool.weights(1)[1], packed_parts(w13) + packed_parts(w2)):
+        for d, s in zip(ours.tensors(), alone.tensors()):
+            if d is not None:
+                assert torch.equal(d[1], s[0]), f"seed={seed}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a pinned host store)")

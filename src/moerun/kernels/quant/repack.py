@@ -325,6 +325,17 @@ def _row_shapes(lay: Layout, k_pad: int) -> dict[str, tuple[tuple[int, ...], tor
     return shapes
 
 
+def packed_nbytes(qtype: QuantType, shape: Sequence[int]) -> int:
+    """Bytes of a weight [*lead, N, K] of this type once repacked by ``pack`` (a few percent above the GGUF blocks
+    for some types: rows padded to whole super-blocks, 32-bit sub-block scales); float types keep their size."""
+    if qtype in _DENSE_DTYPES:
+        return math.prod(shape) * _DENSE_DTYPES[qtype].itemsize
+    if qtype not in LAYOUTS:
+        raise ValueError(f"no repacked layout for {qtype.name}")
+    per_row = sum(math.prod(row) * dt.itemsize for row, dt in _row_shapes(LAYOUTS[qtype], padded_k(shape[-1])).values())
+    return math.prod(shape[:-1]) * per_row
+
+
 def pack(tensor: QuantizedTensor) -> PackedWeight:
     """Repack a GGUF tensor [*lead, N, K] on its own device (vectorised torch ops, rows in chunks)."""
     qt = tensor.qtype

@@ -9,18 +9,23 @@ into their slots. On CUDA the copies and the repack run on the copy stream, in i
 serves every layer whose parts have its layout. A pass then runs the fused quantized kernels on slot ids, as for
 dense slots.
 
-With a pinned host store on CUDA (or ``host_copy``: zero-copy offloading reads the host copy in place) the pool
-first keeps a repacked copy of every expert in host memory, pinned on CUDA (``host_packed``, made layer by layer
-on the device at start-up): an admission is then plain copies of the expert's packed arrays into its slot
-(``packed_copy``), with no staging and no repack on the host's path.
+With a pinned host store on CUDA whose repacked copy fits in host memory (or ``host_copy``: zero-copy offloading
+reads the host copy in place) the pool first keeps a repacked copy of every expert in host memory, page-locked in
+place on CUDA at its exact size (``host_packed``, made layer by layer on the device at start-up): an admission is
+then plain copies of the expert's packed arrays into its slot (``packed_copy``), with no staging and no repack on
+the host's path.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from moerun.kernels.quant.repack import PackedWeight
-from moerun.moe.offload.store import HostExpertStore, PartSpec, weights_from_parts
+from moerun.engine.memory import available_bytes
+from moerun.formats.quants import QuantType
+from moerun.kernels.quant.repack import PackedWeight, packed_nbytes
+from moerun.moe.offload.store import HostExpertStore, PartSpec, _unregister_all, pinned_empty, weights_from_parts
 from moerun.ops.quant import fused_kernels_apply, packed_parts
 
 
@@ -49,8 +54,13 @@ class PackedSlotPool:
             zero13, zero2 = self._repack_staging(layer, 1)  # a zero expert: decodes to zeros
             self.packed.append((_repeat(zero13, slots_per_layer + 1), _repeat(zero2, slots_per_layer + 1)))
         self.host_packed: list[tuple[list[PackedWeight], list[PackedWeight]]] | None = None
-        if store is not None and (host_copy or (store.pinned and device.type == "cuda")):
-            self.host_packed = [_host_packed(store, layer, device) for layer in range(len(specs))]
+        self._registered: list[int] = []  # host copy memory page-locked in place (cudaHostRegister)
+        self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
+        if store is not None and (host_copy or (store.pinned and device.type == "cuda"
+                                                and host_copy_fits(specs, store.num_experts))):
+            pin = self._registered if device.type == "cuda" else None
+            self.host_packed = [_host_packed(store, layer, device, pin) for layer in range(len(specs))]
+            self.staging = []  # admissions copy the packed host arrays; the staging areas would only hold memory
 
     @staticmethod
     def applies(specs: list[list[PartSpec]]) -> bool:
@@ -72,6 +82,7 @@ class PackedSlotPool:
     def staging_views(self, layer: int, row: int) -> list[torch.Tensor]:
         """Where the row-th expert of an admission batch of ``layer`` is copied (its GGUF blocks, one view per
         part) before ``repack_staged``."""
+        self._check_staging()
         if not 0 <= row < self.staging_rows:
             raise IndexError(f"staging row {row} outside [0, {self.staging_rows})")
         return [t[row] for t in self.staging[layer]]
@@ -79,6 +90,7 @@ class PackedSlotPool:
     def repack_staged(self, layer: int, slots: list[int]) -> None:
         """Repacks staging rows [0, len(slots)) of ``layer`` into ``slots`` (queue it on the stream that copied
         the blocks, after the copies)."""
+        self._check_staging()
         if not 0 < len(slots) <= self.staging_rows:
             raise ValueError(f"{len(slots)} experts to repack; a batch holds 1 to {self.staging_rows}")
         for slot in slots:
@@ -111,27 +123,50 @@ class PackedSlotPool:
         """(w13, w2) over the whole pool of a layer, repacked: the fused quantized kernels take them on slot ids."""
         return self.packed[layer]
 
+    def _check_staging(self) -> None:
+        if not self.staging:
+            raise ValueError("this pool keeps a packed host copy of the experts and no staging area: admissions copy "
+                             "the packed arrays (packed_copy)")
+
     def _repack_staging(self, layer: int, rows: int) -> tuple[list[PackedWeight], list[PackedWeight]]:
         # fresh QuantizedWeights over the first staging rows: nothing cached from an earlier batch
         w13, w2 = weights_from_parts([t[:rows] for t in self.staging[layer]], self.specs[layer])
         return packed_parts(w13), packed_parts(w2)
 
 
-def _host_packed(store: HostExpertStore, layer: int,
-                 device: torch.device) -> tuple[list[PackedWeight], list[PackedWeight]]:
-    """Every expert of one layer repacked (on ``device``) into host arrays, pinned on CUDA: (w13 parts, w2 parts)
-    [E, N, K]."""
+def packed_part_bytes(spec: PartSpec) -> int:
+    """Bytes of one expert's slice of a part once repacked (dense parts as they are)."""
+    if spec.qtype is None:
+        return spec.nbytes
+    return max(spec.nbytes, packed_nbytes(QuantType(spec.qtype), (spec.shape[0], spec.cols)))
+
+
+def host_copy_fits(specs: list[list[PartSpec]], num_experts: int) -> bool:
+    """Whether a repacked host copy of every expert takes at most half of the host memory available now."""
+    nbytes = sum(packed_part_bytes(s) for layer in specs for s in layer) * num_experts
+    return nbytes <= available_bytes(torch.device("cpu")) // 2
+
+
+def _host_packed(store: HostExpertStore, layer: int, device: torch.device,
+                 registry: list[int] | None) -> tuple[list[PackedWeight], list[PackedWeight]]:
+    """Every expert of one layer repacked (on ``device``) into host arrays (w13 parts, w2 parts) [E, N, K],
+    page-locked at their exact size when a registry is given (the caching pinned allocator would round each
+    array up to a power of two)."""
     w13, w2 = weights_from_parts([t.to(device, non_blocking=True) for t in store.parts[layer]], store.specs[layer])
-    pin = device.type == "cuda"
     out = []
     for parts in (packed_parts(w13), packed_parts(w2)):
-        pinned = []
+        host = []
         for p in parts:
-            arrays = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
-                      for t in p.tensors()]
-            pinned.append(PackedWeight(p.qtype, p.shape, p.k_pad, *arrays))
-        out.append(pinned)
+            arrays = [None if t is None else _host_like(t, registry).copy_(t) for t in p.tensors()]
+            host.append(PackedWeight(p.qtype, p.shape, p.k_pad, *arrays))
+        out.append(host)
     return out[0], out[1]
+
+
+def _host_like(t: torch.Tensor, registry: list[int] | None) -> torch.Tensor:
+    if registry is None:
+        return torch.empty(t.shape, dtype=t.dtype)
+    return pinned_empty(t.numel() * t.element_size(), registry).view(t.dtype).view(t.shape)
 
 
 def _layout(layer: list[PartSpec]) -> tuple:

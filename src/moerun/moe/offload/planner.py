@@ -54,11 +54,14 @@ def footprint_of_config(mc: ModelConfig, dtype: torch.dtype) -> Footprint:
 
 
 def footprint_of_gguf(path: str | Path, mc: ModelConfig, dtype: torch.dtype) -> Footprint:
-    """From the GGUF's tensor table: quantized tensors at their block size, float ones at ``dtype``."""
+    """From the GGUF's tensor table: quantized tensors at their block size, float ones at ``dtype``; an expert
+    tensor at the larger of its blocks and its repacked form (the slots of the fused quantized kernels)."""
     from gguf.constants import GGMLQuantizationType as T
 
     from moerun.formats.gguf.names import gguf_layer
     from moerun.formats.gguf.reader import GGUFFile
+    from moerun.formats.quants import QuantType
+    from moerun.kernels.quant.repack import LAYOUTS, packed_nbytes
 
     floats = (T.F32, T.F16, T.BF16)
     layers = mc.moe_layers
@@ -68,6 +71,8 @@ def footprint_of_gguf(path: str | Path, mc: ModelConfig, dtype: torch.dtype) -> 
         for name, ti in f.tensors.items():
             size = ti.n_elements * _elem(dtype) if ti.ggml_type in floats else ti.nbytes
             if "_exps." in name:
+                if int(ti.ggml_type) in {int(t) for t in LAYOUTS}:
+                    size = max(size, packed_nbytes(QuantType(int(ti.ggml_type)), ti.shape))
                 per_layer[gguf_layer(name)] += size // mc.num_experts
             else:
                 non_expert += size

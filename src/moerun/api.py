@@ -42,8 +42,8 @@ class LLM:
     not fit (or expert_cache_gb is given) the experts stay in host memory and a device cache of expert slots serves
     them (offload_policy 'lru', 'lfu' or 'activation'; more options in ``offload``, an OffloadConfig).
     offload_mode: 'zero_copy' (the kernels read missed experts from pinned host memory and decoding keeps its CUDA
-    graphs), 'copy' (misses are copied into slots, decoding runs eagerly) or 'auto' (zero_copy on CUDA for dense
-    experts); None keeps ``offload.mode``.
+    graphs), 'copy' (misses are copied into slots between per-layer graphs) or 'auto' (zero_copy on CUDA for
+    experts the kernels can read in place: dense ones, quantized ones on Triton); None keeps ``offload.mode``.
     """
 
     def __init__(

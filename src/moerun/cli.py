@@ -45,8 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute missed experts on the CPU: off (default), auto (cost model) or always")
     p.add_argument("--offload-mode", choices=["auto", "copy", "zero_copy"],
                    help="zero_copy: kernels read missed experts from pinned host memory, decode keeps its CUDA "
-                   "graphs; copy: misses are copied into the cache, eager decode; auto (default): zero_copy on CUDA "
-                   "for dense experts")
+                   "graphs; copy: misses are copied into the cache, a graph pair per decoder layer; auto (default): "
+                   "zero_copy on CUDA for experts the kernels can read in place (dense, or quantized on Triton)")
     p.add_argument("--verbose", action="store_true", help="print expert-offloading statistics when done")
 
 

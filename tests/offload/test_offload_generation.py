@@ -122,7 +122,7 @@ def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device):
 
     opts, few, expected = triton_run(LLM, gguf_model, device, OPTS)
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
-              offload=OffloadConfig(policy="lru", prefetch=True))
+              offload=OffloadConfig(policy="lru", prefetch=True, mode="copy"))
     manager = llm.model.expert_offload
     assert isinstance(manager.pool, PackedSlotPool) and not manager.compact
     assert [o.token_ids for o in llm.generate(few, SHORT)] == expected

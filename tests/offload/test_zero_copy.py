@@ -164,9 +164,11 @@ def test_table_accounting(policy, k, slots, admit, seed, zipf, steps):
 # ---- quantized experts (the fused quantized kernels through address tables; Triton's interpreter on CPU) ----
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_quantized_experts_read_in_place(gguf_model, device):
+    # on CUDA 'auto' picks zero-copy for experts the fused quantized kernels read; on the CPU it is asked for
+    mode = "auto" if device == "cuda" else "zero_copy"
     opts, few, expected = triton_run(LLM, gguf_model, device, OPTS)
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
-              offload=OffloadConfig(mode="zero_copy", admit_bytes_per_step=CHURN))
+              offload=OffloadConfig(mode=mode, admit_bytes_per_step=CHURN))
     manager = llm.model.expert_offload
     assert isinstance(manager, ZeroCopyOffload) and manager.packed
     assert manager.table.shape[1:] == (2, 8, 4)  # gate|up and down parts, 8 experts, 4 arrays each
@@ -183,6 +185,9 @@ def test_mode_resolution_and_errors(gguf_model):
     assert resolve_mode(OffloadConfig(), cpu, dense=True) == "copy"
     assert resolve_mode(OffloadConfig(), cuda, dense=True) == "zero_copy"
     assert resolve_mode(OffloadConfig(), cuda, dense=False) == "copy"
+    assert resolve_mode(OffloadConfig(), cuda, dense=False, quantized_in_place=True) == "zero_copy"
+    assert resolve_mode(OffloadConfig(), cpu, dense=False, quantized_in_place=True) == "copy"
+    assert resolve_mode(OffloadConfig(mode="copy"), cuda, dense=False, quantized_in_place=True) == "copy"
     assert resolve_mode(OffloadConfig(cpu_compute="auto"), cuda, dense=True) == "copy"
     assert resolve_mode(OffloadConfig(mode="zero_copy"), cpu, dense=True) == "zero_copy"
     with pytest.raises(ValueError, match="offload mode must be one of"):

@@ -17,8 +17,8 @@ Per layer and forward pass (T tokens routed to k experts each):
 On CUDA the host waits once per MoE layer for the routing ids, so a whole decode step cannot be one CUDA graph in
 this mode ('copy'). Steps 1-2 are the layer's device part (``_begin``) and 3-5 its host part (``_finish``): with
 overlap on CUDA, decode replays one graph per decoder layer that ends with the device part, and the host part
-runs after each replay (engine/layer_graphs.py); prefill runs eagerly. zero_copy.py serves dense experts without
-the host's wait.
+runs after each replay (engine/layer_graphs.py); prefill runs eagerly. zero_copy.py serves experts without the
+host's wait.
 """
 
 from __future__ import annotations

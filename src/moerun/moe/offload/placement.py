@@ -17,9 +17,11 @@ from moerun.layers.quantized import QuantizedWeight, dense_or_dequantized
 from moerun.moe.offload.config import OffloadConfig, resolve_mode
 from moerun.moe.offload.manager import ExpertOffload
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
+from moerun.moe.offload.packed_pool import PackedSlotPool, host_copy_fits
 from moerun.moe.offload.planner import Placement, footprint_of_config, footprint_of_gguf, plan_placement
 from moerun.moe.offload.store import HostExpertStore
 from moerun.moe.offload.zero_copy import ZeroCopyOffload
+from moerun.ops.dispatch import pick_backend
 
 logger = logging.getLogger("moerun")
 
@@ -76,11 +78,16 @@ def offload_model(model: nn.Module, device: torch.device, slots_per_layer: int, 
     return attach_offload(model, store, slots_per_layer, device, config, kv_bytes)
 
 
-def store_mode(config: OffloadConfig, store: HostExpertStore, device: torch.device) -> str:
-    """'copy' or 'zero_copy' for this store: 'auto' takes zero_copy only when the store is dense and, on CUDA,
-    pinned; zero_copy asked for by name on a store that cannot serve it is an error."""
+def store_mode(config: OffloadConfig, store: HostExpertStore, device: torch.device, backend: str | None = None) -> str:
+    """'copy' or 'zero_copy' for this store: 'auto' takes zero_copy only when the kernels can read the experts in
+    place (dense ones, or quantized ones under the fused quantized kernels of the Triton backend, whose repacked
+    host copy must fit in half the free host memory) and, on CUDA, the store is pinned; zero_copy asked for by name
+    on a store that cannot serve it is an error."""
     dense = all(s.qtype is None for layer in store.specs for s in layer)
-    mode = resolve_mode(config, device, dense)
+    quantized_in_place = (not dense and config.mode == "auto" and device.type == "cuda"
+                          and pick_backend(backend, device, "MoE") == "triton" and PackedSlotPool.applies(store.specs)
+                          and host_copy_fits(store.specs, store.num_experts))
+    mode = resolve_mode(config, device, dense, quantized_in_place)
     if mode == "zero_copy" and device.type == "cuda" and not store.pinned:
         if config.mode == "zero_copy":
             raise ValueError("offload mode 'zero_copy' reads experts from pinned host memory, but they could not be "
@@ -95,7 +102,7 @@ def attach_offload(model: nn.Module, store: HostExpertStore, slots_per_layer: in
     blocks = model.moe_blocks()
     mc = model.config
     backend = blocks[0].experts.backend
-    if store_mode(config, store, device) == "zero_copy":
+    if store_mode(config, store, device, backend) == "zero_copy":
         manager = ZeroCopyOffload(store, slots_per_layer, device, mc.num_experts_per_tok, config, backend=backend,
                                   kv_bytes=kv_bytes)
     else:

@@ -41,6 +41,7 @@ from moerun.models.presets import preset_config
 from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.planner import Footprint, GiB, footprint_of_config, plan_placement, workspace_bytes
 from moerun.moe.offload.random_build import expert_specs, random_expert_store, random_offloaded_model
+from moerun.moe.offload.packed_pool import packed_part_bytes
 from moerun.moe.offload.placement import attach_offload
 from moerun.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default="8,16,24", help="GPU memory budgets in GiB")
     p.add_argument("--modes", default="zero_copy,copy", help="offload modes of the bf16 rows, in order")
     p.add_argument("--admit-mb", type=float, help="zero-copy: MiB admitted into the cache per step (default: auto)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode step before the previous one's tokens are read (off with offloading)")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per row")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -177,7 +180,8 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
     set_routing(model, routing, args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM.from_model(model, tokenizer, max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes),
-                         max_num_batched_tokens=max(batch_sizes) * args.prompt_len)
+                         max_num_batched_tokens=max(batch_sizes) * args.prompt_len,
+                         async_scheduling=True if args.async_scheduling else None)
     rows = []
     for B in batch_sizes:
         if args.device == "cuda":
@@ -422,8 +426,10 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
              fp: Footprint, free: int, max_seqs: int, chunk: int) -> list[dict[str, Any]]:
     """Q4_K_M-shaped experts at llama.cpp's --n-cpu-moe 24 / 48 device memory, in each of --gguf-modes."""
     specs = expert_specs(mc, "Q4_K_M")
-    qfp = Footprint(fp.non_expert_bytes, tuple(sum(s.nbytes for s in layer) for layer in specs), mc.num_experts,
-                    mc.num_experts_per_tok)
+    # the slots hold repacked experts (a few percent above their GGUF blocks); llama.cpp's memory counts the blocks
+    qfp = Footprint(fp.non_expert_bytes, tuple(sum(packed_part_bytes(s) for s in layer) for layer in specs),
+                    mc.num_experts, mc.num_experts_per_tok)
+    gguf_layer_bytes = [sum(s.nbytes for s in layer) for layer in specs]
     dtype = mc.dtype
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * args.max_model_len * max_seqs
     ws = workspace_bytes(mc, dtype, chunk, max_seqs)
@@ -434,9 +440,10 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     n_moe = len(mc.moe_layers)
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
-        budget = (fp.non_expert_bytes + kv + ws + sum(qfp.expert_bytes[:gpu_layers]) * mc.num_experts) / GiB
+        budget = (fp.non_expert_bytes + kv + ws + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
-            cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode)
+            admit = int(args.admit_mb * 2**20) if args.admit_mb is not None else None
+            cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit)
             slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
             rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
         if n_cpu == n_moe // 2 and not args.quick:

@@ -1,6 +1,7 @@
-"""Host time of a copy-mode MoE layer's host part (``ExpertOffload._finish``): what bounds decode through the layer
-graphs when nearly every routed expert is cached. Runs on the CPU (the host part is numpy and Python; the experts
-are tiny dense ones computed by the torch reference); no GPU needed.
+"""Host time of expert offloading's host work, what the GPU waits for when nearly every routed expert is cached:
+a copy-mode MoE layer's host part (``ExpertOffload._finish``, once per layer) and zero-copy's work between two
+steps (``ZeroCopyOffload.between_steps``: routing counts, statistics, admission plan, table writes, copies). Runs
+on the CPU (numpy and Python; the experts are tiny dense ones); no GPU needed.
 
     python benchmarks/bench_offload_host.py [--layers 48] [--experts 128] [--top-k 8] [--slots 63]
 
@@ -19,6 +20,7 @@ import torch
 from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.manager import ExpertOffload
 from moerun.moe.offload.store import HostExpertStore, PartSpec
+from moerun.moe.offload.zero_copy import ZeroCopyOffload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,12 +34,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def tiny_store(args: argparse.Namespace) -> HostExpertStore:
+    """Dense experts of args.layers x args.experts, tiny (the host work does not depend on their size)."""
+    torch.manual_seed(0)
+    L, E, H, I = args.layers, args.experts, 64, 32  # noqa: E741
+    specs = [[PartSpec("w13", (2 * I, H), torch.float32), PartSpec("w2", (H, I), torch.float32)] for _ in range(L)]
+    return HostExpertStore([[torch.randn(E, 2 * I, H), torch.randn(E, H, I)] for _ in range(L)], specs)
+
+
+def churn(sets: list[np.ndarray], rng: np.random.Generator, args: argparse.Namespace) -> None:
+    """With probability args.churn per layer, one of the layer's routed experts changes."""
+    for layer, chosen in enumerate(sets):
+        if rng.random() < args.churn:
+            chosen[rng.integers(len(chosen))] = rng.choice(np.setdiff1d(np.arange(args.experts), chosen))
+
+
+def time_between_steps(args: argparse.Namespace) -> tuple[float, float]:
+    """(microseconds per step of zero-copy's host work between steps, hit rate) over ``args.steps`` steps after 20
+    of warm-up; each step's routing is recorded as the graphed step records it (counts [L, E] on the device)."""
+    manager = ZeroCopyOffload(tiny_store(args), args.slots, torch.device("cpu"), args.top_k,
+                              OffloadConfig(mode="zero_copy"), backend="torch")
+    rng = np.random.default_rng(0)
+    sets = [rng.choice(args.experts, args.top_k, replace=False) for _ in range(args.layers)]
+    total = 0.0
+    for step in range(20 + args.steps):
+        churn(sets, rng, args)
+        manager.counts += torch.from_numpy(np.stack([np.bincount(s, minlength=args.experts) for s in sets]))
+        t0 = time.perf_counter()
+        manager.between_steps(1)
+        if step >= 20:
+            total += time.perf_counter() - t0
+    return 1e6 * total / args.steps, manager.stats.hits / max(manager.stats.lookups, 1)
+
+
 def time_finish(args: argparse.Namespace, prefetch: bool) -> tuple[float, float]:
     """(microseconds per layer of the host part, hit rate) over ``args.steps`` decode steps after 20 of warm-up."""
-    torch.manual_seed(0)
-    L, E, k, H, I = args.layers, args.experts, args.top_k, 64, 32  # noqa: E741
-    specs = [[PartSpec("w13", (2 * I, H), torch.float32), PartSpec("w2", (H, I), torch.float32)] for _ in range(L)]
-    store = HostExpertStore([[torch.randn(E, 2 * I, H), torch.randn(E, H, I)] for _ in range(L)], specs)
+    L, E, k, H = args.layers, args.experts, args.top_k, 64
+    store = tiny_store(args)
     gates = [torch.randn(E, H) for _ in range(L)]
     manager = ExpertOffload(store, args.slots, torch.device("cpu"), torch.float32, k, gates,
                             OffloadConfig(prefetch=prefetch, overlap=True), backend="torch")
@@ -46,9 +79,8 @@ def time_finish(args: argparse.Namespace, prefetch: bool) -> tuple[float, float]
     x, w = torch.randn(1, H), torch.full((1, k), 1.0 / k)
     total, calls = 0.0, 0
     for step in range(20 + args.steps):
+        churn(sets, rng, args)
         for layer in range(L):
-            if rng.random() < args.churn:
-                sets[layer][rng.integers(k)] = rng.choice(np.setdiff1d(np.arange(E), sets[layer]))
             start = manager._begin(layer, x, w, torch.tensor(sets[layer], dtype=torch.int32)[None])
             t0 = time.perf_counter()
             manager._finish(start, 1, graphed=True)
@@ -65,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         us, hit = time_finish(args, prefetch)
         print(f"prefetch {'on ' if prefetch else 'off'}: host part {us:6.1f} us per layer, "
               f"{us * args.layers / 1e3:5.2f} ms per token (hit rate {hit:.3f})")
+    us, hit = time_between_steps(args)
+    print(f"zero-copy: between steps {us:7.1f} us per token (hit rate {hit:.3f})")
     return 0
 
 

@@ -249,3 +249,21 @@ def test_admission_plan_fills_free_slots_then_replaces_what_the_policy_values_le
     slots.admit(plan)
     slots.check()
     assert slots.loading[0, 3] and slots.slot_of[0, 1] == -1 and not slots.ready[0, 1]
+
+
+def test_experts_missed_twice_are_admitted_beyond_the_quarter_budget():
+    # the default budget is a quarter of the bytes read from host memory; an expert read from host memory at two
+    # boundaries in a row is admitted on top of it, so a steady routing is served from slots within two steps
+    store = toy_store(0)
+    manager = ZeroCopyOffload(store, 4, torch.device("cpu"), 4, OffloadConfig(mode="zero_copy"), backend="torch")
+    routing = torch.zeros(L, E, dtype=torch.int64)
+    routing[:, 4:] = 1  # in every layer at every step the same 4 experts, not the 4 that start in the slots
+    manager.between_steps(1)  # the first boundary: routing recorded before it belongs to no step
+    manager.counts += routing
+    manager.between_steps(1)  # 4 L missed: the quarter admits L of them
+    assert manager.stats.admissions == L
+    manager.counts += routing
+    manager.between_steps(1)  # the other 3 L missed again: all admitted
+    assert manager.stats.admissions == 4 * L
+    assert (manager.slots.slot_of[:, 4:] >= 0).all()
+    manager.check()

@@ -23,7 +23,8 @@ class OffloadConfig:
         routing the step recorded. 'auto': zero_copy on CUDA with the CPU compute off, for dense experts and for
         quantized ones that the fused quantized kernels read (Triton backend), else copy.
     admit_bytes_per_step: zero_copy mode: bytes of experts copied into slots between two steps at most (None: a
-        quarter of what the step read from host memory, at least one expert; 0: the cache never changes).
+        quarter of what the step read from host memory, at least one expert, plus the experts read from host memory
+        at two step boundaries in a row; 0: the cache never changes).
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
     prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
     prefetch_depth: how many following MoE layers to prefetch for.

@@ -112,6 +112,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         self._mark: torch.cuda.Event | None = None  # recorded at the previous between_steps (CUDA)
         self.pending: list[tuple[torch.cuda.Event | None, Plan]] = []  # copies in flight, oldest first
         self.carried: np.ndarray | None = None  # routing counted by stats_dict, not yet used for admissions
+        self.missed_before = np.zeros((L, E), dtype=bool)  # [L, E] read from host memory at the previous boundary
         self.started = False
         self._fill()
 
@@ -248,12 +249,20 @@ class ZeroCopyOffload(OffloadManagerBase):
         return layers, experts
 
     def _plan(self, routed: np.ndarray) -> Plan:
-        """The admissions of this boundary: missed experts the policy values above its victims, within the budget."""
+        """The admissions of this boundary: missed experts the policy values above its victims, within the budget.
+
+        The default budget: a quarter of what the kernels read from host memory (under routing that rarely comes
+        back to an expert, most admissions would not be repaid), at least one expert, plus every expert without a
+        slot that was read from host memory at two boundaries in a row (it is coming back). Without that second
+        part, a steady trickle of c new experts a step leaves about 4c missing at every step."""
         budget = self.config.admit_bytes_per_step
         nbytes = np.asarray(self.expert_bytes, dtype=np.int64)
-        if budget is None:  # a quarter of what the kernels read from host memory, at least one expert
-            read = int((((routed > 0) & ~self.slots.ready).sum(axis=1) * nbytes).sum())
-            budget = max(read // 4, int(nbytes.max()))
+        missed = (routed > 0) & ~self.slots.ready  # [L, E]
+        if budget is None:
+            again = missed & self.missed_before & (self.slots.slot_of < 0)  # [L, E]
+            read = int((missed.sum(axis=1) * nbytes).sum())
+            budget = max(read // 4, int(nbytes.max())) + int((again.sum(axis=1) * nbytes).sum())
+        self.missed_before = missed
         return self.slots.plan(routed, self.policy.values(), self.policy.last_use, nbytes, budget)
 
     def _admit(self, plan: Plan) -> None:

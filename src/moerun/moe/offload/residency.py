@@ -59,10 +59,14 @@ class Residency:
             return Plan(empty, empty, empty, empty)
         L = self.num_layers
         cl, ce = np.nonzero((routed > 0) & (self.slot_of < 0))  # candidates
+        if len(cl) == 0:
+            return Plan(empty, empty, empty, empty)
         order = np.lexsort((-routed[cl, ce], -recency[cl, ce], -value[cl, ce], cl))  # each layer's best first
         cl, ce = cl[order], ce[order]
         rank = _rank_within(cl)
-        vl, ve = np.nonzero(self.ready)  # evictable: resident, copy complete
+        wanted = np.zeros(L, dtype=bool)
+        wanted[cl] = True
+        vl, ve = np.nonzero(self.ready & wanted[:, None])  # evictable: resident, copy complete, in a layer that admits
         vorder = np.lexsort((recency[vl, ve], value[vl, ve], vl))  # each layer's least valued first
         vl, ve = vl[vorder], ve[vorder]
         fl, fs = np.nonzero(self.expert_in < 0)  # free slots, by layer then slot

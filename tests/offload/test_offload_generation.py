@@ -154,3 +154,22 @@ def test_copy_mode_decodes_through_layer_graphs(hf_model, prefetch):
     stats = llm.stats()
     assert runner.layer_graphs.replays > 0 and stats["misses_copied"] > 0
     llm.model.expert_offload.table.check()
+
+
+def test_offloaded_gguf_holds_its_non_expert_weights_once(gguf_model, gguf_reference):
+    # on CUDA the moved weights are repacked and their GGUF blocks dropped (repack=True forces it here); embedding
+    # tables keep their blocks for row lookups; generation is unchanged
+    from moerun.layers.embedding import Embedding
+    from moerun.layers.quantized import QuantizedWeight
+    from moerun.moe.offload.placement import _move_quantized
+
+    llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **OPTS)
+    model = llm.model
+    _move_quantized(model, torch.device("cpu"), repack=True)
+    weights = {(name, key): (isinstance(m, Embedding), v) for name, m in model.named_modules()
+               for key, v in m.__dict__.items() if key.startswith("q_") and isinstance(v, QuantizedWeight)}
+    assert any(not table for table, _ in weights.values())
+    for (name, key), (table, w) in weights.items():
+        shared = any(w is v and t for t, v in weights.values())  # a tied lm_head keeps the table's blocks
+        assert w.released == (not table and not shared), f"{name}.{key}"
+    assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == gguf_reference

@@ -125,8 +125,13 @@ def _expert_tensors(experts: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _move_quantized(model: nn.Module, device: torch.device) -> None:
-    """Moves the QuantizedWeights that layers keep outside their parameters (GGUF models), sharing kept."""
+def _move_quantized(model: nn.Module, device: torch.device, repack: bool | None = None) -> None:
+    """Moves the QuantizedWeights that layers keep outside their parameters (GGUF models), sharing kept. With
+    ``repack`` (the default on CUDA) they are then repacked for the kernels and their GGUF blocks dropped, as a
+    GGUF model loaded onto the GPU is: the non-expert weights are held once, at about the size the planner
+    counted (embedding tables keep their blocks for row lookups)."""
+    from moerun.ops.quant import pack_model
+
     moved: dict[int, QuantizedWeight] = {}
     for module in model.modules():
         for key, value in list(module.__dict__.items()):
@@ -134,6 +139,8 @@ def _move_quantized(model: nn.Module, device: torch.device) -> None:
                 if id(value) not in moved:
                     moved[id(value)] = QuantizedWeight([p.to(device) for p in value.parts])
                 module.__dict__[key] = moved[id(value)]
+    if moved and (device.type == "cuda" if repack is None else repack):
+        pack_model(model, release_blocks=True)
 
 
 def offload_options(config: OffloadConfig | None, policy: str | None = None, mode: str | None = None

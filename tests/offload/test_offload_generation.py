@@ -173,3 +173,14 @@ def test_offloaded_gguf_holds_its_non_expert_weights_once(gguf_model, gguf_refer
         shared = any(w is v and t for t, v in weights.values())  # a tied lm_head keeps the table's blocks
         assert w.released == (not table and not shared), f"{name}.{key}"
     assert [o.token_ids for o in llm.generate(prompts(1), GREEDY)] == gguf_reference
+
+
+def test_gguf_footprint_counts_slots_at_their_repacked_size(gguf_model):
+    from moerun.models.gguf_checkpoint import read_gguf_config
+    from moerun.moe.offload.packed_pool import packed_part_bytes
+
+    fp = footprint_of_gguf(gguf_model, read_gguf_config(gguf_model), torch.float32)
+    llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **OPTS)
+    specs = llm.model.expert_offload.store.specs
+    assert fp.expert_bytes == tuple(sum(packed_part_bytes(s) for s in layer) for layer in specs)
+    assert all(b > sum(s.nbytes for s in layer) for b, layer in zip(fp.expert_bytes, specs))  # Q4_K rows grow

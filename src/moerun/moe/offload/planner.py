@@ -54,8 +54,8 @@ def footprint_of_config(mc: ModelConfig, dtype: torch.dtype) -> Footprint:
 
 
 def footprint_of_gguf(path: str | Path, mc: ModelConfig, dtype: torch.dtype) -> Footprint:
-    """From the GGUF's tensor table: quantized tensors at their block size, float ones at ``dtype``; an expert
-    tensor at the larger of its blocks and its repacked form (the slots of the fused quantized kernels)."""
+    """From the GGUF's tensor table: float tensors at ``dtype``, quantized ones at the larger of their blocks and
+    their repacked form (what the fused quantized kernels read), the token embedding at its blocks (looked up)."""
     from gguf.constants import GGMLQuantizationType as T
 
     from moerun.formats.gguf.names import gguf_layer
@@ -64,15 +64,16 @@ def footprint_of_gguf(path: str | Path, mc: ModelConfig, dtype: torch.dtype) -> 
     from moerun.kernels.quant.repack import LAYOUTS, packed_nbytes
 
     floats = (T.F32, T.F16, T.BF16)
+    repacked = {int(t) for t in LAYOUTS}
     layers = mc.moe_layers
     per_layer = {layer: 0 for layer in layers}
     non_expert = 0
     with GGUFFile(path) as f:
         for name, ti in f.tensors.items():
             size = ti.n_elements * _elem(dtype) if ti.ggml_type in floats else ti.nbytes
+            if int(ti.ggml_type) in repacked and not name.startswith("token_embd."):
+                size = max(size, packed_nbytes(QuantType(int(ti.ggml_type)), ti.shape))
             if "_exps." in name:
-                if int(ti.ggml_type) in {int(t) for t in LAYOUTS}:
-                    size = max(size, packed_nbytes(QuantType(int(ti.ggml_type)), ti.shape))
                 per_layer[gguf_layer(name)] += size // mc.num_experts
             else:
                 non_expert += size

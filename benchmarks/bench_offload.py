@@ -430,6 +430,7 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     qfp = Footprint(fp.non_expert_bytes, tuple(sum(packed_part_bytes(s) for s in layer) for layer in specs),
                     mc.num_experts, mc.num_experts_per_tok)
     gguf_layer_bytes = [sum(s.nbytes for s in layer) for layer in specs]
+    admit = int(args.admit_mb * 2**20) if args.admit_mb is not None else None
     dtype = mc.dtype
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * args.max_model_len * max_seqs
     ws = workspace_bytes(mc, dtype, chunk, max_seqs)
@@ -442,7 +443,6 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
         gpu_layers = n_moe - n_cpu
         budget = (fp.non_expert_bytes + kv + ws + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
-            admit = int(args.admit_mb * 2**20) if args.admit_mb is not None else None
             cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit)
             slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
             rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)

@@ -17,11 +17,10 @@ from moerun.layers.quantized import QuantizedWeight, dense_or_dequantized
 from moerun.moe.offload.config import OffloadConfig, resolve_mode
 from moerun.moe.offload.manager import ExpertOffload
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
-from moerun.moe.offload.packed_pool import PackedSlotPool, host_copy_fits
+from moerun.moe.offload.packed_pool import host_copy_fits
 from moerun.moe.offload.planner import Placement, footprint_of_config, footprint_of_gguf, plan_placement
 from moerun.moe.offload.store import HostExpertStore
-from moerun.moe.offload.zero_copy import ZeroCopyOffload
-from moerun.ops.dispatch import pick_backend
+from moerun.moe.offload.zero_copy import ZeroCopyOffload, reads_quantized_in_place
 
 logger = logging.getLogger("moerun")
 
@@ -85,7 +84,7 @@ def store_mode(config: OffloadConfig, store: HostExpertStore, device: torch.devi
     on a store that cannot serve it is an error."""
     dense = all(s.qtype is None for layer in store.specs for s in layer)
     quantized_in_place = (not dense and config.mode == "auto" and device.type == "cuda"
-                          and pick_backend(backend, device, "MoE") == "triton" and PackedSlotPool.applies(store.specs)
+                          and reads_quantized_in_place(store, device, backend)
                           and host_copy_fits(store.specs, store.num_experts))
     mode = resolve_mode(config, device, dense, quantized_in_place)
     if mode == "zero_copy" and device.type == "cuda" and not store.pinned:

@@ -1,15 +1,16 @@
 """ZeroCopyOffload: offloaded experts served without the host inside a forward pass, so steps run in CUDA graphs.
 
-Every offloaded MoE layer has two device tables of int64 addresses, w13 [E] and w2 [E] (pointers.py): an entry
-points at the expert's slot in the device pool when the expert is resident, else at its row of the pinned host
-store, which the fused kernels read in place over PCIe (zero-copy; kernels/fused_moe_ptr.py). A layer's forward is
+Every offloaded MoE layer has a device table of int64 addresses, [P, E, W] of ``table`` [L, P, E, W] (dense
+experts: w13 and w2, one address each, pointers.py): an entry points at the expert's slot in the device pool when
+the expert is resident, else at its row of the pinned host store, which the fused kernels read in place over PCIe
+(zero-copy; kernels/fused_moe_ptr.py). A layer's forward is
 route -> table-based fused MoE, plus a count of the (token, slot) pairs each expert received, accumulated on the
 device in ``counts`` [L, E] and copied (non-blocking, inside the step) to a pinned host buffer after the last layer.
 
-Quantized experts (mode='zero_copy' asked for by name; 'auto' keeps them in copy mode) work the same way over their
-repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the tables hold one [E, 4]
-row of array addresses (codes, high, sub, scale) per packed part, and the fused quantized kernels read through them
-(kernels/quant/fused_moe_quant.py, ``tables=``; the Triton backend, the interpreter on CPU).
+Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
+over their repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the table holds
+one row of W = 4 array addresses (codes, high, sub, scale) per packed part, and the fused quantized kernels read
+through them (kernels/quant/fused_moe_quant.py, ``tables=``; the Triton backend, the interpreter on CPU).
 
 The cache changes only between steps (``between_steps``, called by the runner before each forward pass):
 1. the routing counts of the steps finished since the last call give the statistics (hits = routed experts whose
@@ -45,6 +46,12 @@ from moerun.moe.offload.transfer import Copier
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
 from moerun.ops.quant import fused_moe_quantized
+
+
+def reads_quantized_in_place(store: HostExpertStore, device: torch.device, backend: str | None) -> bool:
+    """Whether the fused quantized kernels can read this store's quantized experts through address tables: the
+    Triton backend on ``device`` and expert types those kernels take."""
+    return pick_backend(backend, device, "MoE") == "triton" and PackedSlotPool.applies(store.specs)
 
 
 def _dense_parts(store: HostExpertStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +138,7 @@ class ZeroCopyOffload(OffloadManagerBase):
                        backend: str | None) -> tuple[PackedSlotPool, np.ndarray, np.ndarray]:
         """The packed pool (with its host copy) and the array addresses [L, P, E, 4] / [L, P, S, 4] of quantized
         experts."""
-        if pick_backend(backend, device, "MoE") != "triton" or not PackedSlotPool.applies(store.specs):
+        if not reads_quantized_in_place(store, device, backend):
             raise ValueError("zero-copy offloading of quantized experts runs the fused quantized kernels: it needs "
                              "the Triton backend and expert types they read (else use mode='copy')")
         pool = PackedSlotPool(store.specs, S, device, store, host_copy=True)

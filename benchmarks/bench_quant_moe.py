@@ -58,12 +58,16 @@ def _gemv(bn, bk, w, bn2, bk2) -> Config:
             "BLOCK_K2": bk2, "num_warps2": w, "num_stages2": 2, "reduce": "sum"}  # fmt: skip
 
 
-def _v2(bn, bk, w, bn2, bk2, w2, x_prep=False) -> Config:
+def _v2(bn, bk, w, bn2, bk2, w2, x_prep=False, x_q8=False) -> Config:
     """gemv_v2 (Q4_K, Q6_K, Q8_0; other types run these blocks on the gemv path): GEMM 1 BLOCK_N rows of
-    gate/up in chunks of BLOCK_K inputs (x_prep: reading x prepared in the weights' layout by one more launch);
-    GEMM 2 BLOCK_N2 output rows of all k slots, chunks of BLOCK_K2."""
-    return {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "BLOCK_N2": bn2,
-            "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 1, "x_prep": x_prep}  # fmt: skip
+    gate/up in chunks of BLOCK_K inputs (x_prep: reading x prepared in the weights' layout by one more launch;
+    x_q8: x quantized to int8 by one more launch, dp4a dot products); GEMM 2 BLOCK_N2 output rows of all k
+    slots, chunks of BLOCK_K2."""
+    cfg = {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "BLOCK_N2": bn2,
+           "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 1, "x_prep": x_prep}  # fmt: skip
+    if x_q8:
+        cfg["x_q8"] = True
+    return cfg
 
 
 def _dot(path, bm, bn, bk, g, w, s, bn2=None, red="atomic") -> Config:
@@ -101,6 +105,14 @@ POOL: dict[str, Config] = {
     "v8k5p": _v2(8, 512, 2, 4, 256, 2, True),
     "v32p": _v2(32, 1024, 4, 8, 512, 4, True),
     "v4p": _v2(4, 512, 1, 4, 256, 2, True),
+    "v8q": _v2(8, 512, 2, 4, 256, 2, x_q8=True),
+    "v8k1q": _v2(8, 1024, 2, 4, 256, 2, x_q8=True),
+    "v16q": _v2(16, 512, 2, 4, 256, 2, x_q8=True),
+    "v16k1q": _v2(16, 1024, 4, 8, 512, 4, x_q8=True),
+    "v16k2q": _v2(16, 2048, 4, 8, 512, 4, x_q8=True),
+    "v32q": _v2(32, 1024, 4, 4, 256, 2, x_q8=True),
+    "v32k2q": _v2(32, 2048, 8, 8, 512, 4, x_q8=True),
+    "v4q": _v2(4, 1024, 1, 4, 256, 2, x_q8=True),
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
     "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
@@ -110,10 +122,15 @@ POOL: dict[str, Config] = {
 }
 
 
-def tune_candidates(m: int) -> list[str]:
-    """Names of the POOL configs tried at m tokens (k = 8)."""
+X_Q8 = ["v8q", "v8k1q", "v16q", "v16k1q", "v16k2q", "v32q", "v32k2q", "v4q"]
+
+
+def tune_candidates(m: int, families: str = "all") -> list[str]:
+    """Names of the POOL configs tried at m tokens (k = 8); families="x_q8": the int8-x decode configs only."""
+    if families == "x_q8":
+        return X_Q8 if m <= 8 else []
     v2 = ["v16", "v16k2", "v16w8", "v16w2", "v32", "v16n4", "v16n16", "v8", "v8k2", "v16n2", "v16n4w2", "v32k2",
-          "v16p", "v16k1p", "v8p", "v8k5p", "v32p", "v4p"]
+          "v16p", "v16k1p", "v8p", "v8k5p", "v32p", "v4p"] + X_Q8
     if m <= 4:  # the gemv and gemv_dot decode paths never won against gemv_v2 on an H200: one of each
         return ["g16", "d32"] + v2
     if m <= 8:
@@ -172,8 +189,11 @@ def tune_type(name: str, qtype: str, layers, E: int, H: int, I: int,  # noqa: E7
         ref = fused_moe_quant(x, p13, p2, w, ids, default).float()
         scale = ref.abs().max().item() + 1e-6
         timings = {}
-        for cname in ["default"] + tune_candidates(m):
-            cfg = default if cname == "default" else POOL[cname]
+        # the table shipped for this type and shape competes too
+        shipped = qconfigs.load_moe_table(qtype, E, H, I, device_name()) or {}
+        pool = {**POOL, "default": default, **({"shipped": shipped[m]} if m in shipped else {})}
+        for cname in ["default", "shipped"][: 1 + (m in shipped)] + tune_candidates(m, args.tune_families):
+            cfg = pool[cname]
             try:
                 err = (fused_moe_quant(x, p13, p2, w, ids, cfg).float() - ref).abs().max().item()
                 if not err <= 3e-2 * scale:
@@ -185,7 +205,7 @@ def tune_type(name: str, qtype: str, layers, E: int, H: int, I: int,  # noqa: E7
         if not timings:
             continue
         win = min(timings, key=timings.get)
-        best[m] = default if win == "default" else POOL[win]
+        best[m] = pool[win]
         print(f"  {m:>5} {1e6 * timings[win]:8.1f} {1e6 * timings.get('default', float('nan')):8.1f}  {win}")
     return best
 
@@ -309,6 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--tune", action="store_true", help="quick tuning of --tune-types first; writes config tables")
     p.add_argument("--tune-types", nargs="+", default=["Q4_K"])
+    p.add_argument("--tune-families", choices=("all", "x_q8"), default="all",
+                   help="x_q8: only the int8-x decode configs against the default and the shipped table")
     p.add_argument("--compare", nargs="+", metavar="CONFIG", choices=sorted(POOL),
                    help="only time these tuning-pool configs against the default per type and M (no tuning)")
     p.add_argument("--out", default="bench_quant_out", help="directory for bench_quant_moe.json / .md")

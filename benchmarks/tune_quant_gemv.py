@@ -58,20 +58,35 @@ def _gemv(bn: int, bk: int, w: int) -> Config:
     return {"path": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 2}
 
 
-def _v2(bn: int, bk: int, w: int, x_prep: bool = False) -> Config:
-    return {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "x_prep": x_prep}
+def _v2(bn: int, bk: int, w: int, x_prep: bool = False, x_q8: bool = False) -> Config:
+    cfg = {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "x_prep": x_prep}
+    if x_q8:
+        cfg["x_q8"] = True
+    return cfg
 
 
-def candidates(qtype: str, K: int, M: int, quick: bool) -> list[Config]:
-    """Configs to try, the default first; gemv_v2 only for the types it reads."""
-    out = [default_matmul_config(M, 1, interpret=False), _gemv(16, 1024, 4), _gemv(32, 1024, 4)]
-    if qtype in ("Q4_K", "Q6_K", "Q8_0"):
+def candidates(qtype: str, N: int, K: int, M: int, quick: bool, families: str = "all") -> list[Config]:
+    """Configs to try, the default first, then the shipped one; gemv_v2 only for the types it reads.
+    families="x_q8": only the int8-x gemv_v2 configs beside those two."""
+    out = [default_matmul_config(M, 1, interpret=False)]
+    shipped = load_matmul_table(device_name()).get(matmul_key(qtype, N, K), {}).get(M)
+    if shipped:
+        out.append(dict(shipped))
+    if families == "all":
+        out += [_gemv(16, 1024, 4), _gemv(32, 1024, 4)]
+    if qtype in ("Q4_K", "Q6_K", "Q8_0") and families == "x_q8":
+        bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
+            ((2, 4, 8, 16, 32, 64), (256, 512, 1024, 2048, 4096), (1, 2, 4, 8))
+        out += [_v2(bn, bk, w, x_q8=True) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
+    elif qtype in ("Q4_K", "Q6_K", "Q8_0"):
         bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
             ((2, 4, 8, 16, 32, 64), (256, 512, 1024, 2048, 4096), (1, 2, 4, 8))
         out += [_v2(bn, bk, w) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
         out.append(_v2(8, min(K, 4096), 8))
         # x read in the weights' layout, prepared by one more launch (pays where x is reloaded a lot: long N)
         out += [_v2(bn, bk, 4, True) for bn, bk in itertools.product(bns, bks[:2]) if bk <= K]
+        # x quantized to int8 by one more launch, dp4a dot products (int8_dot.py)
+        out += [_v2(bn, bk, w, x_q8=True) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
     unique: list[Config] = []
     for cfg in out:
         if cfg not in unique:
@@ -92,7 +107,7 @@ def tune_part(name: str, qtype: str, N: int, K: int, M: int, args, log: list) ->
     del ref_w
     scale = ref.abs().max().item()
     timed = []
-    for cfg in candidates(qtype, K, M, args.quick):
+    for cfg in candidates(qtype, N, K, M, args.quick, args.families):
         row: dict[str, Any] = {"part": name, "type": qtype, "N": N, "K": K, "M": M, "config": cfg}
         try:
             err = (quant_matmul_triton(x, parts[0], config=cfg).float() - ref).abs().max().item()
@@ -114,7 +129,7 @@ def tune_part(name: str, qtype: str, N: int, K: int, M: int, args, log: list) ->
         print(f"{name:>8} {qtype:>5} {M:>3}  all candidates failed")
         return None
     best_us, best = min(timed, key=lambda r: r[0])
-    default_us = timed[0][0] if timed[0][1] == candidates(qtype, K, M, args.quick)[0] else math.nan
+    default_us = timed[0][0] if timed[0][1] == candidates(qtype, N, K, M, args.quick, args.families)[0] else math.nan
     tb_s = nbytes / (best_us * 1e-6) / 1e12
     print(f"{name:>8} {qtype:>5} {M:>3} {best_us:>8.2f} {tb_s:>6.2f} {default_us:>10.2f} {len(timed):>5}  "
           f"{compact(best)}", flush=True)
@@ -122,7 +137,7 @@ def tune_part(name: str, qtype: str, N: int, K: int, M: int, args, log: list) ->
 
 
 def compact(cfg: Config) -> str:
-    prep = " x_prep" if cfg.get("x_prep") else ""
+    prep = " x_q8" if cfg.get("x_q8") else " x_prep" if cfg.get("x_prep") else ""
     return f"{cfg['path']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}{prep}"
 
 
@@ -140,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part", nargs=3, action="append", metavar=("TYPE", "N", "K"), help="one more part to tune")
     p.add_argument("--m", type=int, nargs="+", default=[1], help="rows of x to tune")
     p.add_argument("--quick", action="store_true", help="reduced search space")
+    p.add_argument("--families", choices=("all", "x_q8"), default="all",
+                   help="x_q8: only int8-x gemv_v2 configs against the default and the shipped config")
     add_tuner_arguments(p, str(CONFIG_DIR))
     return resolve_tuner_timing(p.parse_args(argv), quick_rep_ms=20)
 

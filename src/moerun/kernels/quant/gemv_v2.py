@@ -24,7 +24,9 @@ load of a program can be in flight at once and any padded K runs unmasked.
 x itself sits element-major, so GEMM 1 and the dense GEMV read its values for a word's eight positions as scalar
 loads four elements apart, reloaded by every program (the L1 pipe, not DRAM, limited a Q6_K lm_head). With the
 config key "x_prep", one small launch first writes x in the position-major, pre-scaled layout that GEMM 2 reads
-(prepare_x, plus the sums of 16), and the kernels read it with vector loads instead.
+(prepare_x, plus the sums of 16), and the kernels read it with vector loads instead. With the key "x_q8", x is
+quantized to int8 instead (int8_dot.quantize_x) and GEMM 1 and the dense GEMV take four codes times four x values
+per dp4a (int8_dot.q8_dot); GEMM 2 reads GEMM 1's float intermediate either way.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
+from moerun.kernels.quant.int8_dot import interpret_flag, q8_dot, quantize_x, xq_tiles
+from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -101,31 +105,14 @@ def _v2_dot(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows4,
         tm = (w >> 16) | 0x4B000000  # nibbles of bytes 2, 3 at bits 0..15
         s0 = _masked_dot(wm, tm, 0x4B00000F, 0x4B000F00, x0, x2, x4, x6)  # low nibbles: plane 0
         s1 = _masked_dot(wm, tm, 0x4B0000F0, 0x4B00F000, x1, x3, x5, x7)  # high nibbles: plane 1
-        sw = tl.load(sub + rows3 * KQ + g3, mask=ok3, other=0)  # [R0, R1, G] bytes (sc 2q, sc 2q+1, mn 2q, mn 2q+1)
-        sp = scale + (rows3 * (KQ // 4) + g3 // 4) * 2  # d, dmin per 256 elements
-        d = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
-        dmin = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
-        sc0 = (sw & 0xFF).to(tl.float32)
-        sc1 = ((sw >> 8) & 0xFF).to(tl.float32)
-        mn0 = ((sw >> 16) & 0xFF).to(tl.float32)
-        mn1 = ((sw >> 24) & 0xFF).to(tl.float32)
+        d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         part = d * (sc0 * tl.sum(s0, axis=3) + sc1 * tl.sum(s1, axis=3)) - dmin * (mn0 * X0 + mn1 * X1)
     else:  # Q6_K: a group is half of pair q (4 words); 16-element sub-blocks 4q + 2p + h, h = g % 2
         tl.static_assert(QT == 14, "gemv_v2 reads Q4_K, Q6_K and Q8_0")
-        q4 = g4 // 2
-        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 4 + j4, mask=ok4, other=0)  # [R0, R1, G, 4] int32
-        # Pair q's high bits sit at bits 4 (q % 2) + 2p of the bytes of group 2 (q // 2) + h of the high array.
-        hw = tl.load(high + rows4 * (KQ * 4) + (2 * (q4 // 2) + g4 % 2) * 4 + j4, mask=ok4, other=0)
-        hw = hw >> (4 * (q4 % 2))
-        c0 = (w & 0x0F0F0F0F) | ((hw << 4) & 0x30303030)  # plane-0 6-bit codes, one per byte
-        c1 = ((w >> 4) & 0x0F0F0F0F) | ((hw << 2) & 0x30303030)  # plane-1 codes
+        c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
         s0 = _masked_dot(c0 | 0x4B000000, (c0 >> 16) | 0x4B000000, 0x4B00003F, 0x4B003F00, x0, x2, x4, x6)
         s1 = _masked_dot(c1 | 0x4B000000, (c1 >> 16) | 0x4B000000, 0x4B00003F, 0x4B003F00, x1, x3, x5, x7)
-        sw = tl.load(sub + rows3 * KQ + g3 // 2, mask=ok3, other=0)  # [R0, R1, G] signed bytes
-        h3 = g3 % 2
-        sc0 = ((sw << (24 - 8 * h3)) >> 24).to(tl.float32)  # byte h
-        sc1 = ((sw << (8 - 8 * h3)) >> 24).to(tl.float32)  # byte 2 + h
-        d = tl.load(scale + rows3 * (KQ // 4) + g3 // 8, mask=ok3, other=0.0).to(tl.float32)
+        d, sc0, sc1 = q6_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         part = d * (sc0 * (tl.sum(s0, axis=3) - 32.0 * X0) + sc1 * (tl.sum(s1, axis=3) - 32.0 * X1))
     return tl.sum(part, axis=2)
 
@@ -252,40 +239,56 @@ def _xp_tiles(QT: tl.constexpr, a, s_row, g3, ok4, ok3, WORDS):
 
 
 @triton.jit
-def _x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, K, X_WORDS, gi, EVEN_K: tl.constexpr,
-             XP: tl.constexpr):  # fmt: skip
-    """x tiles of one row of x for groups gi [G]: from the prepared position-major row (XP) or from x itself."""
+def _x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
+             EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr):  # fmt: skip
+    """x tiles of one row of x for groups gi [G]: int8 (XQ8: xp_row the int8 words, dx_row their scales; the
+    tuple is (xa, xb, da, db, -, -, -, -, X0, X1)), from the prepared position-major row (XP) or from x itself."""
     g4 = gi[None, None, :, None]  # [1, 1, G, 1]
     j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
-    if XP:
+    # One return: Triton wants every return of a function to have the same types, constexpr branches included.
+    if XQ8:
+        xa, xb, da, db, X0, X1 = xq_tiles(QT, xp_row, dx_row, xs_row, g4, j4, gi[None, None, :])
+        out = (xa, xb, da, db, xa, xa, xa, xa, X0, X1)
+    elif XP:
         g3 = gi[None, None, :]  # [1, 1, G]
-        return _xp_tiles(QT, xp_row + g4 * WPG + j4, xs_row, g3, g4 >= 0, g3 >= 0, X_WORDS)
-    return _x_tiles(QT, WPG, x_row, K, g4, j4, EVEN_K)
+        out = _xp_tiles(QT, xp_row + g4 * WPG + j4, xs_row, g3, g4 >= 0, g3 >= 0, X_WORDS)
+    else:
+        out = _x_tiles(QT, WPG, x_row, K, g4, j4, EVEN_K)
+    return out
 
 
 @triton.jit
 def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
-                G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1):  # fmt: skip
+                G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8: tl.constexpr,
+                INTERPRET: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N] of rows [BLOCK_N] (ok: which to read) over groups [g0, g0 + G) against one token's
-    x tiles (_x_tiles of the same groups)."""
+    x tiles (_x_chunk of the same groups)."""
     gi = g0 + tl.arange(0, G)  # [G]
     j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
-    part = _v2_dot(QT, WPG, codes, high, sub, scale, rows[:, None, None, None], rows[:, None, None],
-                   gi[None, None, :, None], gi[None, None, :], j4, KQ, ok[:, None, None, None], ok[:, None, None],
-                   x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+    if XQ8:
+        part = q8_dot(QT, codes, high, sub, scale, rows[:, None, None, None], rows[:, None, None],
+                      gi[None, None, :, None], gi[None, None, :], j4, KQ, ok[:, None, None, None], ok[:, None, None],
+                      x0, x1, x2, x3, X0, X1, INTERPRET)  # fmt: skip
+    else:
+        part = _v2_dot(QT, WPG, codes, high, sub, scale, rows[:, None, None, None], rows[:, None, None],
+                       gi[None, None, :, None], gi[None, None, :], j4, KQ, ok[:, None, None, None], ok[:, None, None],
+                       x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
     return tl.sum(part, axis=1)  # [BLOCK_N, 1] -> [BLOCK_N]
 
 
 @triton.jit
-def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, H, X_WORDS, gc, gh, gs, gd, uc, uh,
-                 us, ud, rows_g, rows_u, ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr,
-                 XP: tl.constexpr):  # fmt: skip
+def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd,
+                 uc, uh, us, ud, rows_g, rows_u, ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr,
+                 XP: tl.constexpr, XQ8: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """(gate, up) partial sums [BLOCK_N] over groups [g0, g0 + G) of the rows (rows where ok is false read
     nothing)."""
     gi = g0 + tl.arange(0, G)  # [G]
-    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, H, X_WORDS, gi, EVEN_K, XP)
-    dg = _rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)
-    du = _rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)
+    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gi, EVEN_K,
+                                                      XP, XQ8)  # fmt: skip
+    dg = _rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
+                     INTERPRET)  # fmt: skip
+    du = _rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
+                     INTERPRET)  # fmt: skip
     return dg, du
 
 
@@ -293,7 +296,8 @@ def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, H, 
 def _gemm1_v2_kernel(
     x_ptr,  # [T, H]
     xp_ptr,  # [T, H_pad] x position-major for the gate type (XP; else a dummy)
-    xs_ptr,  # [T, H_pad / 16] float32 sums of 16 (XP; else a dummy)
+    xs_ptr,  # [T, H_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
+    dx_ptr,  # [T, H_pad / 32] float32 int8 scales (XQ8; else a dummy)
     ids_ptr,  # [T*k]
     inter_ptr,  # [T*k, I_pad] position-major, pre-scaled for the down type QW
     sums_ptr,  # [T*k, I_pad / 16] float32
@@ -313,6 +317,7 @@ def _gemm1_v2_kernel(
     stride_xt,
     stride_pt,
     stride_pst,
+    stride_pdt,
     stride_it,
     stride_st,
     QT: tl.constexpr,
@@ -326,6 +331,8 @@ def _gemm1_v2_kernel(
     EVEN_K: tl.constexpr,
     XP: tl.constexpr,  # read x from xp / xs
     INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
+    XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -345,18 +352,19 @@ def _gemm1_v2_kernel(
     x_row = x_ptr + token * stride_xt
     xp_row = xp_ptr + token * stride_pt
     xs_row = xs_ptr + token * stride_pst
+    dx_row = dx_ptr + token * stride_pdt
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(FULL):
-        dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud, rows_g,
-                              rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP)  # fmt: skip
+        dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud,
+                              rows_g, rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP, XQ8, INTERPRET)  # fmt: skip
         acc_g += dg
         acc_u += du
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
-            dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud,
-                                  rows_g, rows_u, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K,
-                                  XP)  # fmt: skip
+            dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us,
+                                  ud, rows_g, rows_u, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K,
+                                  XP, XQ8, INTERPRET)  # fmt: skip
             acc_g += dg
             acc_u += du
     # Rounded to the activation dtype, as the reference's intermediate is.
@@ -447,7 +455,8 @@ def _gemm2_v2_kernel(
 def _matmul_v2_kernel(
     x_ptr,  # [M, K]
     xp_ptr,  # [M, K_pad] x position-major (XP; else a dummy)
-    xs_ptr,  # [M, K_pad / 16] float32 sums of 16 (XP; else a dummy)
+    xs_ptr,  # [M, K_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
+    dx_ptr,  # [M, K_pad / 32] float32 int8 scales (XQ8; else a dummy)
     y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
     bias_ptr,  # [N_total] or a dummy
     wc, wh, ws, wd,  # weight arrays (codes / high as int32 words)
@@ -459,6 +468,7 @@ def _matmul_v2_kernel(
     stride_xm,
     stride_pm,
     stride_psm,
+    stride_pdm,
     stride_ym,
     QT: tl.constexpr,
     WPG: tl.constexpr,
@@ -470,6 +480,8 @@ def _matmul_v2_kernel(
     LOG_BG: tl.constexpr,
     EVEN_K: tl.constexpr,
     XP: tl.constexpr,  # read x from xp / xs
+    XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     pid_n = tl.program_id(0)
@@ -480,19 +492,21 @@ def _matmul_v2_kernel(
     x_row = x_ptr + m * stride_xm
     xp_row = xp_ptr + m * stride_pm
     xs_row = xs_ptr + m * stride_psm
+    dx_row = dx_ptr + m * stride_pdm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(FULL):
         gi = c * BLOCK_G + tl.arange(0, BLOCK_G)
-        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, K, X_WORDS, gi, EVEN_K, XP)
+        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
+                                                          EVEN_K, XP, XQ8)  # fmt: skip
         acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, c * BLOCK_G, BLOCK_G, KQ,
-                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, INTERPRET)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             gi = FULL * BLOCK_G + (REM & ((1 << b) - 1)) + tl.arange(0, 1 << b)
-            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, K, X_WORDS, gi,
-                                                              EVEN_K, XP)  # fmt: skip
+            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
+                                                              EVEN_K, XP, XQ8)  # fmt: skip
             acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b,
-                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, INTERPRET)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + col_off + offs_n, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -553,19 +567,32 @@ def prepare_x(x: torch.Tensor, qtype: QuantType, k_pad: int) -> tuple[torch.Tens
     return xp, xs
 
 
+def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int,
+                cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, bool]]:  # fmt: skip
+    """(xp, xs, dx, flags) of one call: x quantized to int8 (cfg["x_q8"]), prepared in the weights' layout
+    (cfg["x_prep"]) or read as it is (x standing in for the unused arrays)."""
+    if cfg.get("x_q8"):
+        xq, dx, xs = quantize_x(x, k_pad)
+        return xq, xs, dx, {"XP": False, "XQ8": True, "INTERPRET": interpret_flag()}
+    if cfg.get("x_prep"):
+        xp, xs = prepare_x(x, qtype, k_pad)
+        return xp, xs, x, {"XP": True}
+    return x, x, x, {"XP": False}
+
+
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w;
-    with cfg["x_prep"], x is read through prepare_x."""
+    with cfg["x_q8"] x is quantized to int8 first (int8_dot), with cfg["x_prep"] read through prepare_x."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
-    xp, xs = prepare_x(x, w.qtype, w.k_pad) if cfg.get("x_prep") else (x, x)
+    xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg)
     _matmul_v2_kernel[(triton.cdiv(w.n, cfg["BLOCK_N"]), M)](
-        x, xp, xs, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off, w.k_pad // _positions(w.qtype),
-        x.stride(0), xp.stride(0), xs.stride(0), y.stride(0),
+        x, xp, xs, dx, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off,
+        w.k_pad // _positions(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=_words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
         EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], XP=xp is not x,
+        num_stages=cfg["num_stages"], **flags,
     )  # fmt: skip
 
 
@@ -589,14 +616,14 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     i_words = i_pad // _positions(w2.qtype)
     bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     groups1 = gw.k_pad // _group_elems(gw.qtype)
-    xp, xs = prepare_x(x, gw.qtype, gw.k_pad) if cfg.get("x_prep") else (x, x)
+    xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
-        x, xp, xs, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), *(tables[:2] if tables else (ids, ids)), k, H,
-        I, gw.n, g_off, uw.n, u_off, gw.kq,
-        i_words, gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), inter.stride(0),
-        sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype), BLOCK_N=bn1,
-        EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype), XP=xp is not x,
-        INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x, xp, xs, dx, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), *(tables[:2] if tables else (ids, ids)), k,
+        H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words, gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0),
+        xs.stride(0), dx.stride(0), inter.stride(0), sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
+        WPG=_words_per_group(gw.qtype), BLOCK_N=bn1, EVEN_K=gw.k_pad == H,
+        **chunking(groups1, cfg["BLOCK_K"], gw.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **flags,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]

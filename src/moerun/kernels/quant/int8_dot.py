@@ -1,0 +1,168 @@
+"""Integer dot products for the quantized decode kernels: x quantized to int8 per 32 values, then four weight
+codes times four x values per instruction (dp4a), as llama.cpp's mmvq does.
+
+The float path of gemv_v2 spends about three instructions a weight (mask, subtract, FMA) and holds x as float32
+tiles in registers. Here x [T, K] becomes, once per call (one launch, `quantize_x`):
+  xq  int32 [T, K_pad / 4]   four int8 values a word, element order: word m holds elements 4m .. 4m + 3
+  dx  float32 [T, K_pad / 32]  the scale of each 32-element block: x ~ dx * xq, dx = max |x| / 127
+  xs  float32 [T, K_pad / 16]  exact sums of every 16 consecutive x (the min / code-bias terms)
+A weight word's four code bytes (Q4_K: a nibble plane masked out; Q6_K: the merged 6-bit codes; Q8_0: the
+bytes, sign restored) meet the x word of the same four elements in one dp4a, so a Q4_K word of eight weights
+costs two logic operations and two dp4a. Sub-block scales are applied per group as in gemv_v2:
+  Q4_K  d sc dx sum(c xq) - dmin mn X      Q6_K  d sc (dx sum(c xq) - 32 X)      Q8_0  d dx sum((c - 128) xq)
+The result differs from the float path by x's rounding to int8 (relative error about 0.3% of a block's
+largest value per element), which is what llama.cpp's CUDA decode computes too. In Triton's interpreter dp4a
+is emulated with shifts (constexpr INTERPRET); the GPU path uses the instruction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
+
+X_BLOCK = 32  # x values per int8 scale
+
+
+@triton.jit
+def dp4a(a, b, INTERPRET: tl.constexpr):
+    """Sum over the four bytes of int32 a and b of their products as signed int8: int32, elementwise."""
+    if INTERPRET:  # the interpreter runs no inline assembly
+        s = ((a << 24) >> 24) * ((b << 24) >> 24)
+        s += ((a << 16) >> 24) * ((b << 16) >> 24)
+        s += ((a << 8) >> 24) * ((b << 8) >> 24)
+        s += (a >> 24) * (b >> 24)
+        return s
+    return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
+                                     dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _quantize_x_kernel(
+    x_ptr,  # [T, K]
+    xq_ptr,  # [T, K_PAD / 4] int32
+    dx_ptr,  # [T, K_PAD / 32] float32
+    xs_ptr,  # [T, K_PAD / 16] float32
+    K,
+    K_PAD,
+    stride_xt,
+    stride_qt,
+    stride_dt,
+    stride_st,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] elements
+    v = tl.load(x_ptr + t * stride_xt + offs, mask=offs < K, other=0.0).to(tl.float32)
+    blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
+    amax = tl.max(tl.abs(blocks), axis=1)  # [B]
+    d = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    scaled = blocks * inv[:, None]
+    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
+    quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
+    word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
+    offs_w = tl.program_id(1) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    tl.store(xq_ptr + t * stride_qt + offs_w, word, mask=offs_w * 4 < K_PAD)
+    offs_d = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(dx_ptr + t * stride_dt + offs_d, d, mask=offs_d * 32 < K_PAD)
+    sums = tl.sum(tl.reshape(v, [BLOCK // 16, 16]), axis=1)  # [BLOCK / 16]
+    offs_s = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    tl.store(xs_ptr + t * stride_st + offs_s, sums, mask=offs_s * 16 < K_PAD)
+
+
+@triton.jit
+def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
+    """x of one token for groups g4 [1, 1, G, 1] / g3 [1, 1, G], words j4 [1, 1, 1, WPG] of a weight type QT
+    (groups as in gemv_v2): (xa, xb) the int8 words meeting plane 0 / 1 codes [1, 1, G, WPG], (da, db) their
+    block scales and (X0, X1) the exact plane sums [1, 1, G]. Q8_0 uses xa, da only."""
+    if QT == 8:  # block g: elements 32g + 4j + b
+        xa = tl.load(xq_row + 8 * g4 + j4)
+        xb = xa
+        da = tl.load(dx_row + g3)
+        db = da
+        X0 = da
+        X1 = da
+    elif QT == 12:  # pair g: plane p holds elements 64g + 32p + 4j + b
+        xa = tl.load(xq_row + 16 * g4 + j4)
+        xb = tl.load(xq_row + 16 * g4 + 8 + j4)
+        da = tl.load(dx_row + 2 * g3)
+        db = tl.load(dx_row + 2 * g3 + 1)
+        X0 = tl.load(xs_row + 4 * g3) + tl.load(xs_row + 4 * g3 + 1)
+        X1 = tl.load(xs_row + 4 * g3 + 2) + tl.load(xs_row + 4 * g3 + 3)
+    else:  # Q6_K group (q, h) = (g // 2, g % 2): plane p holds elements 64q + 32p + 16h + 4j + b
+        first = 16 * (g4 // 2) + 4 * (g4 % 2)
+        xa = tl.load(xq_row + first + j4)
+        xb = tl.load(xq_row + first + 8 + j4)
+        da = tl.load(dx_row + 2 * (g3 // 2))
+        db = tl.load(dx_row + 2 * (g3 // 2) + 1)
+        first3 = 4 * (g3 // 2) + g3 % 2
+        X0 = tl.load(xs_row + first3)
+        X1 = tl.load(xs_row + first3 + 2)
+    return xa, xb, da, db, X0, X1
+
+
+@triton.jit
+def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3, xa, xb, da, db, X0,
+           X1, INTERPRET: tl.constexpr):  # fmt: skip
+    """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32. Arguments
+    as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4 words, ok4 / ok3 row masks."""
+    if QT == 8:  # Q8_0: codes c + 128; xor 0x80 per byte gives c as a signed byte
+        w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8]
+        isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), INTERPRET), axis=3)  # [R0, R1, G]
+        d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)
+        part = (d * da) * isum.to(tl.float32)
+    elif QT == 12:  # Q4_K pair: low nibbles plane 0, high nibbles plane 1
+        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+        i0 = tl.sum(dp4a(w & 0x0F0F0F0F, tl.broadcast_to(xa, w.shape), INTERPRET), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(xb, w.shape), INTERPRET), axis=3)
+        d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
+    else:  # Q6_K half pair (4 words): high bits merged into each code byte, as gemv_v2 does
+        tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q6_K and Q8_0")
+        c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
+        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), INTERPRET), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), INTERPRET), axis=3)
+        d, sc0, sc1 = q6_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        part = d * (sc0 * (da * i0.to(tl.float32) - 32.0 * X0) + sc1 * (db * i1.to(tl.float32) - 32.0 * X1))
+    return tl.sum(part, axis=2)
+
+
+def quantize_x(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq int32 [T, k_pad / 4], dx float32 [T, k_pad / 32], xs float32 [T, k_pad / 16]) as the
+    module docstring lays them out (K zero-padded to k_pad, a multiple of 256). One launch."""
+    T, K = x.shape
+    xq = torch.empty(T, k_pad // 4, dtype=torch.int32, device=x.device)
+    dx = torch.empty(T, k_pad // X_BLOCK, dtype=torch.float32, device=x.device)
+    xs = torch.empty(T, k_pad // 16, dtype=torch.float32, device=x.device)
+    block = min(1024, triton.next_power_of_2(k_pad))
+    _quantize_x_kernel[(T, triton.cdiv(k_pad, block))](
+        x, xq, dx, xs, K, k_pad, x.stride(0), xq.stride(0), dx.stride(0), xs.stride(0), BLOCK=block,
+    )  # fmt: skip
+    return xq, dx, xs
+
+
+def quantize_x_reference(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of quantize_x: (xq int8 [T, k_pad], dx, xs) with xq unpacked, one value per element."""
+    T, K = x.shape
+    v = torch.zeros(T, k_pad, dtype=torch.float32, device=x.device)
+    v[:, :K] = x.float()
+    blocks = v.view(T, -1, X_BLOCK)  # [T, k_pad / 32, 32]
+    amax = blocks.abs().amax(dim=2)  # [T, k_pad / 32]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    scaled = blocks * inv[..., None]
+    q = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5)).to(torch.int8).view(T, k_pad)
+    return q, amax / 127.0, v.view(T, -1, 16).sum(dim=2)
+
+
+def unpack_xq(xq: torch.Tensor) -> torch.Tensor:
+    """int32 words [T, n] of quantize_x -> int8 values [T, 4n] in element order."""
+    return xq.contiguous().view(torch.int8).view(xq.shape[0], -1)
+
+
+def interpret_flag() -> bool:
+    """The INTERPRET constexpr of the kernels that call dp4a."""
+    return interpreting()

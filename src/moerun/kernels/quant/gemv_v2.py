@@ -26,7 +26,8 @@ loads four elements apart, reloaded by every program (the L1 pipe, not DRAM, lim
 config key "x_prep", one small launch first writes x in the position-major, pre-scaled layout that GEMM 2 reads
 (prepare_x, plus the sums of 16), and the kernels read it with vector loads instead. With the key "x_q8", x is
 quantized to int8 instead (int8_dot.quantize_x) and GEMM 1 and the dense GEMV take four codes times four x values
-per dp4a (int8_dot.q8_dot); GEMM 2 reads GEMM 1's float intermediate either way.
+per dp4a (int8_dot.q8_dot); with "inter_q8" too, GEMM 1 (programs of a multiple of 32 rows) writes its output as
+int8 words, scales and sums, and GEMM 2 takes dp4a as well.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
-from moerun.kernels.quant.int8_dot import interpret_flag, q8_dot, quantize_x, xq_tiles
+from moerun.kernels.quant.int8_dot import interpret_flag, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
@@ -299,8 +300,9 @@ def _gemm1_v2_kernel(
     xs_ptr,  # [T, H_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
     dx_ptr,  # [T, H_pad / 32] float32 int8 scales (XQ8; else a dummy)
     ids_ptr,  # [T*k]
-    inter_ptr,  # [T*k, I_pad] position-major, pre-scaled for the down type QW
+    inter_ptr,  # [T*k, I_pad] position-major, pre-scaled for the down type QW (OUT_Q8: int32 words [T*k, I_pad / 4])
     sums_ptr,  # [T*k, I_pad / 16] float32
+    dxi_ptr,  # OUT_Q8: [T*k, I_pad / 32] float32 int8 scales of the intermediate (else a dummy)
     gc, gh, gs, gd,  # gate arrays (codes / high as int32 words)
     uc, uh, us, ud,  # up arrays
     gt, ut,  # INDIRECT: [E, 4] int64 addresses of each expert's gate / up arrays (else dummies)
@@ -320,6 +322,7 @@ def _gemm1_v2_kernel(
     stride_pdt,
     stride_it,
     stride_st,
+    stride_dit,
     QT: tl.constexpr,
     QW: tl.constexpr,
     WPG: tl.constexpr,  # words per group of the gate/up type
@@ -333,6 +336,7 @@ def _gemm1_v2_kernel(
     INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
     XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
     INTERPRET: tl.constexpr = False,
+    OUT_Q8: tl.constexpr = False,  # write the intermediate as int8 (words, scales, sums); BLOCK_N a multiple of 32
 ):  # fmt: skip
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -369,39 +373,53 @@ def _gemm1_v2_kernel(
             acc_u += du
     # Rounded to the activation dtype, as the reference's intermediate is.
     act = tl.where(ok, _silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
-    # Position-major store for GEMM 2: element e -> (position, word) of the down type's layout, times 2^-s.
-    pos, word, exp = _pm_index(QW, offs_n)
-    pre = act * ((127 - exp) << 23).to(tl.float32, bitcast=True)
     i_row = inter_ptr + slot.to(tl.int64) * stride_it
-    tl.store(i_row + pos * I_WORDS + word, pre.to(inter_ptr.dtype.element_ty), mask=ok)
-    # Sums of every 16 consecutive values (BLOCK_N is a multiple of 16; padding rows add zeros).
-    sums = tl.sum(tl.reshape(act, [BLOCK_N // 16, 16]), axis=1)  # [BLOCK_N / 16]
-    offs_s = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-    tl.store(sums_ptr + slot.to(tl.int64) * stride_st + offs_s, sums, mask=offs_s * 16 < I)
+    s_row = sums_ptr + slot.to(tl.int64) * stride_st
+    if OUT_Q8:  # int8 words in element order, a scale per 32 and the sums of 16 of the rounded values
+        quantize_store(act, BLOCK_N, pid_n * BLOCK_N, i_row, dxi_ptr + slot.to(tl.int64) * stride_dit, s_row,
+                       I_WORDS * 4)  # fmt: skip
+    else:  # position-major for GEMM 2: element e -> (position, word) of the down type's layout, times 2^-s
+        pos, word, exp = _pm_index(QW, offs_n)
+        pre = act * ((127 - exp) << 23).to(tl.float32, bitcast=True)
+        tl.store(i_row + pos * I_WORDS + word, pre.to(inter_ptr.dtype.element_ty), mask=ok)
+        # Sums of every 16 consecutive values (BLOCK_N is a multiple of 16; padding rows add zeros).
+        sums = tl.sum(tl.reshape(act, [BLOCK_N // 16, 16]), axis=1)  # [BLOCK_N / 16]
+        offs_s = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+        tl.store(s_row + offs_s, sums, mask=offs_s * 16 < I)
 
 
 @triton.jit
-def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows,
-                 g0: tl.constexpr, G: tl.constexpr, KQ, I_WORDS, stride_it, stride_st):  # fmt: skip
+def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
+                 g0: tl.constexpr, G: tl.constexpr, KQ, I_WORDS, stride_it, stride_st, stride_dit,
+                 XQ8: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N, SLOTS] over groups [g0, g0 + G) of the rows [BLOCK_N, SLOTS]; slot [SLOTS] picks
-    each column's intermediate, which all BLOCK_N rows share."""
+    each column's intermediate, which all BLOCK_N rows share (XQ8: as int8 words, scales and sums)."""
     gi = g0 + tl.arange(0, G)
     g4 = gi[None, None, :, None]  # [1, 1, G, 1]
     g3 = gi[None, None, :]  # [1, 1, G]
     j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
     ok4 = ok[None, :, None, None]  # [1, SLOTS, 1, 1]
     ok3 = ok[None, :, None]
-    a = inter_ptr + slot[None, :, None, None] * stride_it + g4 * WPG + j4  # [1, SLOTS, G, WPG] position 0
     s_row = sums_ptr + slot[None, :, None] * stride_st  # [1, SLOTS, 1]; one sum per 16 elements
-    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _xp_tiles(QT, a, s_row, g3, ok4, ok3, I_WORDS)
-    return _v2_dot(QT, WPG, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
-                   x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+    if XQ8:
+        q_row = inter_ptr + slot[None, :, None, None] * stride_it  # [1, SLOTS, 1, 1]
+        d_row = dxi_ptr + slot[None, :, None] * stride_dit
+        xa, xb, da, db, X0, X1 = xq_tiles(QT, q_row, d_row, s_row, g4, j4, g3)
+        part = q8_dot(QT, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
+                      xa, xb, da, db, X0, X1, INTERPRET)  # fmt: skip
+    else:
+        a = inter_ptr + slot[None, :, None, None] * stride_it + g4 * WPG + j4  # [1, SLOTS, G, WPG] position 0
+        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _xp_tiles(QT, a, s_row, g3, ok4, ok3, I_WORDS)
+        part = _v2_dot(QT, WPG, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
+                       x0, x1, x2, x3, x4, x5, x6, x7, X0, X1)  # fmt: skip
+    return part
 
 
 @triton.jit
 def _gemm2_v2_kernel(
-    inter_ptr,  # [T*k, I_pad] position-major (GEMM 1)
+    inter_ptr,  # [T*k, I_pad] position-major (GEMM 1; XQ8: int32 words [T*k, I_pad / 4])
     sums_ptr,  # [T*k, I_pad / 16]
+    dxi_ptr,  # XQ8: [T*k, I_pad / 32] float32 int8 scales (else a dummy)
     ids_ptr,  # [T*k]
     topk_w_ptr,  # [T*k]
     out_ptr,  # [T, H] in the output dtype
@@ -413,6 +431,7 @@ def _gemm2_v2_kernel(
     I_WORDS,
     stride_it,
     stride_st,
+    stride_dit,
     stride_ot,
     QT: tl.constexpr,
     WPG: tl.constexpr,
@@ -423,6 +442,8 @@ def _gemm2_v2_kernel(
     REM: tl.constexpr,
     LOG_BG: tl.constexpr,
     INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
+    XQ8: tl.constexpr = False,  # the intermediate as int8 (GEMM 1 with OUT_Q8)
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -440,13 +461,13 @@ def _gemm2_v2_kernel(
         rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, SLOTS]
     acc = tl.zeros([BLOCK_N, SLOTS], dtype=tl.float32)
     for c in tl.static_range(FULL):
-        acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G, BLOCK_G, KQ,
-                            I_WORDS, stride_it, stride_st)  # fmt: skip
+        acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G,
+                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, INTERPRET)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
-            acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, slot, ok, wc, wh, ws, wd, rows,
+            acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                                 FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
-                                stride_st)  # fmt: skip
+                                stride_st, stride_dit, XQ8, INTERPRET)  # fmt: skip
     y = tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the k slots
     tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
@@ -608,32 +629,40 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     k = ids.shape[1]
     slots = T * k
     flat_ids = ids.reshape(-1)  # [T*k]
-    # bf16 keeps the intermediate's dtype; fp16 goes to float32, as 2^-12 pre-scaling would leave its range.
-    inter_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     new = torch.empty if i_pad == I else torch.zeros  # padding must read as zeros
-    inter = new(slots, i_pad, dtype=inter_dtype, device=x.device)  # [T*k, I_pad]
+    inter_q8 = bool(cfg.get("inter_q8"))
+    if inter_q8:  # int8 words in element order and a scale per 32, written by GEMM 1 programs of 32k rows
+        inter = new(slots, i_pad // 4, dtype=torch.int32, device=x.device)  # [T*k, I_pad / 4]
+        dxi = new(slots, i_pad // 32, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 32]
+        i_words = i_pad // 4
+        bn1 = max(32, cfg["BLOCK_N"] // 32 * 32)
+    else:
+        # bf16 keeps the intermediate's dtype; fp16 goes to float32, as 2^-12 pre-scaling would leave its range.
+        inter_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        inter = new(slots, i_pad, dtype=inter_dtype, device=x.device)  # [T*k, I_pad] position-major
+        dxi = inter
+        i_words = i_pad // _positions(w2.qtype)
+        bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     sums = new(slots, i_pad // 16, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 16]
-    i_words = i_pad // _positions(w2.qtype)
-    bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     groups1 = gw.k_pad // _group_elems(gw.qtype)
     xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
-        x, xp, xs, dx, flat_ids, inter, sums, *_arrays(gw), *_arrays(uw), *(tables[:2] if tables else (ids, ids)), k,
-        H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words, gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0),
-        xs.stride(0), dx.stride(0), inter.stride(0), sums.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
-        WPG=_words_per_group(gw.qtype), BLOCK_N=bn1, EVEN_K=gw.k_pad == H,
-        **chunking(groups1, cfg["BLOCK_K"], gw.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **flags,
+        x, xp, xs, dx, flat_ids, inter, sums, dxi, *_arrays(gw), *_arrays(uw),
+        *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
+        gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), inter.stride(0),
+        sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype),
+        BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
+        INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
+        **{"INTERPRET": interpret_flag(), **flags},
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
     groups2 = i_pad // _group_elems(w2.qtype)
     _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
-        inter, sums, flat_ids, weights.reshape(-1), out, *_arrays(w2), tables[2] if tables else ids, k, H, w2.kq,
-        i_words, inter.stride(0),
-        sums.stride(0), out.stride(0), QT=int(w2.qtype), WPG=_words_per_group(w2.qtype),
-        SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
+        inter, sums, dxi, flat_ids, weights.reshape(-1), out, *_arrays(w2), tables[2] if tables else ids, k, H,
+        w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
+        WPG=_words_per_group(w2.qtype), SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps2"],
-        num_stages=cfg["num_stages2"],
+        num_stages=cfg["num_stages2"], XQ8=inter_q8, INTERPRET=interpret_flag(),
     )  # fmt: skip
     return out

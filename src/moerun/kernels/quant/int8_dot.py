@@ -5,13 +5,13 @@ The float path of gemv_v2 spends about three instructions a weight (mask, subtra
 tiles in registers. Here x [T, K] becomes, once per call (one launch, `quantize_x`):
   xq  int32 [T, K_pad / 4]   four int8 values a word, element order: word m holds elements 4m .. 4m + 3
   dx  float32 [T, K_pad / 32]  the scale of each 32-element block: x ~ dx * xq, dx = max |x| / 127
-  xs  float32 [T, K_pad / 16]  exact sums of every 16 consecutive x (the min / code-bias terms)
+  xs  float32 [T, K_pad / 16]  sums of every 16 consecutive values of x^ = dx * xq (the min / code-bias terms)
 A weight word's four code bytes (Q4_K: a nibble plane masked out; Q6_K: the merged 6-bit codes; Q8_0: the
 bytes, sign restored) meet the x word of the same four elements in one dp4a, so a Q4_K word of eight weights
 costs two logic operations and two dp4a. Sub-block scales are applied per group as in gemv_v2:
   Q4_K  d sc dx sum(c xq) - dmin mn X      Q6_K  d sc (dx sum(c xq) - 32 X)      Q8_0  d dx sum((c - 128) xq)
-The result differs from the float path by x's rounding to int8 (relative error about 0.3% of a block's
-largest value per element), which is what llama.cpp's CUDA decode computes too. In Triton's interpreter dp4a
+The kernels compute W x^ exactly (to float32 rounding): it differs from W x by x's rounding to int8, at most half
+a step of its block's scale per element, which is what llama.cpp's CUDA decode computes too (q8_1 activations). In Triton's interpreter dp4a
 is emulated with shifts (constexpr INTERPRET); the GPU path uses the instruction.
 """
 
@@ -41,6 +41,28 @@ def dp4a(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, K_PAD):
+    """Quantize v [BLOCK] float32, the values of elements start + [0, BLOCK) of a row (start a multiple of 32), and
+    store their int8 words at xq_row, block scales at dx_row and the sums of 16 of x^ at xs_row, within the row's
+    K_PAD elements."""
+    blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
+    amax = tl.max(tl.abs(blocks), axis=1)  # [B]
+    d = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    scaled = blocks * inv[:, None]
+    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
+    quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
+    word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
+    offs_w = start // 4 + tl.arange(0, BLOCK // 4)
+    tl.store(xq_row + offs_w, word, mask=offs_w * 4 < K_PAD)
+    offs_d = start // 32 + tl.arange(0, BLOCK // 32)
+    tl.store(dx_row + offs_d, d, mask=offs_d * 32 < K_PAD)
+    halves = tl.sum(tl.reshape(q, [BLOCK // 32, 2, 16]), axis=2).to(tl.float32) * d[:, None]  # [B, 2]
+    offs_s = start // 16 + tl.arange(0, BLOCK // 16)
+    tl.store(xs_row + offs_s, tl.reshape(halves, [BLOCK // 16]), mask=offs_s * 16 < K_PAD)
+
+
+@triton.jit
 def _quantize_x_kernel(
     x_ptr,  # [T, K]
     xq_ptr,  # [T, K_PAD / 4] int32
@@ -57,28 +79,15 @@ def _quantize_x_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] elements
     v = tl.load(x_ptr + t * stride_xt + offs, mask=offs < K, other=0.0).to(tl.float32)
-    blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
-    amax = tl.max(tl.abs(blocks), axis=1)  # [B]
-    d = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    scaled = blocks * inv[:, None]
-    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
-    quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
-    word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
-    offs_w = tl.program_id(1) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
-    tl.store(xq_ptr + t * stride_qt + offs_w, word, mask=offs_w * 4 < K_PAD)
-    offs_d = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-    tl.store(dx_ptr + t * stride_dt + offs_d, d, mask=offs_d * 32 < K_PAD)
-    sums = tl.sum(tl.reshape(v, [BLOCK // 16, 16]), axis=1)  # [BLOCK / 16]
-    offs_s = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
-    tl.store(xs_ptr + t * stride_st + offs_s, sums, mask=offs_s * 16 < K_PAD)
+    quantize_store(v, BLOCK, tl.program_id(1) * BLOCK, xq_ptr + t * stride_qt, dx_ptr + t * stride_dt,
+                   xs_ptr + t * stride_st, K_PAD)
 
 
 @triton.jit
 def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
     """x of one token for groups g4 [1, 1, G, 1] / g3 [1, 1, G], words j4 [1, 1, 1, WPG] of a weight type QT
     (groups as in gemv_v2): (xa, xb) the int8 words meeting plane 0 / 1 codes [1, 1, G, WPG], (da, db) their
-    block scales and (X0, X1) the exact plane sums [1, 1, G]. Q8_0 uses xa, da only."""
+    block scales and (X0, X1) the plane sums of x^ [1, 1, G]. Q8_0 uses xa, da only."""
     if QT == 8:  # block g: elements 32g + 4j + b
         xa = tl.load(xq_row + 8 * g4 + j4)
         xb = xa
@@ -154,8 +163,16 @@ def quantize_x_reference(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, tor
     amax = blocks.abs().amax(dim=2)  # [T, k_pad / 32]
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     scaled = blocks * inv[..., None]
-    q = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5)).to(torch.int8).view(T, k_pad)
-    return q, amax / 127.0, v.view(T, -1, 16).sum(dim=2)
+    q = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5))  # [T, k_pad / 32, 32]
+    d = amax / 127.0
+    sums = q.view(T, -1, 2, 16).sum(dim=3) * d[..., None]  # [T, k_pad / 32, 2]
+    return q.to(torch.int8).view(T, k_pad), d, sums.view(T, -1)
+
+
+def dequantize_xq(xq: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+    """x^ [T, k_pad] float32 from quantize_x's words and scales: the values the kernels multiply."""
+    q = unpack_xq(xq).float()  # [T, k_pad]
+    return (q.view(q.shape[0], -1, X_BLOCK) * dx[..., None]).view(q.shape)
 
 
 def unpack_xq(xq: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,12 @@ fused_moe_triton; and fused_moe_triton on bf16 weights dequantised beforehand (t
 Capturable implementations are replayed from CUDA graphs of several calls that rotate over weight copies and
 routing sets, so the 60 MB L2 does not hold the touched experts between calls. Bandwidth counts the GGUF bytes
 of the experts actually touched; the HBM read ceiling (bf16 sum over 2 GiB) is measured in the same run.
-With --tune, a handful of configs per M bucket are timed first for the --tune-types and the fastest written to
+With --tune, a handful of configs per M bucket are timed first for the --tune-types (beside the default and the
+shipped table; --tune-families x_q8 keeps to the int8-x decode configs) and the fastest written to
 src/moerun/kernels/configs/quant_<TYPE>_E=..,H=..,I=..,device=....json (then used by the benchmark).
 
     python benchmarks/bench_quant_moe.py --tune --out bench_quant_out
+    python benchmarks/bench_quant_moe.py --tune --tune-types Q4_K_M --types Q4_K_M --H 4096 --I 1536 --m 1 2 4 8
 
 --compare times chosen configs of the tuning pool against the default instead (e.g. the gemv_v2 decode path):
 

@@ -45,7 +45,9 @@ for stage in $stages; do
         run tune 300 python3 benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick \
             --log-dir "$out/tune_logs"
         run tune 420 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K_M Q6_K Q8_0 \
-            --types Q4_K_M Q6_K Q8_0 --m 1 2 4 8 --out "$out/quant_tune" ;;
+            --types Q4_K_M Q6_K Q8_0 --m 1 2 4 8 --out "$out/quant_tune"
+        run tune 240 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K_M --types Q4_K_M --H 4096 \
+            --I 1536 --m 1 2 4 8 --out "$out/quant_tune_235b" ;;
     e2e)
         run e2e 540 python3 -m moerun.cli bench --preset qwen3-30b-a3b --prefill-lens 128,512,2048,8192 \
             --batch-sizes 1,8,64 --max-model-len 9216 --steps 32 --profile --vs transformers --hf-batch-sizes 1 \

@@ -1,13 +1,14 @@
 """Tune the dense quantized matmul (moerun.kernels.quant.matmul_quant) at a few rows of x on the current CUDA device.
 
 For every (GGUF type, N, K) part that a model's quantized attention projections and lm_head produce, and every M
-asked for, it checks each candidate config (the gemv path, the gemv_v2 path with its tiles and warps) once against
-dequantise + float32 matmul, then times it: a CUDA graph runs the part over enough copies of the weight to
+asked for, it checks each candidate config (the gemv path, the gemv_v2 path with its tiles and warps, x read as it
+is, prepared in the weights' layout or quantized to int8; the shipped config too) once against dequantise +
+float32 matmul, then times it: a CUDA graph runs the part over enough copies of the weight to
 overflow L2 (as a decode step streams each weight once), replayed through triton.testing.do_bench, divided by
 the copies. The winners are merged into src/moerun/kernels/configs/quant_gemv_<device>.json, which
 configs.get_matmul_config reads; a log of every candidate goes to --log-dir.
 
-    python benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick
+    python benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick [--families x_q8]
 """
 
 from __future__ import annotations

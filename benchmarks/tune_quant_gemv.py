@@ -69,7 +69,7 @@ def _v2(bn: int, bk: int, w: int, x_prep: bool = False, x_q8: bool = False) -> C
 def candidates(qtype: str, N: int, K: int, M: int, quick: bool, families: str = "all") -> list[Config]:
     """Configs to try, the default first, then the shipped one; gemv_v2 only for the types it reads.
     families="x_q8": only the int8-x gemv_v2 configs beside those two."""
-    out = [default_matmul_config(M, 1, interpret=False)]
+    out = [default_matmul_config(M, N, interpret=False, qtype=qtype)]
     shipped = load_matmul_table(device_name()).get(matmul_key(qtype, N, K), {}).get(M)
     if shipped:
         out.append(dict(shipped))

@@ -117,3 +117,13 @@ def check_graphed_moe(step, hidden, logits, w13, w2, k: int, tol: float, seed: i
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale,
                                    msg=lambda m: f"seed={seed}: {m}")
+
+
+def on_int8_grid(T: int, K: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """x [T, K] that int8 quantization per 32 values represents exactly (the quantized decode kernels' x_q8): integer
+    codes in [-127, 127] with +-127 in every block, times a power of two per block; exact in bf16 too."""
+    q = torch.randint(-127, 128, (T, K))
+    q[:, ::32] = 127 * (torch.randint(0, 2, q[:, ::32].shape) * 2 - 1)
+    scale = torch.pow(2.0, torch.randint(-8, -3, (T, (K + 31) // 32)).float()).repeat_interleave(32, dim=1)[:, :K]
+    return (q * scale).to(dtype).to(device)
+

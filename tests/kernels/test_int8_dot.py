@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import on_int8_grid
+
 pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantType  # noqa: E402
@@ -32,15 +34,6 @@ if ON_CUDA:
            "num_warps2": 4, "x_q8": True}  # fmt: skip
 else:  # the interpreter runs programs one by one: few, large ones
     MOE = {"path": "gemv_v2", "BLOCK_N": 256, "BLOCK_K": 4096, "BLOCK_N2": 256, "BLOCK_K2": 4096, "x_q8": True}
-
-
-def on_int8_grid(T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """x [T, K] that int8 quantization represents exactly: integer codes in [-127, 127] with 127 in every
-    32-value block (as the block's largest magnitude), times a power of two per block."""
-    q = torch.randint(-127, 128, (T, K))
-    q[:, ::32] = 127 * (torch.randint(0, 2, q[:, ::32].shape) * 2 - 1)
-    scale = torch.pow(2.0, torch.randint(-8, -3, (T, (K + 31) // 32)).float()).repeat_interleave(32, dim=1)[:, :K]
-    return (q * scale).to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("K", [256, 288, 2048])
@@ -73,7 +66,7 @@ def test_matmul_exact_on_int8_grid(seed, qt, M) -> None:
     # N = 48 is not a multiple of BLOCK_N; Q8_0 rows of 288 need padding; K = 512 is two 256-input chunks.
     N, K = 48, 512 if qt.is_k_quant else 288
     t = random_quantized(qt, (N, K), DEVICE)
-    x = on_int8_grid(M, K, torch.float32)
+    x = on_int8_grid(M, K, torch.float32, DEVICE)
     out = quant_matmul_triton(x, pack(t), config=MATMUL)
     ref = F.linear(x, t.dequantize(torch.float32))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(),
@@ -109,7 +102,7 @@ def test_moe_exact_on_int8_grid(seed, qt, T, k) -> None:
     w2 = QuantizedWeight([random_quantized(down_t, (E, H, I), DEVICE)])
     weights, ids = route_reference(torch.randn(T, E), k, True)
     weights, ids = weights.to(DEVICE), ids.to(DEVICE)
-    hidden = on_int8_grid(T, H, torch.float32)
+    hidden = on_int8_grid(T, H, torch.float32, DEVICE)
     out = fused_moe_quant(hidden, packed_parts(w13), packed_parts(w2)[0], weights, ids, MOE)
     ref = fused_moe_reference(hidden, w13, w2, weights, ids)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(),

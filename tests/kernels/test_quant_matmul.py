@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import on_int8_grid
+
 pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantizedTensor, QuantType  # noqa: E402
@@ -108,7 +110,8 @@ def test_float_part_uses_torch(seed) -> None:
 
 def test_quant_linear_dispatch(seed) -> None:
     w = QuantizedWeight([random_quantized(QuantType.Q6_K, (40, 256), DEVICE)])
-    x = torch.randn(2, 1, 256, device=DEVICE).bfloat16()  # any leading dims
+    # any leading dims; x on the int8 grid, which the GPU's decode default (x rounded to int8) keeps exact
+    x = on_int8_grid(2, 256, torch.bfloat16, DEVICE).view(2, 1, 256)
     bias = torch.randn(40, device=DEVICE).bfloat16()
     out = quant_matmul(x, w, backend="triton", bias=bias)
     ref = quant_matmul(x, w, backend="torch", bias=bias)
@@ -132,7 +135,10 @@ def test_pack_model_packs_each_weight_once() -> None:
 
 def test_default_config_paths() -> None:
     assert default_matmul_config(1, 4096, interpret=False)["path"] == "gemv"
-    assert default_matmul_config(512, 4096, interpret=False)["path"] == "tile"
+    assert default_matmul_config(1, 4096, interpret=False, qtype="Q5_K")["path"] == "gemv"
+    # decode of the types gemv_v2 reads: int8 x, as every H200 tuning picked
+    assert default_matmul_config(1, 4096, interpret=False, qtype="Q4_K")["x_q8"]
+    assert default_matmul_config(512, 4096, interpret=False, qtype="Q4_K")["path"] == "tile"
 
 
 def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
@@ -150,8 +156,10 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
     try:
         assert configs.get_matmul_config("Q4_K", 64, 256, 1, "FAKE") == tuned
         assert configs.get_matmul_config("Q4_K", 64, 256, 2, "FAKE") == tuned
-        assert configs.get_matmul_config("Q4_K", 64, 256, 3, "FAKE") == configs.default_matmul_config(3, 64, False)
-        assert configs.get_matmul_config("Q6_K", 64, 256, 1, "FAKE") == configs.default_matmul_config(1, 64, False)
+        assert configs.get_matmul_config("Q4_K", 64, 256, 3, "FAKE") == \
+            configs.default_matmul_config(3, 64, False, "Q4_K")
+        assert configs.get_matmul_config("Q6_K", 64, 256, 1, "FAKE") == \
+            configs.default_matmul_config(1, 64, False, "Q6_K")
         # the MoE table of decode buckets says nothing about prefill sizes
         moe = {"1": {**tuned, "BLOCK_N2": 4, "BLOCK_K2": 256}, "8": {**tuned, "BLOCK_N2": 8, "BLOCK_K2": 256}}
         (tmp_path / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(moe))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import check_graphed_moe
+from helpers import check_graphed_moe, on_int8_grid
 
 pytest.importorskip("triton")
 
@@ -170,7 +170,8 @@ def test_cuda_graph_capture_and_replay(seed, config, T) -> None:
     E, H, I, k = 16, 512, 256, 4  # noqa: E741
     w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q4_K, QuantType.Q6_K)
     p13, p2 = packed_parts(w13), packed_parts(w2)[0]
-    hidden = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    # on the int8 grid, which the decode default (x rounded to int8) keeps exact
+    hidden = on_int8_grid(T, H, torch.bfloat16, DEVICE)
     logits = torch.randn(T, E, device=DEVICE)
     cfg = CONFIGS.get(config)
 

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
-from moerun.kernels.quant.int8_dot import interpret_flag, q8_dot, quantize_store, quantize_x, xq_tiles
+from moerun.kernels.quant.int8_dot import emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
@@ -261,7 +261,7 @@ def _x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row,
 @triton.jit
 def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
                 G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8: tl.constexpr,
-                INTERPRET: tl.constexpr):  # fmt: skip
+                EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N] of rows [BLOCK_N] (ok: which to read) over groups [g0, g0 + G) against one token's
     x tiles (_x_chunk of the same groups)."""
     gi = g0 + tl.arange(0, G)  # [G]
@@ -269,7 +269,7 @@ def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, ro
     if XQ8:
         part = q8_dot(QT, codes, high, sub, scale, rows[:, None, None, None], rows[:, None, None],
                       gi[None, None, :, None], gi[None, None, :], j4, KQ, ok[:, None, None, None], ok[:, None, None],
-                      x0, x1, x2, x3, X0, X1, INTERPRET)  # fmt: skip
+                      x0, x1, x2, x3, X0, X1, EMULATE_DP4A)  # fmt: skip
     else:
         part = _v2_dot(QT, WPG, codes, high, sub, scale, rows[:, None, None, None], rows[:, None, None],
                        gi[None, None, :, None], gi[None, None, :], j4, KQ, ok[:, None, None, None], ok[:, None, None],
@@ -280,16 +280,16 @@ def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, ro
 @triton.jit
 def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd,
                  uc, uh, us, ud, rows_g, rows_u, ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr,
-                 XP: tl.constexpr, XQ8: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                 XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """(gate, up) partial sums [BLOCK_N] over groups [g0, g0 + G) of the rows (rows where ok is false read
     nothing)."""
     gi = g0 + tl.arange(0, G)  # [G]
     x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gi, EVEN_K,
                                                       XP, XQ8)  # fmt: skip
     dg = _rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
-                     INTERPRET)  # fmt: skip
+                     EMULATE_DP4A)  # fmt: skip
     du = _rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
-                     INTERPRET)  # fmt: skip
+                     EMULATE_DP4A)  # fmt: skip
     return dg, du
 
 
@@ -335,7 +335,7 @@ def _gemm1_v2_kernel(
     XP: tl.constexpr,  # read x from xp / xs
     INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
     XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
-    INTERPRET: tl.constexpr = False,
+    EMULATE_DP4A: tl.constexpr = False,
     OUT_Q8: tl.constexpr = False,  # write the intermediate as int8 (words, scales, sums); BLOCK_N a multiple of 32
 ):  # fmt: skip
     slot = tl.program_id(0)
@@ -361,14 +361,14 @@ def _gemm1_v2_kernel(
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(FULL):
         dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud,
-                              rows_g, rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP, XQ8, INTERPRET)  # fmt: skip
+                              rows_g, rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
         acc_g += dg
         acc_u += du
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us,
                                   ud, rows_g, rows_u, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K,
-                                  XP, XQ8, INTERPRET)  # fmt: skip
+                                  XP, XQ8, EMULATE_DP4A)  # fmt: skip
             acc_g += dg
             acc_u += du
     # Rounded to the activation dtype, as the reference's intermediate is.
@@ -391,7 +391,7 @@ def _gemm1_v2_kernel(
 @triton.jit
 def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                  g0: tl.constexpr, G: tl.constexpr, KQ, I_WORDS, stride_it, stride_st, stride_dit,
-                 XQ8: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                 XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N, SLOTS] over groups [g0, g0 + G) of the rows [BLOCK_N, SLOTS]; slot [SLOTS] picks
     each column's intermediate, which all BLOCK_N rows share (XQ8: as int8 words, scales and sums)."""
     gi = g0 + tl.arange(0, G)
@@ -406,7 +406,7 @@ def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
         d_row = dxi_ptr + slot[None, :, None] * stride_dit
         xa, xb, da, db, X0, X1 = xq_tiles(QT, q_row, d_row, s_row, g4, j4, g3)
         part = q8_dot(QT, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
-                      xa, xb, da, db, X0, X1, INTERPRET)  # fmt: skip
+                      xa, xb, da, db, X0, X1, EMULATE_DP4A)  # fmt: skip
     else:
         a = inter_ptr + slot[None, :, None, None] * stride_it + g4 * WPG + j4  # [1, SLOTS, G, WPG] position 0
         x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _xp_tiles(QT, a, s_row, g3, ok4, ok3, I_WORDS)
@@ -443,7 +443,7 @@ def _gemm2_v2_kernel(
     LOG_BG: tl.constexpr,
     INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
     XQ8: tl.constexpr = False,  # the intermediate as int8 (GEMM 1 with OUT_Q8)
-    INTERPRET: tl.constexpr = False,
+    EMULATE_DP4A: tl.constexpr = False,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -462,12 +462,12 @@ def _gemm2_v2_kernel(
     acc = tl.zeros([BLOCK_N, SLOTS], dtype=tl.float32)
     for c in tl.static_range(FULL):
         acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G,
-                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, INTERPRET)  # fmt: skip
+                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, EMULATE_DP4A)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                                 FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
-                                stride_st, stride_dit, XQ8, INTERPRET)  # fmt: skip
+                                stride_st, stride_dit, XQ8, EMULATE_DP4A)  # fmt: skip
     y = tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the k slots
     tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
@@ -502,7 +502,7 @@ def _matmul_v2_kernel(
     EVEN_K: tl.constexpr,
     XP: tl.constexpr,  # read x from xp / xs
     XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
-    INTERPRET: tl.constexpr = False,
+    EMULATE_DP4A: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     pid_n = tl.program_id(0)
@@ -520,14 +520,14 @@ def _matmul_v2_kernel(
         x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
                                                           EVEN_K, XP, XQ8)  # fmt: skip
         acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, c * BLOCK_G, BLOCK_G, KQ,
-                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, INTERPRET)  # fmt: skip
+                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             gi = FULL * BLOCK_G + (REM & ((1 << b) - 1)) + tl.arange(0, 1 << b)
             x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
                                                               EVEN_K, XP, XQ8)  # fmt: skip
             acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b,
-                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, INTERPRET)  # fmt: skip
+                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + col_off + offs_n, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -594,7 +594,7 @@ def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int,
     (cfg["x_prep"]) or read as it is (x standing in for the unused arrays)."""
     if cfg.get("x_q8"):
         xq, dx, xs = quantize_x(x, k_pad)
-        return xq, xs, dx, {"XP": False, "XQ8": True, "INTERPRET": interpret_flag()}
+        return xq, xs, dx, {"XP": False, "XQ8": True, "EMULATE_DP4A": emulate_dp4a()}
     if cfg.get("x_prep"):
         xp, xs = prepare_x(x, qtype, k_pad)
         return xp, xs, x, {"XP": True}
@@ -653,7 +653,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype),
         BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
-        **{"INTERPRET": interpret_flag(), **flags},
+        **{"EMULATE_DP4A": emulate_dp4a(), **flags},
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
@@ -663,6 +663,6 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
         WPG=_words_per_group(w2.qtype), SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps2"],
-        num_stages=cfg["num_stages2"], XQ8=inter_q8, INTERPRET=interpret_flag(),
+        num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(),
     )  # fmt: skip
     return out

@@ -11,8 +11,9 @@ bytes, sign restored) meet the x word of the same four elements in one dp4a, so 
 costs two logic operations and two dp4a. Sub-block scales are applied per group as in gemv_v2:
   Q4_K  d sc dx sum(c xq) - dmin mn X      Q6_K  d sc (dx sum(c xq) - 32 X)      Q8_0  d dx sum((c - 128) xq)
 The kernels compute W x^ exactly (to float32 rounding): it differs from W x by x's rounding to int8, at most half
-a step of its block's scale per element, which is what llama.cpp's CUDA decode computes too (q8_1 activations). In Triton's interpreter dp4a
-is emulated with shifts (constexpr INTERPRET); the GPU path uses the instruction.
+a step of its block's scale per element, which is what llama.cpp's CUDA decode computes too (q8_1 activations).
+In Triton's interpreter, and on GPUs other than NVIDIA's (whose PTX this inline assembly is), dp4a is emulated
+with shifts (constexpr EMULATE_DP4A); on NVIDIA GPUs it is the instruction.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ X_BLOCK = 32  # x values per int8 scale
 
 
 @triton.jit
-def dp4a(a, b, INTERPRET: tl.constexpr):
+def dp4a(a, b, EMULATE_DP4A: tl.constexpr):
     """Sum over the four bytes of int32 a and b of their products as signed int8: int32, elementwise."""
-    if INTERPRET:  # the interpreter runs no inline assembly
+    if EMULATE_DP4A:  # no PTX inline assembly: the interpreter, or a GPU that is not NVIDIA's
         s = ((a << 24) >> 24) * ((b << 24) >> 24)
         s += ((a << 16) >> 24) * ((b << 16) >> 24)
         s += ((a << 8) >> 24) * ((b << 8) >> 24)
@@ -116,25 +117,25 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
 
 @triton.jit
 def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3, xa, xb, da, db, X0,
-           X1, INTERPRET: tl.constexpr):  # fmt: skip
+           X1, EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32. Arguments
     as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4 words, ok4 / ok3 row masks."""
     if QT == 8:  # Q8_0: codes c + 128; xor 0x80 per byte gives c as a signed byte
         w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8]
-        isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), INTERPRET), axis=3)  # [R0, R1, G]
+        isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)
         part = (d * da) * isum.to(tl.float32)
     elif QT == 12:  # Q4_K pair: low nibbles plane 0, high nibbles plane 1
         w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        i0 = tl.sum(dp4a(w & 0x0F0F0F0F, tl.broadcast_to(xa, w.shape), INTERPRET), axis=3)  # [R0, R1, G]
-        i1 = tl.sum(dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(xb, w.shape), INTERPRET), axis=3)
+        i0 = tl.sum(dp4a(w & 0x0F0F0F0F, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
         d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
     else:  # Q6_K half pair (4 words): high bits merged into each code byte, as gemv_v2 does
         tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q6_K and Q8_0")
         c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
-        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), INTERPRET), axis=3)  # [R0, R1, G]
-        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), INTERPRET), axis=3)
+        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), EMULATE_DP4A), axis=3)
         d, sc0, sc1 = q6_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         part = d * (sc0 * (da * i0.to(tl.float32) - 32.0 * X0) + sc1 * (db * i1.to(tl.float32) - 32.0 * X1))
     return tl.sum(part, axis=2)
@@ -180,6 +181,7 @@ def unpack_xq(xq: torch.Tensor) -> torch.Tensor:
     return xq.contiguous().view(torch.int8).view(xq.shape[0], -1)
 
 
-def interpret_flag() -> bool:
-    """The INTERPRET constexpr of the kernels that call dp4a."""
-    return interpreting()
+def emulate_dp4a() -> bool:
+    """The EMULATE_DP4A constexpr of the kernels that call dp4a: in Triton's interpreter, or on a ROCm build of
+    torch (whose GPUs take no PTX)."""
+    return interpreting() or torch.version.hip is not None

@@ -276,3 +276,39 @@ def test_attention_forward_fused_norm_falls_back(seed: int) -> None:
     set_quantized(attn.qkv_proj, "weight", QuantizedWeight([blocks]))
     (ref, ref_res, _), (out, res, _) = run_both(attn, norm, batch, cache, x, residual, backend="triton")
     assert torch.equal(out, ref) and torch.equal(res, ref_res), f"seed={seed}"
+
+
+def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch) -> None:
+    """GGUF q|k|v whose kernels round x to int8: the norm's kernel hands x over rounded (ops.rms_norm_int8), and
+    the result is bit for bit that of the q|k|v kernels rounding it themselves."""
+    from moerun import ops
+    from moerun.formats.quants import QuantizedTensor
+    from moerun.kernels.quant import matmul_quant
+    from moerun.layers.linear import Linear
+    from moerun.layers.quantized import QuantizedWeight, set_quantized
+
+    attn, norm, config = tiny_attention(torch.float32)
+    batch, cache, x, residual = decode_inputs(config, torch.float32)
+    blocks = QuantizedTensor.from_float(attn.qkv_proj.weight.detach(), "Q8_0")
+    set_quantized(attn.qkv_proj, "weight", QuantizedWeight([QuantizedTensor(blocks.raw.to(DEVICE), blocks.qtype,
+                                                                            blocks.shape)]))  # fmt: skip
+    int8_cfg = {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 128, "BLOCK_K": 256, "num_warps": 4,
+                "num_stages": 1, "x_q8": True}  # fmt: skip
+    monkeypatch.setattr(matmul_quant, "get_matmul_config", lambda *args: int8_cfg)
+    # the interpreter on the CPU, for the quantized matmul and for the norm of the path that rounds x in q|k|v
+    monkeypatch.setattr("moerun.ops.quant.pick_backend", lambda *args: "triton")
+    monkeypatch.setattr("moerun.ops.norm.pick_backend", lambda *args: "triton")
+    calls = []
+    norm_int8 = ops.rms_norm_int8
+    monkeypatch.setattr(ops, "rms_norm_int8", lambda *args: calls.append(1) or norm_int8(*args))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return attn.forward_fused_norm(x, residual, norm, batch, clone_cache(cache), backend="triton")
+
+    out, new_residual = run()
+    assert calls == [1], "the norm did not hand over int8 rows"
+    monkeypatch.setattr(Linear, "int8_input_pad", lambda self, x, backend=None: None)  # q|k|v rounds x itself
+    ref, ref_residual = run()
+    assert calls == [1]
+    assert torch.equal(out, ref) and torch.equal(new_residual, ref_residual), f"seed={seed}"

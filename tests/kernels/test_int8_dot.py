@@ -146,3 +146,20 @@ def test_moe_int8_intermediate_within_int8_error(seed, qt, T, k) -> None:
         # reference: one step of one value, far below the int8 error itself (about 2% of the scale here).
         err = (out - ref).abs().max().item()
         assert err <= 2e-3 * ref.abs().max().item(), f"seed={seed} {qt.name} I={I}: max error {err}"
+
+
+def test_matmul_reads_int8_rows_handed_over(seed) -> None:
+    # x rounded by its producer (ops.rms_norm_int8) is what the parts that round x read: the same rows give the
+    # same result bit for bit, other rows another result; parts on float x ignore them.
+    K = 512
+    parts = [pack(random_quantized(QuantType.Q4_K, (32, K), DEVICE)), pack(random_quantized(QuantType.Q6_K, (16, K),
+                                                                                             DEVICE))]  # fmt: skip
+    x = torch.randn(2, K, device=DEVICE)
+    own = quant_matmul_triton(x, parts, config=MATMUL)
+    rows = quantize_x(x, padded_k(K))
+    assert torch.equal(quant_matmul_triton(x, parts, config=MATMUL, x_int8=rows), own), f"seed={seed}"
+    other = quantize_x(torch.randn(2, K, device=DEVICE), padded_k(K))
+    assert not torch.equal(quant_matmul_triton(x, parts, config=MATMUL, x_int8=other), own)
+    float_x = {**MATMUL, "x_q8": False}
+    assert torch.equal(quant_matmul_triton(x, parts, config=float_x, x_int8=other),
+                       quant_matmul_triton(x, parts, config=float_x))  # fmt: skip

@@ -118,3 +118,31 @@ def test_rms_norm_rejects_mismatched_weight() -> None:
         rms_norm_triton(x, weight.float(), EPS)
     with pytest.raises(ValueError, match="weight"):
         rms_norm_triton(x, weight[:16], EPS)
+
+
+@pytest.mark.parametrize("H,k_pad", [(64, 256), (2048, 2048), (2304, 2304)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_int8_output_is_the_quantized_norm(seed, H, k_pad, dtype, with_residual) -> None:
+    # ops.rms_norm_int8: the same normed output and residual as rms_norm, and the int8 rows that quantize_x
+    # gives for that output (the quantized decode kernels' input), bit for bit
+    from moerun.kernels.quant.int8_dot import quantize_x
+    from moerun.ops.norm import rms_norm_int8
+
+    x = torch.randn(3, H, device=DEVICE).to(dtype)
+    residual = torch.randn(3, H, device=DEVICE).to(dtype) if with_residual else None
+    weight = (torch.rand(H, device=DEVICE) + 0.5).to(dtype)
+    out, new_residual, rows = rms_norm_int8(x, weight, EPS, residual, k_pad)
+    ref_out, ref_residual = rms_norm_triton(x, weight, EPS, residual)
+    assert torch.equal(out, ref_out) and torch.equal(new_residual, ref_residual), f"seed={seed}"
+    expected = quantize_x(out, k_pad)
+    for got, want in zip(rows, expected):
+        assert torch.equal(got, want), f"seed={seed}"
+
+
+def test_int8_output_needs_a_whole_padded_row() -> None:
+    from moerun.ops.norm import rms_norm_int8
+
+    x = torch.randn(2, 300, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        rms_norm_int8(x, torch.ones(300, device=DEVICE), EPS, None, 256)

@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add, one Triton program per row.
+"""RMSNorm with an optional fused residual add, one Triton program per row; optionally also the output rounded
+to int8 as the quantized decode kernels read it (int8_dot.quantize_x's layout), saving them a launch.
 
 The roundings follow ``RMSNorm.forward_with_residual`` step by step (sum in x's dtype, normalisation in
 float32, cast to x's dtype, product with the weight rounded once), so only the order of the float32 sum of
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.quant.int8_dot import Int8Rows, quantize_store
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 
 # A whole row lives in registers (at most 32 floats per thread with 16 warps); larger rows would spill.
@@ -93,18 +95,46 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    xq_ptr=None,  # Q8: [T, K_PAD / 4] int32, [T, K_PAD / 32] and [T, K_PAD / 16] float32 (Int8Rows)
+    dx_ptr=None,
+    xs_ptr=None,
+    K_PAD: tl.constexpr = 0,
+    Q8: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H, HAS_RESIDUAL,
-                     BLOCK_H, INTERPRET)
+    out = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
+                           HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
+    if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
+        quantize_store(out.to(tl.float32), BLOCK_H, 0, xq_ptr + row * (K_PAD // 4), dx_ptr + row * (K_PAD // 32),
+                       xs_ptr + row * (K_PAD // 16), K_PAD)  # fmt: skip
 
 
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_normalise(x + residual), x + residual) for x [T, H]; new_residual is x when residual is None."""
+    out, new_residual, _ = _rms_norm(x, weight, eps, residual, None)
+    return out, new_residual
+
+
+def rms_norm_int8_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int
+) -> tuple[torch.Tensor, torch.Tensor, Int8Rows]:
+    """rms_norm_triton, plus its output rounded to int8 as int8_dot.quantize_x(out, k_pad) would give it, in the
+    same launch."""
+    if k_pad % 256 or k_pad < x.shape[-1]:
+        raise ValueError(f"k_pad must be a multiple of 256 covering the {x.shape[-1]} columns, got {k_pad}")
+    out, new_residual, rows = _rms_norm(x, weight, eps, residual, k_pad)
+    assert rows is not None
+    return out, new_residual, rows
+
+
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int | None
+) -> tuple[torch.Tensor, torch.Tensor, Int8Rows | None]:
+    """Both entry points: checks, one launch; the int8 rows when k_pad is given."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
@@ -123,9 +153,16 @@ def rms_norm_triton(
     weight = weight.contiguous()
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
     new_residual = torch.empty_like(out) if residual is not None else x  # [T, H]
+    rows = None
+    q8: dict = {}
+    if k_pad is not None:
+        rows = Int8Rows(torch.empty(T, k_pad // 4, dtype=torch.int32, device=x.device),
+                        torch.empty(T, k_pad // 32, dtype=torch.float32, device=x.device),
+                        torch.empty(T, k_pad // 16, dtype=torch.float32, device=x.device))  # fmt: skip
+        q8 = dict(xq_ptr=rows.xq, dx_ptr=rows.dx, xs_ptr=rows.xs, K_PAD=k_pad, Q8=True)
     if T == 0:
-        return out, new_residual
-    block_h = triton.next_power_of_2(H)
+        return out, new_residual, rows
+    block_h = triton.next_power_of_2(max(H, k_pad or 0))
     # about 8 elements per thread: enough loads in flight without spilling
     num_warps = max(1, min(16, block_h // 256))
     pdl = pdl_mode(x.device, T)
@@ -147,5 +184,6 @@ def rms_norm_triton(
         enable_fp_fusion=False,
         PDL=pdl,
         **launch_options(pdl),
+        **q8,
     )
-    return out, new_residual
+    return out, new_residual, rows

@@ -7,11 +7,15 @@ so that a missing piece is an error, never silently uninitialised memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moerun import ops
+
+if TYPE_CHECKING:
+    from moerun.kernels.quant.int8_dot import Int8Rows
 
 ShardIndex = tuple  # an index into a parameter's leading dimensions (all but the last)
 
@@ -45,13 +49,23 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_int8: Int8Rows | None = None) -> torch.Tensor:
+        """x_int8: x already rounded to int8 (ops.rms_norm_int8), for GGUF blocks whose kernels round x."""
         q = self.__dict__.get("q_weight")
         if q is not None:
             from moerun.ops.quant import quant_matmul
 
-            return quant_matmul(x, q, bias=self.bias)
+            return quant_matmul(x, q, bias=self.bias, x_int8=x_int8)
         return ops.linear(x, self.weight, self.bias)
+
+    def int8_input_pad(self, x: torch.Tensor, backend: str | None = None) -> int | None:
+        """The padding at which forward would round x to int8 (GGUF blocks on the Triton path), else None."""
+        q = self.__dict__.get("q_weight")
+        if q is None:
+            return None
+        from moerun.ops.quant import int8_input_pad
+
+        return int8_input_pad(x, q, backend)
 
 
 class MergedLinear(Linear):

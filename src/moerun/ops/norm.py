@@ -1,10 +1,17 @@
-"""Public RMSNorm entry point ``rms_norm`` (optionally fused with the residual add), torch or Triton."""
+"""Public RMSNorm entry points: ``rms_norm`` (optionally fused with the residual add), torch or Triton, and
+``rms_norm_int8``, which also rounds the output to int8 for the quantized decode kernels."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from moerun.ops.dispatch import pick_backend
+
+if TYPE_CHECKING:
+    from moerun.kernels.quant.int8_dot import Int8Rows
+
 
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -33,3 +40,13 @@ def rms_norm(
     flat_residual = residual.reshape(-1, H) if residual is not None else None
     out, new_residual = rms_norm_triton(x.reshape(-1, H), weight, eps, flat_residual)
     return out.view(shape), new_residual.view(shape)
+
+
+def rms_norm_int8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int
+) -> tuple[torch.Tensor, torch.Tensor, Int8Rows]:
+    """rms_norm of x [T, H] on the Triton path, plus its output rounded to int8 for the quantized decode kernels
+    (kernels/quant/int8_dot.py; K padded to k_pad), in one launch: (normed, new residual, Int8Rows)."""
+    from moerun.kernels.rmsnorm import rms_norm_int8_triton
+
+    return rms_norm_int8_triton(x, weight, eps, residual, k_pad)

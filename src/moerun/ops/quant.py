@@ -10,6 +10,7 @@ blocks of every weight that no embedding reads, so each weight is held once. The
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 from moerun.kernels.quant.repack import PackedWeight, cat_rows, pack
 from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
+
+if TYPE_CHECKING:
+    from moerun.kernels.quant.int8_dot import Int8Rows
 
 # a list: parts already repacked (row-stacked), as an offloaded layer's repacked slot pool holds them
 Weight = QuantizedWeight | PackedWeight | list[PackedWeight]
@@ -69,17 +73,30 @@ def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
 
 
 def quant_matmul(
-    x: torch.Tensor, weight: Weight, backend: str | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: Weight, backend: str | None = None, bias: torch.Tensor | None = None,
+    x_int8: Int8Rows | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for a quantized W [N, K] -> [..., N] in x's dtype (Triton on CUDA or in the
-    interpreter with backend="triton"; dequantise + F.linear with the torch backend)."""
+    interpreter with backend="triton"; dequantise + F.linear with the torch backend). ``x_int8``: x already
+    rounded to int8 (rows of x [T, K], int8_input_pad's padding), read by the parts whose config rounds x."""
     if pick_backend(backend, x.device, "quantized matmul") == "torch":
         return F.linear(x, weight.dequantize(x.dtype), bias)
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
     K = x.shape[-1]
-    y = quant_matmul_triton(x.reshape(-1, K), packed_parts(weight), bias)
+    y = quant_matmul_triton(x.reshape(-1, K), packed_parts(weight), bias, x_int8=x_int8)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) -> int | None:
+    """The padded row length at which quant_matmul's Triton path rounds x [..., K] to int8 for some part of
+    weight (its tuned or default config says so), else None: a producer of x may then hand it over already
+    rounded (ops.rms_norm_int8)."""
+    if pick_backend(backend, x.device, "quantized matmul") == "torch":
+        return None
+    from moerun.kernels.quant.matmul_quant import int8_input_pad as pad_of
+
+    return pad_of(packed_parts(weight), x.numel() // x.shape[-1])
 
 
 def fused_moe_quantized(

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
-from moerun.kernels.quant.int8_dot import emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
+from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
@@ -588,12 +588,14 @@ def prepare_x(x: torch.Tensor, qtype: QuantType, k_pad: int) -> tuple[torch.Tens
     return xp, xs
 
 
-def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int,
-                cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, bool]]:  # fmt: skip
-    """(xp, xs, dx, flags) of one call: x quantized to int8 (cfg["x_q8"]), prepared in the weights' layout
-    (cfg["x_prep"]) or read as it is (x standing in for the unused arrays)."""
+def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
+                x_int8: Int8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, bool]]:
+    """(xp, xs, dx, flags) of one call: x quantized to int8 (cfg["x_q8"]; x_int8 when its producer rounded it
+    already), prepared in the weights' layout (cfg["x_prep"]) or read as it is (x standing in for the unused
+    arrays)."""
     if cfg.get("x_q8"):
-        xq, dx, xs = quantize_x(x, k_pad)
+        usable = x_int8 is not None and x_int8.k_pad == k_pad and x_int8.xq.shape[0] == x.shape[0]
+        xq, dx, xs = x_int8 if usable else quantize_x(x, k_pad)
         return xq, xs, dx, {"XP": False, "XQ8": True, "EMULATE_DP4A": emulate_dp4a()}
     if cfg.get("x_prep"):
         xp, xs = prepare_x(x, qtype, k_pad)
@@ -602,12 +604,13 @@ def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int,
 
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
-                   cfg: Config) -> None:  # fmt: skip
+                   cfg: Config, x_int8: Int8Rows | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w;
-    with cfg["x_q8"] x is quantized to int8 first (int8_dot), with cfg["x_prep"] read through prepare_x."""
+    with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
+    prepare_x."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
-    xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg)
+    xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
     _matmul_v2_kernel[(triton.cdiv(w.n, cfg["BLOCK_N"]), M)](
         x, xp, xs, dx, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off,
         w.k_pad // _positions(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),

@@ -18,6 +18,8 @@ with shifts (constexpr EMULATE_DP4A); on NVIDIA GPUs it is the instruction.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,18 @@ from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 
 X_BLOCK = 32  # x values per int8 scale
+
+
+class Int8Rows(NamedTuple):
+    """Rows of x rounded to int8 as the kernels read them (quantize_x's output; the module docstring's layout)."""
+
+    xq: torch.Tensor  # int32 [T, k_pad / 4], four int8 values a word
+    dx: torch.Tensor  # float32 [T, k_pad / 32]
+    xs: torch.Tensor  # float32 [T, k_pad / 16]
+
+    @property
+    def k_pad(self) -> int:
+        return self.xq.shape[1] * 4
 
 
 @triton.jit
@@ -141,7 +155,7 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
     return tl.sum(part, axis=2)
 
 
-def quantize_x(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_x(x: torch.Tensor, k_pad: int) -> Int8Rows:
     """x [T, K] -> (xq int32 [T, k_pad / 4], dx float32 [T, k_pad / 32], xs float32 [T, k_pad / 16]) as the
     module docstring lays them out (K zero-padded to k_pad, a multiple of 256). One launch."""
     T, K = x.shape
@@ -151,8 +165,9 @@ def quantize_x(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor,
     block = min(1024, triton.next_power_of_2(k_pad))
     _quantize_x_kernel[(T, triton.cdiv(k_pad, block))](
         x, xq, dx, xs, K, k_pad, x.stride(0), xq.stride(0), dx.stride(0), xs.stride(0), BLOCK=block,
+        enable_fp_fusion=False,  # rounds as the RMSNorm kernel that can quantize its output does (no fused FMA)
     )  # fmt: skip
-    return xq, dx, xs
+    return Int8Rows(xq, dx, xs)
 
 
 def quantize_x_reference(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

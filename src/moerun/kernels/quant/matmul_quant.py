@@ -25,6 +25,7 @@ from moerun.kernels.quant.configs import dot_steps, get_matmul_config, gemv_step
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
+from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -133,7 +134,7 @@ def _tile_kernel(
 
 
 def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
-                 cfg: Config) -> None:  # fmt: skip
+                 cfg: Config, x_int8: Int8Rows | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias)."""
     M, K = x.shape
     has_bias = bias is not None
@@ -141,7 +142,7 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
     common = dict(QW=int(w.qtype), HAS_BIAS=has_bias, BLOCK_N=cfg["BLOCK_N"], EVEN_K=w.k_pad == K,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     if cfg["path"] == "gemv_v2" and w.qtype in V2_TYPES:
-        matmul_v2_part(x, y, w, bias, col_off, cfg)
+        matmul_v2_part(x, y, w, bias, col_off, cfg, x_int8)
         return
     if cfg["path"] in ("gemv", "gemv_v2"):
         grid = (triton.cdiv(w.n, cfg["BLOCK_N"]), M)
@@ -163,10 +164,12 @@ def quant_matmul_triton(
     parts: Sequence[PackedWeight] | PackedWeight,
     bias: torch.Tensor | None = None,
     config: Config | None = None,
+    x_int8: Int8Rows | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types).
 
-    config applies to every part; by default each part takes its own (configs.get_matmul_config)."""
+    config applies to every part; by default each part takes its own (configs.get_matmul_config). x_int8: x
+    already rounded to int8 (int8_dot.Int8Rows), which the parts whose config rounds x read instead."""
     parts = [parts] if isinstance(parts, PackedWeight) else list(parts)
     M, K = x.shape
     n_total = sum(p.n for p in parts)
@@ -187,6 +190,16 @@ def quant_matmul_triton(
             b = None if bias is None else bias[col : col + p.n]
             y[:, col : col + p.n] = F.linear(x, p.codes.to(x.dtype), b)
         else:
-            _launch_part(x, y, p, bias, col, config or get_matmul_config(p.qtype.name, p.n, K, M))
+            _launch_part(x, y, p, bias, col, config or get_matmul_config(p.qtype.name, p.n, K, M), x_int8)
         col += p.n
     return y
+
+
+def int8_input_pad(parts: Sequence[PackedWeight], M: int) -> int | None:
+    """The padded K at which some part's default config (configs.get_matmul_config at M rows) rounds x to int8,
+    else None."""
+    for p in parts:
+        if not p.is_dense and p.qtype in V2_TYPES and get_matmul_config(p.qtype.name, p.n, p.k, M).get("x_q8"):
+            return p.k_pad
+    return None
+

@@ -296,7 +296,7 @@ def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_
 @triton.jit
 def _gemm1_v2_kernel(
     x_ptr,  # [T, H]
-    xp_ptr,  # [T, H_pad] x position-major for the gate type (XP; else a dummy)
+    xp_ptr,  # [T, H_pad] x position-major for the gate type (XP), int32 words [T, H_pad / 4] (XQ8), else a dummy
     xs_ptr,  # [T, H_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
     dx_ptr,  # [T, H_pad / 32] float32 int8 scales (XQ8; else a dummy)
     ids_ptr,  # [T*k]
@@ -475,7 +475,7 @@ def _gemm2_v2_kernel(
 @triton.jit
 def _matmul_v2_kernel(
     x_ptr,  # [M, K]
-    xp_ptr,  # [M, K_pad] x position-major (XP; else a dummy)
+    xp_ptr,  # [M, K_pad] x position-major (XP), int32 words [M, K_pad / 4] (XQ8), else a dummy
     xs_ptr,  # [M, K_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
     dx_ptr,  # [M, K_pad / 32] float32 int8 scales (XQ8; else a dummy)
     y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)

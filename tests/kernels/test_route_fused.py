@@ -242,3 +242,61 @@ def test_cuda_graph_capture_and_replay(seed, split) -> None:
         torch.cuda.synchronize()
         check_norm(seed, out, x, residual, norm_weight)
         check_routing(seed, out[2], out[3], out[0], gate, k, True)
+
+
+# x rounded to int8 for quantized experts (route_fused_int8)
+
+
+@pytest.mark.parametrize("H", [40, 512])
+@pytest.mark.parametrize("split", [1, 4])
+def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> None:
+    from moerun.kernels.quant.int8_dot import quantize_x
+    from moerun.kernels.quant.repack import padded_k
+    from moerun.kernels.router_fused import FusedRouteConfig, route_fused_int8_triton, route_fused_triton
+
+    x, residual, norm_weight, gate = make_inputs(3, H, 16, torch.bfloat16, True)
+    cfg = FusedRouteConfig(split=split)
+    *routed, rows = route_fused_int8_triton(x, residual, norm_weight, EPS, gate, 4, True, padded_k(H), cfg)
+    ref = route_fused_triton(x, residual, norm_weight, EPS, gate, 4, True, cfg)
+    for got, want in zip(routed, ref):
+        assert torch.equal(got, want), f"seed={seed}"
+    for got, want in zip(rows, quantize_x(routed[0], padded_k(H))):
+        assert torch.equal(got, want), f"seed={seed}"
+
+
+def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> None:
+    """Quantized experts whose kernels round x to int8 get it rounded by the fused router's kernel: bit for bit
+    what they compute rounding it themselves."""
+    from moerun.kernels.quant import fused_moe_quant
+    from moerun.kernels.quant.synthetic import random_quantized
+    from moerun.layers.quantized import QuantizedWeight, set_quantized
+    from moerun.moe.experts import Experts
+
+    E, H, I, k = 6, 64, 32, 2  # noqa: E741  (Q8_0 rows: multiples of 32)
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=H, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=8, intermediate_size=64, moe_intermediate_size=I, num_experts=E,
+        num_experts_per_tok=k, norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64,
+        dtype=torch.float32,
+    )  # fmt: skip
+    block = SparseMoeBlock(cfg, 0, backend="triton").to(DEVICE)
+    norm = RMSNorm(H, EPS).to(DEVICE)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(E, H) / H**0.5)
+        norm.weight.copy_(1.0 + 0.2 * torch.randn(H))
+    w13 = QuantizedWeight([random_quantized("Q8_0", (E, I, H), DEVICE), random_quantized("Q8_0", (E, I, H), DEVICE)])
+    set_quantized(block.experts, "w13", w13)
+    set_quantized(block.experts, "w2", QuantizedWeight([random_quantized("Q8_0", (E, H, I), DEVICE)]))
+    int8_cfg = fused_moe_quant.normalize_config({"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 64,
+                                                 "BLOCK_K": 256, "BLOCK_N2": 16, "BLOCK_K2": 256, "x_q8": True})
+    monkeypatch.setattr(fused_moe_quant, "get_moe_config", lambda *args: int8_cfg)
+    calls = []
+    monkeypatch.setattr(block_module, "route_fused_int8",
+                        lambda *a: calls.append(1) or moe_ops.route_fused_int8(*a))  # fmt: skip
+    x, residual = torch.randn(2, H, device=DEVICE), torch.randn(2, H, device=DEVICE)
+    out, new_residual = block.forward_fused_norm(x, residual, norm)
+    assert calls == [1], "the router did not hand over int8 rows"
+    monkeypatch.setattr(Experts, "int8_input_pad", lambda self, x, k: None)  # the experts round x themselves
+    ref, ref_residual = block.forward_fused_norm(x, residual, norm)
+    assert calls == [1]
+    assert torch.equal(out, ref) and torch.equal(new_residual, ref_residual), f"seed={seed}"

@@ -5,7 +5,8 @@ launch) and computes the logits of its share of the E router rows, rounded to th
 returns them, into a float32 scratch [T, E]. A per-token ticket counter elects the last program to finish: it
 reads the scratch back through L2 and does the float32 softmax, top-k and renormalisation, then resets the
 counter to zero so that the next launch (or CUDA-graph replay) starts clean. Program 0 of each token writes
-the normalised row and the new residual. Splitting the 0.5 MB of router weights over SPLIT programs per token
+the normalised row and the new residual (and, for quantized experts whose kernels round x to int8, that row
+rounded: route_fused_int8_triton). Splitting the 0.5 MB of router weights over SPLIT programs per token
 spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
 
 The roundings follow the unfused path (kernels/rmsnorm.py's, then F.linear in the model dtype, then
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+from moerun.kernels.quant.int8_dot import Int8Rows, quantize_store
 from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, round_to
 from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
@@ -87,6 +89,11 @@ def _route_fused_kernel(
     BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    xq_ptr=None,  # Q8: the normalised rows as Int8Rows (int8_dot.quantize_x's layout, K padded to K_PAD)
+    dx_ptr=None,
+    xs_ptr=None,
+    K_PAD: tl.constexpr = 0,
+    Q8: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -101,6 +108,10 @@ def _route_fused_kernel(
         x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
         stride_r, H, HAS_RESIDUAL, BLOCK_H, INTERPRET,
     ).to(tl.float32)  # fmt: skip
+    if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
+        if split == SPLIT - 1:  # the last program, as program 0 already stores the row
+            quantize_store(normed, BLOCK_H, 0, xq_ptr + token * (K_PAD // 4), dx_ptr + token * (K_PAD // 32),
+                           xs_ptr + token * (K_PAD // 16), K_PAD)  # fmt: skip
     _store_logits(logits_ptr, g, normed, token, rows, row_ok, E, INTERPRET)
     for r0 in range(BLOCK_ROWS, ROWS, BLOCK_ROWS):
         g_r, rows_r, ok_r = _load_router_rows(gate_ptr, first, r0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
@@ -200,6 +211,27 @@ def route_fused_triton(
     RMSNorm with norm_weight [H], and the routing the softmax + top-k of x_normed @ gate_weight^T [E, H].
     Correct for any T; it pays over the unfused kernels for decode-sized T (ops.moe.ROUTE_FUSED_MAX_TOKENS).
     """
+    return _route_fused(x, residual, norm_weight, eps, gate_weight, k, renormalize, config, None)[:4]
+
+
+def route_fused_int8_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    k: int, renormalize: bool, k_pad: int, config: FusedRouteConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:
+    """route_fused_triton, plus x_normed rounded to int8 as int8_dot.quantize_x(x_normed, k_pad) gives it (the
+    input of quantized experts whose kernels round x), in the same launch."""
+    if k_pad % 256 or k_pad < x.shape[-1]:
+        raise ValueError(f"k_pad must be a multiple of 256 covering the {x.shape[-1]} columns, got {k_pad}")
+    out = _route_fused(x, residual, norm_weight, eps, gate_weight, k, renormalize, config, k_pad)
+    assert out[4] is not None
+    return out  # type: ignore[return-value]
+
+
+def _route_fused(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    k: int, renormalize: bool, config: FusedRouteConfig | None, k_pad: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows | None]:
+    """Both entry points: checks, one launch; the int8 rows when k_pad is given."""
     _check_inputs(x, residual, norm_weight, gate_weight, k)
     cfg = config or DEFAULT_CONFIG
     T, H = x.shape
@@ -216,12 +248,19 @@ def route_fused_triton(
     residual_out = torch.empty_like(normed) if residual is not None else x  # [T, H]
     weights = torch.empty(T, k, dtype=torch.float32, device=device)  # [T, k]
     ids = torch.empty(T, k, dtype=torch.int32, device=device)  # [T, k]
+    int8_rows = None
+    q8: dict = {}
+    if k_pad is not None:
+        int8_rows = Int8Rows(torch.empty(T, k_pad // 4, dtype=torch.int32, device=device),
+                             torch.empty(T, k_pad // 32, dtype=torch.float32, device=device),
+                             torch.empty(T, k_pad // 16, dtype=torch.float32, device=device))  # fmt: skip
+        q8 = dict(xq_ptr=int8_rows.xq, dx_ptr=int8_rows.dx, xs_ptr=int8_rows.xs, K_PAD=k_pad, Q8=True)
     if T == 0:
-        return normed, residual_out, weights, ids
+        return normed, residual_out, weights, ids, int8_rows
     logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
     rows = triton.cdiv(E, min(cfg.split, E))  # router rows per program
     split = triton.cdiv(E, rows)  # no program without rows
-    block_h = triton.next_power_of_2(H)
+    block_h = triton.next_power_of_2(max(H, k_pad or 0))
     block_rows = min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows))
     pdl = pdl_mode(device, T)
     _route_fused_kernel[(T, split)](
@@ -232,6 +271,6 @@ def route_fused_triton(
         BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(k), INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
-        enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
+        enable_fp_fusion=False, PDL=pdl, **launch_options(pdl), **q8,
     )  # fmt: skip
-    return normed, residual_out, weights, ids
+    return normed, residual_out, weights, ids, int8_rows

@@ -16,7 +16,7 @@ from moerun.layers.linear import Linear
 from moerun.layers.norm import RMSNorm
 from moerun.moe.experts import Experts
 from moerun.ops.dispatch import pick_backend
-from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused
+from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8
 
 
 class SparseMoeBlock(nn.Module):
@@ -47,6 +47,14 @@ class SparseMoeBlock(nn.Module):
         is (plain, quantized, offloaded), it receives the normalised rows and the routing as usual.
         """
         if self._routes_fused(x, norm):
+            # quantized experts whose kernels round x to int8 get it rounded by the router's kernel
+            pad_of = getattr(self.experts, "int8_input_pad", None)
+            pad = pad_of(x, self.top_k) if pad_of is not None else None
+            if pad is not None:
+                x_normed, residual, topk_weights, topk_ids, x_int8 = route_fused_int8(
+                    x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize, pad,
+                )  # fmt: skip
+                return self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8), residual
             x_normed, residual, topk_weights, topk_ids = route_fused(
                 x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                 backend=self.experts.backend,

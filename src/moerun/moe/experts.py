@@ -6,11 +6,17 @@ routing result, and the backend (torch reference, Triton, quantized, offloaded) 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from moerun import ops
 from moerun.layers.linear import ShardIndex, attach_shard_index
+from moerun.ops.dispatch import pick_backend
+
+if TYPE_CHECKING:
+    from moerun.kernels.quant.int8_dot import Int8Rows
 
 
 class Experts(nn.Module):
@@ -39,7 +45,19 @@ class Experts(nn.Module):
             raise KeyError(f"unknown shard {part!r} for w2")
         return (slice(None) if expert is None else expert,)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
+        """x_int8: x already rounded to int8 (ops.route_fused_int8), for quantized kernels that round x."""
         w13 = self.__dict__.get("q_w13") or self.w13
         w2 = self.__dict__.get("q_w2") or self.w2
-        return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, backend=self.backend)
+        return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, backend=self.backend, x_int8=x_int8)
+
+    def int8_input_pad(self, x: torch.Tensor, k: int) -> int | None:
+        """The padding at which forward would round x [T, H] to int8 (quantized experts on the Triton path whose
+        kernels round x), else None."""
+        q13, q2 = self.__dict__.get("q_w13"), self.__dict__.get("q_w2")
+        if q13 is None or q2 is None or pick_backend(self.backend, x.device, "MoE") != "triton":
+            return None
+        from moerun.ops.quant import moe_int8_input_pad
+
+        return moe_int8_input_pad(x, q13, q2, k)

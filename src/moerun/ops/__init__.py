@@ -5,5 +5,5 @@ from moerun.ops.linear import linear, rms_norm_linear
 from moerun.ops.moe import fused_moe, route
 from moerun.ops.norm import rms_norm, rms_norm_int8
 
-__all__ = ["decode_attention", "fused_moe", "linear", "qk_norm_rope_write", "rms_norm", "rms_norm_int8", "rms_norm_linear",
-           "route"]
+__all__ = ["decode_attention", "fused_moe", "linear", "qk_norm_rope_write", "rms_norm", "rms_norm_int8",
+           "rms_norm_linear", "route"]

@@ -1,5 +1,5 @@
-"""Public MoE entry points: ``route``, ``route_fused`` and ``fused_moe``, dispatched to the torch reference or
-Triton kernels."""
+"""Public MoE entry points: ``route``, ``route_fused`` (+ ``route_fused_int8``) and ``fused_moe``, dispatched to
+the torch reference or Triton kernels."""
 
 from __future__ import annotations
 
@@ -52,6 +52,16 @@ def route_fused(
     return route_fused_triton(x, residual, norm_weight, eps, gate_weight, k, renormalize)
 
 
+def route_fused_int8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     gate_weight: torch.Tensor, k: int, renormalize: bool,
+                     k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:
+    """route_fused on the Triton path, plus x_normed rounded to int8 for quantized experts whose kernels round
+    x (kernels/quant/int8_dot.py, K padded to k_pad), in the same launch."""
+    from moerun.kernels.router_fused import route_fused_int8_triton
+
+    return route_fused_int8_triton(x, residual, norm_weight, eps, gate_weight, k, renormalize, k_pad)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -59,18 +69,20 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     backend: str | None = None,
+    x_int8: Int8Rows | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
 
     w13 / w2 may be quantized weights (layers/quantized.py): the torch path dequantises the touched experts;
     the Triton path runs kernels that read the repacked GGUF blocks and dequantise in registers (ops/quant.py).
+    x_int8: hidden already rounded to int8 (route_fused_int8), for quantized kernels that round it.
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
 
-        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8)
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
@@ -79,6 +91,7 @@ def fused_moe(
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # the pointer tables are defined with the expert offloading that builds them
+    from moerun.kernels.quant.int8_dot import Int8Rows
     from moerun.moe.offload.pointers import ExpertPointers
 
 

@@ -107,15 +107,18 @@ def fused_moe_quantized(
     topk_ids: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     tables: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+    x_int8: Int8Rows | None = None,
 ) -> torch.Tensor:
     """Triton path of ops.fused_moe for quantized experts: the fused dequantising kernels when every part has
     one (else dequantise the layer and run the dense kernels). -> [T, H] in out_dtype (default hidden's).
-    ``tables``: each expert's arrays found through address tables (fused_moe_quant's ``tables``)."""
+    ``tables``: each expert's arrays found through address tables (fused_moe_quant's ``tables``). ``x_int8``:
+    hidden already rounded to int8, read if the chosen config rounds it."""
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if fused_kernels_apply(p13, p2):
-        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype, tables=tables)
+        return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype, tables=tables,
+                               x_int8=x_int8)  # fmt: skip
     if tables is not None:
         raise ValueError("experts through address tables need the fused quantized kernels")
     if isinstance(w13, list) or isinstance(w2, list):
@@ -125,6 +128,18 @@ def fused_moe_quantized(
 
     out = fused_moe_triton(hidden, w13.dequantize(hidden.dtype), w2.dequantize(hidden.dtype), topk_weights, topk_ids)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) -> int | None:
+    """The padded row length at which the fused quantized MoE rounds hidden [T, H] to int8 (the config it picks
+    for T tokens, k slots says so), else None: the router may then hand hidden over rounded (ops.route_fused_int8).
+    Triton path only."""
+    from moerun.kernels.quant.fused_moe_quant import int8_input_pad as pad_of
+
+    p13, p2 = packed_parts(w13), packed_parts(w2)
+    if not fused_kernels_apply(p13, p2):
+        return None
+    return pad_of(p13, p2[0], k, hidden.shape[0])
 
 
 def fused_kernels_apply(p13: list[PackedWeight], p2: list[PackedWeight]) -> bool:

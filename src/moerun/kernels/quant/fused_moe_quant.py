@@ -27,6 +27,7 @@ from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mu
 from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, supported
 from moerun.kernels.quant.gemv_v2 import PartTables, fused_moe_gemv_v2, part_bases, v2_supported
+from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
@@ -445,6 +446,7 @@ def fused_moe_quant(
     config: Config | None = None,
     out_dtype: torch.dtype | None = None,
     tables: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None,
+    x_int8: Int8Rows | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
     w2 [E, H, I] packed -> [T, H] in out_dtype (default: hidden's dtype); the expert GEMMs run in hidden's dtype as
@@ -453,7 +455,8 @@ def fused_moe_quant(
     ``tables`` = (one [E, 4] int64 table per w13 part, one for w2): expert e's arrays are read at the addresses
     of row e (``expert_addresses``), which may lie in any allocation, device or pinned host memory (read over
     PCIe); w13 and w2 then only give the types, shapes and pointer types (any number of experts). The decode
-    paths run gemv_v2 (Q4_K / Q6_K / Q8_0) or gemv_dot, prefill the tile path."""
+    paths run gemv_v2 (Q4_K / Q6_K / Q8_0) or gemv_dot, prefill the tile path. ``x_int8``: hidden already
+    rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
@@ -493,8 +496,20 @@ def fused_moe_quant(
         cfg = normalize_config({**cfg, "path": "gemv_v2" if v2_supported(gw, uw, w2) else "gemv_dot"})
     if cfg["path"] == "gemv_v2":
         if v2_supported(gw, uw, w2):
-            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)
+            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
         cfg = normalize_config({**cfg, "path": "gemv" if part_tables is None else "gemv_dot"})
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
     return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile and gemv_dot: tl.dot kernels
+
+
+def int8_input_pad(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> int | None:
+    """The padded H at which fused_moe_quant (no config given, no tables) rounds hidden [T, H] to int8, else
+    None."""
+    gate, up = split_gate_up(w13)
+    gw, uw = gate[0], up[0]
+    if not v2_supported(gw, uw, w2):
+        return None
+    cfg = get_moe_config(gw.qtype.name, w2.shape[0], gw.k, w2.k, k, T)
+    return gw.k_pad if cfg["path"] == "gemv_v2" and cfg.get("x_q8") else None
+

@@ -621,11 +621,11 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
 
 
 def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
-                      ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype,
-                      tables: PartTables | None = None) -> torch.Tensor:  # fmt: skip
+                      ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype, tables: PartTables | None = None,
+                      x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
     """The gemv_v2 path: x [T, H], routing [T, k] (ids int32, contiguous) -> [T, H] in out_dtype. With ``tables``
     (gate, up, down [E, 4] int64 addresses, see fused_moe_quant) the experts are found through them and the
-    PackedWeights only give types, shapes and pointer types."""
+    PackedWeights only give types, shapes and pointer types. x_int8: x already rounded (with cfg["x_q8"])."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
     I, i_pad = w2.k, w2.k_pad  # noqa: E741
@@ -648,7 +648,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     sums = new(slots, i_pad // 16, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 16]
     groups1 = gw.k_pad // _group_elems(gw.qtype)
-    xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg)
+    xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *_arrays(gw), *_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.quant.int8_dot import Int8Rows, quantize_store
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store
 
 # A whole row lives in registers (at most 32 floats per thread with 16 warps); larger rows would spill.
 MAX_HIDDEN = 16384
@@ -124,8 +124,7 @@ def rms_norm_int8_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, Int8Rows]:
     """rms_norm_triton, plus its output rounded to int8 as int8_dot.quantize_x(out, k_pad) would give it, in the
     same launch."""
-    if k_pad % 256 or k_pad < x.shape[-1]:
-        raise ValueError(f"k_pad must be a multiple of 256 covering the {x.shape[-1]} columns, got {k_pad}")
+    check_k_pad(k_pad, x.shape[-1])
     out, new_residual, rows = _rms_norm(x, weight, eps, residual, k_pad)
     assert rows is not None
     return out, new_residual, rows
@@ -156,9 +155,7 @@ def _rms_norm(
     rows = None
     q8: dict = {}
     if k_pad is not None:
-        rows = Int8Rows(torch.empty(T, k_pad // 4, dtype=torch.int32, device=x.device),
-                        torch.empty(T, k_pad // 32, dtype=torch.float32, device=x.device),
-                        torch.empty(T, k_pad // 16, dtype=torch.float32, device=x.device))  # fmt: skip
+        rows = Int8Rows.empty(T, k_pad, x.device)
         q8 = dict(xq_ptr=rows.xq, dx_ptr=rows.dx, xs_ptr=rows.xs, K_PAD=k_pad, Q8=True)
     if T == 0:
         return out, new_residual, rows

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.quant.int8_dot import Int8Rows, quantize_store
+from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store
 from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, round_to
 from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
@@ -220,8 +220,7 @@ def route_fused_int8_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:
     """route_fused_triton, plus x_normed rounded to int8 as int8_dot.quantize_x(x_normed, k_pad) gives it (the
     input of quantized experts whose kernels round x), in the same launch."""
-    if k_pad % 256 or k_pad < x.shape[-1]:
-        raise ValueError(f"k_pad must be a multiple of 256 covering the {x.shape[-1]} columns, got {k_pad}")
+    check_k_pad(k_pad, x.shape[-1])
     out = _route_fused(x, residual, norm_weight, eps, gate_weight, k, renormalize, config, k_pad)
     assert out[4] is not None
     return out  # type: ignore[return-value]
@@ -251,9 +250,7 @@ def _route_fused(
     int8_rows = None
     q8: dict = {}
     if k_pad is not None:
-        int8_rows = Int8Rows(torch.empty(T, k_pad // 4, dtype=torch.int32, device=device),
-                             torch.empty(T, k_pad // 32, dtype=torch.float32, device=device),
-                             torch.empty(T, k_pad // 16, dtype=torch.float32, device=device))  # fmt: skip
+        int8_rows = Int8Rows.empty(T, k_pad, device)
         q8 = dict(xq_ptr=int8_rows.xq, dx_ptr=int8_rows.dx, xs_ptr=int8_rows.xs, K_PAD=k_pad, Q8=True)
     if T == 0:
         return normed, residual_out, weights, ids, int8_rows

@@ -491,16 +491,25 @@ def fused_moe_quant(
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
-    cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, H, I, k, T)
-    if part_tables is not None and cfg["path"] == "gemv":  # the plain gemv kernels take no address tables
-        cfg = normalize_config({**cfg, "path": "gemv_v2" if v2_supported(gw, uw, w2) else "gemv_dot"})
+    cfg = _kernel_config(config, gw, uw, w2, E, k, T, indirect=part_tables is not None)
     if cfg["path"] == "gemv_v2":
-        if v2_supported(gw, uw, w2):
-            return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
-        cfg = normalize_config({**cfg, "path": "gemv" if part_tables is None else "gemv_dot"})
+        return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
     return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile and gemv_dot: tl.dot kernels
+
+
+def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2: PackedWeight, E: int, k: int,
+                   T: int, indirect: bool) -> Config:
+    """The config fused_moe_quant runs for T tokens: the one given, else the tuned or default one, its path
+    moved to one the kernels take (gemv_v2 only for the types it reads; the plain gemv kernels take no address
+    tables)."""
+    cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, gw.k, w2.k, k, T)
+    if indirect and cfg["path"] == "gemv":
+        cfg = normalize_config({**cfg, "path": "gemv_v2"})
+    if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):
+        cfg = normalize_config({**cfg, "path": "gemv_dot" if indirect else "gemv"})
+    return cfg
 
 
 def int8_input_pad(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> int | None:
@@ -508,8 +517,6 @@ def int8_input_pad(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight,
     None."""
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
-    if not v2_supported(gw, uw, w2):
-        return None
-    cfg = get_moe_config(gw.qtype.name, w2.shape[0], gw.k, w2.k, k, T)
+    cfg = _kernel_config(None, gw, uw, w2, w2.shape[0], k, T, indirect=False)
     return gw.k_pad if cfg["path"] == "gemv_v2" and cfg.get("x_q8") else None
 

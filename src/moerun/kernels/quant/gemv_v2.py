@@ -634,19 +634,18 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     flat_ids = ids.reshape(-1)  # [T*k]
     new = torch.empty if i_pad == I else torch.zeros  # padding must read as zeros
     inter_q8 = bool(cfg.get("inter_q8"))
-    if inter_q8:  # int8 words in element order and a scale per 32, written by GEMM 1 programs of 32k rows
-        inter = new(slots, i_pad // 4, dtype=torch.int32, device=x.device)  # [T*k, I_pad / 4]
-        dxi = new(slots, i_pad // 32, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 32]
+    if inter_q8:  # int8 words in element order, a scale per 32 and sums, written by GEMM 1 programs of 32k rows
+        inter, dxi, sums = Int8Rows.empty(slots, i_pad, x.device, zeros=i_pad != I)  # [T*k, I_pad / 4], ...
         i_words = i_pad // 4
         bn1 = max(32, cfg["BLOCK_N"] // 32 * 32)
     else:
         # bf16 keeps the intermediate's dtype; fp16 goes to float32, as 2^-12 pre-scaling would leave its range.
         inter_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         inter = new(slots, i_pad, dtype=inter_dtype, device=x.device)  # [T*k, I_pad] position-major
+        sums = new(slots, i_pad // 16, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 16]
         dxi = inter
         i_words = i_pad // _positions(w2.qtype)
         bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
-    sums = new(slots, i_pad // 16, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 16]
     groups1 = gw.k_pad // _group_elems(gw.qtype)
     xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](

@@ -41,6 +41,20 @@ class Int8Rows(NamedTuple):
     def k_pad(self) -> int:
         return self.xq.shape[1] * 4
 
+    @classmethod
+    def empty(cls, T: int, k_pad: int, device: torch.device, zeros: bool = False) -> Int8Rows:
+        """Uninitialised (or zeroed) rows for T rows of k_pad values."""
+        new = torch.zeros if zeros else torch.empty
+        return cls(new(T, k_pad // 4, dtype=torch.int32, device=device),
+                   new(T, k_pad // X_BLOCK, dtype=torch.float32, device=device),
+                   new(T, k_pad // 16, dtype=torch.float32, device=device))  # fmt: skip
+
+
+def check_k_pad(k_pad: int, cols: int) -> None:
+    """Raises unless k_pad is a whole number of 256-value super-blocks covering a row of cols values."""
+    if k_pad % 256 or k_pad < cols:
+        raise ValueError(f"k_pad must be a multiple of 256 covering the {cols} columns, got {k_pad}")
+
 
 @triton.jit
 def dp4a(a, b, EMULATE_DP4A: tl.constexpr):
@@ -159,15 +173,13 @@ def quantize_x(x: torch.Tensor, k_pad: int) -> Int8Rows:
     """x [T, K] -> (xq int32 [T, k_pad / 4], dx float32 [T, k_pad / 32], xs float32 [T, k_pad / 16]) as the
     module docstring lays them out (K zero-padded to k_pad, a multiple of 256). One launch."""
     T, K = x.shape
-    xq = torch.empty(T, k_pad // 4, dtype=torch.int32, device=x.device)
-    dx = torch.empty(T, k_pad // X_BLOCK, dtype=torch.float32, device=x.device)
-    xs = torch.empty(T, k_pad // 16, dtype=torch.float32, device=x.device)
+    rows = Int8Rows.empty(T, k_pad, x.device)
     block = min(1024, triton.next_power_of_2(k_pad))
     _quantize_x_kernel[(T, triton.cdiv(k_pad, block))](
-        x, xq, dx, xs, K, k_pad, x.stride(0), xq.stride(0), dx.stride(0), xs.stride(0), BLOCK=block,
+        x, *rows, K, k_pad, x.stride(0), *(t.stride(0) for t in rows), BLOCK=block,
         enable_fp_fusion=False,  # rounds as the RMSNorm kernel that can quantize its output does (no fused FMA)
     )  # fmt: skip
-    return Int8Rows(xq, dx, xs)
+    return rows
 
 
 def quantize_x_reference(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -114,3 +114,29 @@ def test_q4_k_m_decode_graphs_equal_eager_and_never_sync():
 
 def _quantized_weights(module) -> list:
     return [v for m in module.modules() for k, v in m.__dict__.items() if k.startswith("q_")]
+
+
+def test_decode_variants_script_on_cpu(monkeypatch):
+    # benchmarks/bench_decode_variants.py: each variant runs under its own settings, the environment comes back
+    import os
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_decode_variants.py"))
+    monkeypatch.setenv("MOERUN_PDL_TRIGGER", "start")  # named by a variant below: unset in the others
+    seen = []
+    real = script["measure_decode"]
+
+    def spy(llm, *args):
+        seen.append((os.environ.get("MOERUN_PDL"), os.environ.get("MOERUN_PDL_TRIGGER")))
+        return real(llm, *args)
+
+    script["main"].__globals__["measure_decode"] = spy
+    rows = script["main"](["--preset", "tiny", "--variant", "base", "--variant",
+                           "mode2:MOERUN_PDL=1,MOERUN_PDL_TRIGGER=after_wait", "--steps", "2", "--prompt-len", "8",
+                           "--repeat", "1"])  # fmt: skip
+    assert [r[0] for r in rows] == ["base", "mode2"] and all(r[1] > 0 for r in rows)
+    assert seen == [(None, None), ("1", "after_wait")]
+    assert os.environ.get("MOERUN_PDL_TRIGGER") == "start" and "MOERUN_PDL" not in os.environ
+    with pytest.raises(ValueError, match="NAME:VAR=VALUE"):
+        script["parse_variant"]("bad:novalue")

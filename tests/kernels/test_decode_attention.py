@@ -195,3 +195,37 @@ def test_cuda_graph_replay(seed: int, single_launch: bool, monkeypatch: pytest.M
         torch.testing.assert_close(k_cache, k_before, rtol=2**-7, atol=2**-5, msg=msg)
         assert torch.equal(v_cache, v_before), msg("v cache")
         torch.testing.assert_close(attn, ref_attn, rtol=2e-2, atol=2e-2, msg=msg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_kv,D", [(8, 2, 32), (12, 4, 64), (4, 2, 32)], ids=["g4", "g3", "padded-k"])
+def test_int8_output_is_the_quantized_output(seed: int, dtype: torch.dtype, n_q: int, n_kv: int, D: int) -> None:
+    # decode_attention_int8_triton: the same output as decode_attention_triton and, bit for bit, the int8 rows that
+    # quantize_x gives for it; lengths 0 (zeros), one chunk (no merge) and several (merged). Head groups of 4 and 3
+    # (padding rows in the kernel's tiles) write the rows in the launch; a row of 128 values padded to 256 cannot
+    # and quantizes after it.
+    from moerun.kernels.decode_attention import decode_attention_int8_triton
+    from moerun.kernels.quant.int8_dot import quantize_x
+
+    lens, L = [0, 5, 300, 600], 640
+    B, S = len(lens), len(lens) + 1
+    k_cache, v_cache = make_cache(S, L, n_kv, D, dtype)
+    q = (torch.randn(B, n_q, D) * 2).to(dtype).to(DEVICE)  # [B, n_q, D]
+    slot_ids = torch.randperm(S)[:B].to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    k_pad = -(-n_q * D // 256) * 256
+    out, rows = decode_attention_int8_triton(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5, k_pad, num_splits=4)
+    ref = decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5, num_splits=4)
+    assert torch.equal(out, ref), f"seed={seed}"
+    for got, want in zip(rows, quantize_x(ref.reshape(B, -1), k_pad)):
+        assert torch.equal(got, want), f"seed={seed}"
+
+
+def test_int8_output_needs_a_whole_padded_row() -> None:
+    from moerun.kernels.decode_attention import decode_attention_int8_triton
+
+    k_cache, v_cache = make_cache(2, 16, 1, 32, torch.float32)
+    q = torch.randn(1, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        decode_attention_int8_triton(q, k_cache, v_cache, torch.tensor([0], device=DEVICE),
+                                     torch.tensor([3], device=DEVICE), 0.2, 128)

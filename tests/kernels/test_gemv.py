@@ -202,9 +202,11 @@ def test_cuda_graph_replay(seed: int, split_k: int) -> None:
 # ---- the attention layer ----
 
 
-def tiny_attention(dtype: torch.dtype) -> tuple[Qwen3Attention, RMSNorm, ModelConfig]:
+def tiny_attention(dtype: torch.dtype, num_heads: int = 4, head_dim: int = 16) -> tuple[Qwen3Attention, RMSNorm,
+                                                                                        ModelConfig]:
     config = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=64, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                         num_heads=num_heads, num_kv_heads=2, head_dim=head_dim, intermediate_size=64,
+                         moe_intermediate_size=32,
                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=EPS,
                          max_position_embeddings=64)  # fmt: skip
     attn = Qwen3Attention(config, 0, RotaryEmbedding(config.rope, config.head_dim, 64))
@@ -312,3 +314,38 @@ def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch
     ref, ref_residual = run()
     assert calls == [1]
     assert torch.equal(out, ref) and torch.equal(new_residual, ref_residual), f"seed={seed}"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="decode attention runs its Triton kernel on CUDA only")
+@pytest.mark.parametrize("head_dim", [16, 32], ids=["after-launch", "in-launch"])
+def test_attention_gguf_o_proj_takes_int8_rows_from_attention(seed: int, head_dim: int, monkeypatch) -> None:
+    """GGUF o_proj whose kernel rounds x to int8: decode attention hands its output over rounded
+    (ops.decode_attention_int8; in its own launch where head_dim is a multiple of 32), bit for bit what o_proj
+    computes rounding it itself."""
+    from moerun import ops
+    from moerun.formats.quants import QuantizedTensor
+    from moerun.kernels.quant import matmul_quant
+    from moerun.layers.linear import Linear
+    from moerun.layers.quantized import QuantizedWeight, set_quantized
+
+    attn, norm, config = tiny_attention(torch.float32, num_heads=8, head_dim=head_dim)
+    batch, cache, x, residual = decode_inputs(config, torch.float32)
+    blocks = QuantizedTensor.from_float(attn.o_proj.weight.detach(), "Q8_0")
+    set_quantized(attn.o_proj, "weight", QuantizedWeight([QuantizedTensor(blocks.raw.to(DEVICE), blocks.qtype,
+                                                                          blocks.shape)]))  # fmt: skip
+    int8_cfg = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1, "x_q8": True}
+    monkeypatch.setattr(matmul_quant, "get_matmul_config", lambda *args: int8_cfg)
+    calls = []
+    attention_int8 = ops.decode_attention_int8
+    monkeypatch.setattr(ops, "decode_attention_int8", lambda *args: calls.append(1) or attention_int8(*args))
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return attn.forward_fused_norm(x, residual, norm, batch, clone_cache(cache))[0]
+
+    out = run()
+    assert calls == [1], "attention did not hand over int8 rows"
+    monkeypatch.setattr(Linear, "int8_input_pad", lambda self, x, backend=None: None)  # o_proj rounds x itself
+    ref = run()
+    assert calls == [1]
+    assert torch.equal(out, ref), f"seed={seed}"

@@ -265,8 +265,10 @@ def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> 
 
 
 def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> None:
-    """Quantized experts whose kernels round x to int8 get it rounded by the fused router's kernel: bit for bit
-    what they compute rounding it themselves."""
+    """Quantized experts whose kernels round x to int8 get it rounded by the fused router's kernel: the same int8
+    rows as they compute themselves (test_route_fused_int8_rows_are_the_quantized_normed_rows), so the same output
+    up to the float32 rounding of the routing weights (compiled with the int8 stores, the softmax may sum in
+    another order on the GPU)."""
     from moerun.kernels.quant import fused_moe_quant
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.layers.quantized import QuantizedWeight, set_quantized
@@ -299,4 +301,5 @@ def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> 
     monkeypatch.setattr(Experts, "int8_input_pad", lambda self, x, k: None)  # the experts round x themselves
     ref, ref_residual = block.forward_fused_norm(x, residual, norm)
     assert calls == [1]
-    assert torch.equal(out, ref) and torch.equal(new_residual, ref_residual), f"seed={seed}"
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")

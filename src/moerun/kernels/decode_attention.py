@@ -22,6 +22,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store, quantize_x
 from moerun.kernels.rmsnorm import round_to
 from moerun.kernels.tickets import ticket_counters
 
@@ -212,6 +213,26 @@ def _merge_live_splits(o_part_ptr, lse_part_ptr, rows, g_mask, live, BLOCK_GM: t
 
 
 @triton.jit
+def _store_out(out_ptr, out, b, kv_head, row_mask, N_Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+               ROWS: tl.constexpr, INTERPRET: tl.constexpr, xq_ptr, dx_ptr, xs_ptr, K_PAD: tl.constexpr,
+               Q8: tl.constexpr):  # fmt: skip
+    """Stores out [ROWS, D] float32, row g the output of query head kv_head * G + g of sequence b (rows from G on
+    are padding), rounded to out's dtype; with Q8 also that rounded row group as int8 (int8_dot.quantize_x's
+    layout over the sequence's n_q * D outputs: D a multiple of 32, so no block crosses a head)."""
+    g = tl.arange(0, ROWS)  # [ROWS]
+    d = tl.arange(0, D)  # [D]
+    rounded = round_to(out, out_ptr.dtype.element_ty, INTERPRET)
+    dst = out_ptr + (b * N_Q + kv_head * G + g).to(tl.int64)[:, None] * D + d[None, :]
+    tl.store(dst, rounded, mask=row_mask[:, None])
+    if Q8:
+        start = kv_head * (G * D)
+        row = b.to(tl.int64)
+        quantize_store(tl.reshape(rounded.to(tl.float32), [ROWS * D]), ROWS * D, start,
+                       xq_ptr + row * (K_PAD // 4), dx_ptr + row * (K_PAD // 32), xs_ptr + row * (K_PAD // 16),
+                       start + G * D)  # fmt: skip
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr,  # [B, n_q, D]
     k_ptr,  # [S, L, n_kv, D]
@@ -245,6 +266,11 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr = 0,
+    xq_ptr=None,  # Q8: the output rows as Int8Rows (int8_dot.quantize_x's layout, K_PAD = n_q * D)
+    dx_ptr=None,
+    xs_ptr=None,
+    K_PAD: tl.constexpr = 0,
+    Q8: tl.constexpr = False,
 ):
     """Single-launch path: split-KV partials merged by the last live split of each (sequence, kv head)."""
     launch_dependents(PDL)
@@ -263,8 +289,8 @@ def _decode_attention_kernel(
         out = acc / tl.where(g_mask, l, 1.0)[:, None]  # [BLOCK_G, D]; a live chunk has l > 0
         if live == 1:
             # the whole sequence in one chunk: no partials, no ticket
-            dst = out_ptr + (b * N_Q + heads).to(tl.int64)[:, None] * D + d[None, :]
-            tl.store(dst, round_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=g_mask[:, None])
+            _store_out(out_ptr, out, b, kv_head, g_mask, N_Q, G, D, BLOCK_G, INTERPRET, xq_ptr, dx_ptr, xs_ptr, K_PAD,
+                       Q8)  # fmt: skip
         else:
             row = (b * N_Q + heads).to(tl.int64) * num_splits + split  # [BLOCK_G] into [B, n_q, num_splits]
             tl.store(o_part_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
@@ -279,15 +305,12 @@ def _decode_attention_kernel(
                 heads_m = kv_head * G + gm
                 rows = (b * N_Q + heads_m).to(tl.int64) * num_splits  # [BLOCK_GM] first split of each head
                 merged = _merge_live_splits(o_part_ptr, lse_part_ptr, rows, gm_mask, live, BLOCK_GM, D, BLOCK_S)
-                dst = out_ptr + (b * N_Q + heads_m).to(tl.int64)[:, None] * D + d[None, :]
-                tl.store(dst, round_to(merged, out_ptr.dtype.element_ty, INTERPRET), mask=gm_mask[:, None])
+                _store_out(out_ptr, merged, b, kv_head, gm_mask, N_Q, G, D, BLOCK_GM, INTERPRET, xq_ptr, dx_ptr,
+                           xs_ptr, K_PAD, Q8)  # fmt: skip
     elif live == 0:
         if split == 0:  # an empty sequence (seq_len 0) outputs zeros
-            gm = tl.arange(0, BLOCK_GM)
-            heads_m = kv_head * G + gm
-            dst = out_ptr + (b * N_Q + heads_m).to(tl.int64)[:, None] * D + d[None, :]
-            tl.store(dst, tl.zeros([BLOCK_GM, D], tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=(gm < G)[:, None])
+            _store_out(out_ptr, tl.zeros([BLOCK_GM, D], tl.float32), b, kv_head, tl.arange(0, BLOCK_GM) < G, N_Q, G,
+                       D, BLOCK_GM, INTERPRET, xq_ptr, dx_ptr, xs_ptr, K_PAD, Q8)  # fmt: skip
 
 
 def default_num_splits(batch: int, n_kv: int, max_len: int, block_n: int, device: torch.device) -> int:
@@ -322,6 +345,29 @@ def decode_attention_triton(
     the module's SINGLE_LAUNCH. min_chunk (single launch only, default MIN_CHUNK) is the fewest positions a
     split takes, rounded up to block_n: a sequence of up to min_chunk positions needs no merge at all.
     """
+    return _decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, block_n, single_launch,
+                             min_chunk, None)[0]  # fmt: skip
+
+
+def decode_attention_int8_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, k_pad: int, num_splits: int | None = None,
+) -> tuple[torch.Tensor, Int8Rows]:
+    """decode_attention_triton, plus its output [B, n_q * D] rounded to int8 as int8_dot.quantize_x(out, k_pad)
+    gives it (the input of a quantized o_proj whose kernel rounds x): in the same launch where k_pad = n_q * D and
+    D is a multiple of 32 (the single launch), else by a quantize_x launch after it."""
+    check_k_pad(k_pad, q.shape[1] * q.shape[2])
+    out, rows = _decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, None, None, None,
+                                  k_pad)  # fmt: skip
+    return out, rows if rows is not None else quantize_x(out.reshape(out.shape[0], -1), k_pad)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, num_splits: int | None, block_n: int | None, single_launch: bool | None, min_chunk: int | None,
+    k_pad: int | None,
+) -> tuple[torch.Tensor, Int8Rows | None]:
+    """Both entry points: (out, the int8 rows where the kernel wrote them)."""
     B, n_q, D = q.shape
     S, L, n_kv, _ = k_cache.shape
     _check(q, k_cache, v_cache, slot_ids, seq_lens)
@@ -333,20 +379,24 @@ def decode_attention_triton(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty(B, n_q, D, dtype=q.dtype, device=q.device)  # [B, n_q, D]
+    single = SINGLE_LAUNCH if single_launch is None else single_launch
+    rows = None
+    if k_pad is not None and single and k_pad == n_q * D and D % 32 == 0:
+        rows = Int8Rows.empty(B, k_pad, q.device)
     if B == 0:
-        return out
+        return out, rows
     if q.stride(2) != 1:
         q = q.contiguous()
     o_part = torch.empty(B, n_q, num_splits, D, dtype=torch.float32, device=q.device)  # [B, n_q, splits, D]
     lse_part = torch.empty(B, n_q, num_splits, dtype=torch.float32, device=q.device)  # [B, n_q, splits]
     args = (q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part)
-    if SINGLE_LAUNCH if single_launch is None else single_launch:
+    if single:
         min_chunk = triton.cdiv(MIN_CHUNK if min_chunk is None else min_chunk, block_n) * block_n
-        _launch_single(*args, out, scale, num_splits, block_n, max(block_n, min_chunk))
+        _launch_single(*args, out, scale, num_splits, block_n, max(block_n, min_chunk), rows)
     else:
         _launch_partial(*args, scale, num_splits, block_n)
         _launch_combine(o_part, lse_part, out, num_splits)
-    return out
+    return out, rows
 
 
 def _common_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, num_splits: int) -> tuple:
@@ -386,8 +436,10 @@ def _launch_single(
     num_splits: int,
     block_n: int,
     min_chunk: int,
+    rows: Int8Rows | None = None,
 ) -> None:
-    """One launch: partials, then the merge by the last live split of each (sequence, kv head)."""
+    """One launch: partials, then the merge by the last live split of each (sequence, kv head); with rows, the
+    output also as int8 into them."""
     B, n_q, D = q.shape
     n_kv = k_cache.shape[2]
     tickets = ticket_counters(q.device, B * n_kv, "decode_attention")  # [B * n_kv]
@@ -395,11 +447,14 @@ def _launch_single(
     # merge tiles of at most 8192 floats: [heads, splits, D]
     block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_gm * D)))
     pdl = pdl_mode(q.device, B)
+    q8 = {}
+    if rows is not None:
+        q8 = dict(xq_ptr=rows.xq, dx_ptr=rows.dx, xs_ptr=rows.xs, K_PAD=rows.k_pad, Q8=True)
     _decode_attention_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
         *_common_args(q, k_cache, v_cache, scale, num_splits),
         N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s, **_common_meta(q, k_cache, block_n),
-        PDL=pdl, **launch_options(pdl),
+        PDL=pdl, **launch_options(pdl), **q8,
     )  # fmt: skip
 
 

@@ -12,9 +12,11 @@ Rules for a kernel taking ``PDL`` (its mode, see ``pdl_mode``): before ``wait_fo
 that no kernel of the step writes (weights, shapes), no stores and no atomics. Used on CUDA devices of compute
 capability 9.0 and later unless ``MOERUN_PDL=0``; the interpreter never uses it. Measured on an H200
 (benchmarks/RESULTS.md): batch-1 decode of the Qwen3-30B-A3B shape 3.04 -> 2.93 ms per step. The quantized kernels
-(kernels/quant/) launch without it: a Q4_K_M step with them on PDL measured 4.7 ms against 3.8 before, not yet
-understood. ``MOERUN_PDL_TRIGGER=after_wait`` lets the next kernel launch only once this one's wait has returned
-(mode 2) instead of first thing (mode 1), so at most one kernel waits ahead of the running one (not yet measured).
+(kernels/quant/) always let the next kernel launch only once their own wait has returned (mode 2,
+``quant_pdl_mode``; ``MOERUN_PDL_QUANT=0`` launches them without PDL). A Q4_K_M batch-1 step without PDL for them
+took 2.572 ms, with them in mode 1 2.515 ms (4.7 against 3.8 ms in an older build), and with every kernel in mode 2
+(``MOERUN_PDL_TRIGGER=after_wait``) 2.347 ms; the other kernels stay in mode 1 by default until bf16 decode is
+measured in mode 2 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def pdl_mode(device: torch.device, rows: int = 1) -> int:
     return 2 if os.environ.get("MOERUN_PDL_TRIGGER", "start") == "after_wait" else 1
 
 
+def quant_pdl_mode(device: torch.device, rows: int = 1) -> int:
+    """The ``PDL`` argument of the quantized decode kernels (kernels/quant/): mode 2 where PDL is on, unless
+    ``MOERUN_PDL_QUANT=0``."""
+    if os.environ.get("MOERUN_PDL_QUANT", "1") == "0" or not pdl_enabled(device, rows):
+        return 0
+    return 2
+
+
 def launch_options(pdl: int) -> dict:
     """Keyword arguments for a Triton launch: ``launch_pdl`` only where it is used (the interpreter lacks it)."""
     return {"launch_pdl": True} if pdl else {}
@@ -75,3 +85,4 @@ def wait_for_previous(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
+

@@ -104,6 +104,11 @@ class Qwen3Attention(nn.Module):
             v_new = qkv[:, (self.n_q + self.n_kv) * D :].unflatten(-1, (self.n_kv, D))  # [T, n_kv, D] view
             out = self._prefill(q, k_new, v_new, batch, cache)
         elif q.device.type == "cuda":
+            pad = self.o_proj.int8_input_pad(q.reshape(T, self.n_q * D))
+            if pad is not None:  # GGUF o_proj whose decode kernel rounds x to int8: attention hands it over rounded
+                out, out_int8 = ops.decode_attention_int8(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids,
+                                                          batch.seq_lens, self.scale, pad)  # fmt: skip
+                return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
             out = ops.decode_attention(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
                                        self.scale)
         else:

@@ -1,10 +1,13 @@
 """Public decode-step attention entry points, torch reference or Triton kernels.
 
 ``qk_norm_rope_write``: split q|k|v, per-head RMSNorm of q and k, NeoX rotary, k/v into the cache.
-``decode_attention``: one new query token per sequence against its cached keys and values (GQA).
+``decode_attention``: one new query token per sequence against its cached keys and values (GQA);
+``decode_attention_int8`` also rounds its output to int8 for a quantized o_proj.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,9 @@ import torch.nn.functional as F
 from moerun.layers.rotary import _rotate
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.norm import rms_norm_reference
+
+if TYPE_CHECKING:
+    from moerun.kernels.quant.int8_dot import Int8Rows
 
 
 def qk_norm_rope_write_reference(
@@ -117,3 +123,14 @@ def decode_attention(
     from moerun.kernels.decode_attention import decode_attention_triton
 
     return decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits=num_splits)
+
+
+def decode_attention_int8(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, k_pad: int,
+) -> tuple[torch.Tensor, Int8Rows]:
+    """decode_attention on the Triton path, plus its output [B, n_q * D] rounded to int8 for a quantized o_proj whose
+    kernel rounds x (kernels/quant/int8_dot.py, K padded to k_pad), in the same launch where the kernel can."""
+    from moerun.kernels.decode_attention import decode_attention_int8_triton
+
+    return decode_attention_int8_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale, k_pad)

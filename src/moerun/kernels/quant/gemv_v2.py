@@ -40,6 +40,7 @@ from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
+from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -337,7 +338,10 @@ def _gemm1_v2_kernel(
     XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
     EMULATE_DP4A: tl.constexpr = False,
     OUT_Q8: tl.constexpr = False,  # write the intermediate as int8 (words, scales, sums); BLOCK_N a multiple of 32
+    PDL: tl.constexpr = 0,  # kernels/pdl.py (the expert ids come from the previous kernel: nothing before the wait)
 ):  # fmt: skip
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -444,7 +448,10 @@ def _gemm2_v2_kernel(
     INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
     XQ8: tl.constexpr = False,  # the intermediate as int8 (GEMM 1 with OUT_Q8)
     EMULATE_DP4A: tl.constexpr = False,
+    PDL: tl.constexpr = 0,  # kernels/pdl.py (everything it reads comes from earlier kernels of the step)
 ):  # fmt: skip
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     s = tl.arange(0, SLOTS)  # [SLOTS]
@@ -503,8 +510,11 @@ def _matmul_v2_kernel(
     XP: tl.constexpr,  # read x from xp / xs
     XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
     EMULATE_DP4A: tl.constexpr = False,
+    PDL: tl.constexpr = 0,  # kernels/pdl.py
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -611,12 +621,13 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
     xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
+    pdl = quant_pdl_mode(x.device, M)
     _matmul_v2_kernel[(triton.cdiv(w.n, cfg["BLOCK_N"]), M)](
         x, xp, xs, dx, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off,
         w.k_pad // _positions(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=_words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
         EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **flags,
+        num_stages=cfg["num_stages"], PDL=pdl, **launch_options(pdl), **flags,
     )  # fmt: skip
 
 
@@ -648,6 +659,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     groups1 = gw.k_pad // _group_elems(gw.qtype)
     xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
+    pdl = quant_pdl_mode(x.device, T)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *_arrays(gw), *_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
@@ -655,7 +667,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype),
         BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
-        **{"EMULATE_DP4A": emulate_dp4a(), **flags},
+        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags},
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
@@ -665,6 +677,6 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
         WPG=_words_per_group(w2.qtype), SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps2"],
-        num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(),
+        num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 
 X_BLOCK = 32  # x values per int8 scale
@@ -70,10 +71,10 @@ def dp4a(a, b, EMULATE_DP4A: tl.constexpr):
 
 
 @triton.jit
-def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, K_PAD):
+def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     """Quantize v [BLOCK] float32, the values of elements start + [0, BLOCK) of a row (start a multiple of 32), and
-    store their int8 words at xq_row, block scales at dx_row and the sums of 16 of x^ at xs_row, within the row's
-    K_PAD elements."""
+    store their int8 words at xq_row, block scales at dx_row and the sums of 16 of x^ at xs_row, for the elements
+    before ``end`` (the row's K_PAD, or less where another program writes the rest; a multiple of 32)."""
     blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
     amax = tl.max(tl.abs(blocks), axis=1)  # [B]
     d = amax / 127.0
@@ -83,12 +84,12 @@ def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, K_PAD)
     quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
     word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
     offs_w = start // 4 + tl.arange(0, BLOCK // 4)
-    tl.store(xq_row + offs_w, word, mask=offs_w * 4 < K_PAD)
+    tl.store(xq_row + offs_w, word, mask=offs_w * 4 < end)
     offs_d = start // 32 + tl.arange(0, BLOCK // 32)
-    tl.store(dx_row + offs_d, d, mask=offs_d * 32 < K_PAD)
+    tl.store(dx_row + offs_d, d, mask=offs_d * 32 < end)
     halves = tl.sum(tl.reshape(q, [BLOCK // 32, 2, 16]), axis=2).to(tl.float32) * d[:, None]  # [B, 2]
     offs_s = start // 16 + tl.arange(0, BLOCK // 16)
-    tl.store(xs_row + offs_s, tl.reshape(halves, [BLOCK // 16]), mask=offs_s * 16 < K_PAD)
+    tl.store(xs_row + offs_s, tl.reshape(halves, [BLOCK // 16]), mask=offs_s * 16 < end)
 
 
 @triton.jit
@@ -104,7 +105,10 @@ def _quantize_x_kernel(
     stride_dt,
     stride_st,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,  # kernels/pdl.py
 ):  # fmt: skip
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] elements
     v = tl.load(x_ptr + t * stride_xt + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -175,9 +179,11 @@ def quantize_x(x: torch.Tensor, k_pad: int) -> Int8Rows:
     T, K = x.shape
     rows = Int8Rows.empty(T, k_pad, x.device)
     block = min(1024, triton.next_power_of_2(k_pad))
+    pdl = quant_pdl_mode(x.device, T)
     _quantize_x_kernel[(T, triton.cdiv(k_pad, block))](
         x, *rows, K, k_pad, x.stride(0), *(t.stride(0) for t in rows), BLOCK=block,
         enable_fp_fusion=False,  # rounds as the RMSNorm kernel that can quantize its output does (no fused FMA)
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return rows
 

@@ -14,6 +14,7 @@
 #   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
 #   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
 #   gguf-offload  the quantized-offload GPU tests, then the Q4_K_M rows alone in copy and zero-copy mode
+#   variants  batch-1 decode, bf16 and Q4_K_M, every kernel in PDL mode 2 against the default (one build each)
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
@@ -62,6 +63,11 @@ for stage in $stages; do
         run offload 560 python3 benchmarks/bench_offload.py --modes zero_copy,copy --gguf-modes copy,zero_copy \
             --vs transformers --hf-budgets 8 --out "$out/bench_offload"
         run offload 120 python3 benchmarks/bench_offload_host.py ;;
+    variants)
+        for quant in "" "--quant Q4_K_M"; do
+            run variants 300 python3 benchmarks/bench_decode_variants.py $quant --variant default \
+                --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant default_again
+        done ;;
     pdl)
         for quant in "" "--quant Q4_K_M"; do
             for mode in "0 start" "1 start" "1 after_wait"; do

@@ -129,6 +129,7 @@ POOL: dict[str, Config] = {
     "t64x128": _dot("tile", 64, 128, 128, 8, 8, 3),
     "t128x64": _dot("tile", 128, 64, 128, 8, 8, 3, 128),
     "t128x128": _dot("tile", 128, 128, 128, 8, 8, 3),
+    "deq": {"path": "dequant"},  # the layer decoded to bf16, then the bf16 fused MoE with its own tables
 }
 
 
@@ -151,8 +152,8 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
     if m <= 128:
         return ["t16x64", "t16x128", "t32x128"]
     if m <= 512:
-        return ["t32x128", "t64x128"]
-    return ["t64x128", "t128x64", "t128x128"]
+        return ["t32x128", "t64x128", "deq"]
+    return ["t64x128", "t128x64", "t128x128", "deq"]
 
 
 # ---------------------------------------------------------------------------------------------- workload

@@ -180,3 +180,45 @@ def test_cuda_graph_capture_and_replay(seed, config, T) -> None:
         return fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
 
     check_graphed_moe(step, hidden, logits, w13, w2, k, TOLERANCE[torch.bfloat16], seed, replays=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_path_is_the_dense_kernel_on_the_decoded_layer(seed, dtype) -> None:
+    # path "dequant": the experts decoded in one launch per part (gate and up of different types, into one
+    # scratch), then fused_moe_triton: bit for bit the dense kernel on the kernels' decoding of each part
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.quant.decode import dequantize_triton
+
+    T, E, k, H, I = 37, 5, 2, 256, 256  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
+    weights, ids = random_routing(T, E, k)
+    hidden = torch.randn(T, H, device=DEVICE).to(dtype)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, {"path": "dequant"})
+    dense13 = torch.cat([dequantize_triton(p, dtype) for p in p13], dim=1)  # [E, 2I, H]
+    ref = fused_moe_triton(hidden, dense13, dequantize_triton(p2, dtype), weights, ids)
+    assert torch.equal(out, ref), f"seed={seed}"
+    check(seed, hidden, w13, w2, weights, ids, {"path": "dequant"})
+
+
+def test_dequant_path_falls_back_where_it_cannot_apply(seed, monkeypatch) -> None:
+    # float32 partial sums asked of a bf16 batch (offloaded experts) and experts through address tables take the
+    # default path for their size instead
+    from moerun.kernels.quant import fused_moe_quant as module
+    from moerun.kernels.quant.repack import expert_addresses
+
+    T, E, k, H, I = 6, 4, 2, 256, 256  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q8_0)
+    weights, ids = random_routing(T, E, k)
+    hidden = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    dequant = {"path": "dequant"}
+    monkeypatch.setattr(module, "_dequant", lambda *args: pytest.fail("the dequant path ran"))
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, dequant, out_dtype=torch.float32)
+    ref = fused_moe_quant(hidden, p13, p2, weights, ids, default_moe_config(T, k, qtype="Q8_0"),
+                          out_dtype=torch.float32)  # fmt: skip
+    assert out.dtype == torch.float32 and torch.equal(out, ref), f"seed={seed}"
+    tables = ([expert_addresses(p).to(DEVICE) for p in p13], expert_addresses(p2).to(DEVICE))
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, dequant, tables=tables)
+    ref = fused_moe_quant(hidden, p13, p2, weights, ids, default_moe_config(T, k, qtype="Q8_0"), tables=tables)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=lambda m: f"seed={seed}: {m}")

@@ -111,6 +111,21 @@ def test_kernel_decoder_matches_reference(seed, qt: QuantType) -> None:
     assert dequantize_triton(pw, torch.bfloat16).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("qt", [QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.Q5_0], ids=lambda t: t.name)
+def test_kernel_decoder_writes_into_a_slice(seed, qt: QuantType) -> None:
+    # out= a row slice of a larger buffer [E, 2N, K] (w13's gate or up rows): the same values, nothing else touched
+    E, N, K = 3, 5, 512 if qt.is_k_quant else 96
+    pw = pack(random_quantized(qt, (E, N, K), DEVICE))
+    buffer = torch.full((E, 2 * N, K), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    dequantize_triton(pw, torch.bfloat16, out=buffer[:, N:])
+    assert torch.equal(buffer[:, N:], dequantize_triton(pw, torch.bfloat16)), f"{qt.name} seed={seed}"
+    assert (buffer[:, :N] == 7.0).all()
+    with pytest.raises(ValueError, match="unit stride"):
+        dequantize_triton(pw, torch.bfloat16, out=buffer[:, :N].transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize_triton(pw, torch.float32, out=buffer[:, N:])
+
+
 def test_kernel_sources_avoid_syntax_older_triton_rejects() -> None:
     # The GPU target runs an older Triton than CI's interpreter, whose front end rejects `A or B or C` chains,
     # which the interpreter (plain Python) would accept.

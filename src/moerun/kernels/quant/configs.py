@@ -1,9 +1,10 @@
 """Tile configs of the quantized kernels: tuned JSON tables per (type, MoE shape, device) and defaults by M.
 
-Keys are those of kernels/tile_configs.py, plus the paths "gemv_dot" (fused_moe_quant.py) and "gemv_v2"
-(gemv_v2.py). BLOCK_K / BLOCK_K2 count K elements per loop step (multiples of 64, lowered to divide the padded
-row). In the tl.dot paths BLOCK_N is the number of weight rows per program (the decoded weight is the left
-operand) and BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per program (a multiple
+Keys are those of kernels/tile_configs.py, plus the paths "gemv_dot" (fused_moe_quant.py), "gemv_v2"
+(gemv_v2.py) and "dequant" (the layer decoded to the activation dtype, then the dense fused MoE; no keys).
+BLOCK_K / BLOCK_K2 count K elements per loop step (multiples of 64, lowered to divide the padded row). In the
+tl.dot paths BLOCK_N is the number of weight rows per program (the decoded weight is the left operand) and
+BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per program (a multiple
 of 16), BLOCK_N2 output rows of down per program and token (all k slots at once), BLOCK_K / BLOCK_K2 inputs per
 unrolled chunk, `x_prep` / `x_q8` how GEMM 1 and the dense GEMV read x (prepared in the weights' layout / as
 int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2, and `reduce` does not apply (GEMM 2
@@ -27,16 +28,19 @@ from moerun.kernels.tile_configs import (
 )
 
 
-PATHS = ("gemv", "gemv_dot", "gemv_v2", "tile")
+PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile")
 V2_DEFAULT_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # gate types whose decode default is gemv_v2 (gemv_v2.V2_TYPES)
 
 
 def normalize_config(cfg: Config) -> Config:
-    """tile_configs.normalize, also accepting the gemv_dot path (tile-kernel keys, slot reduction by sum) and the
-    gemv_v2 path (gemv keys; its GEMM 2 sums the slots itself)."""
+    """tile_configs.normalize, also accepting the gemv_dot path (tile-kernel keys, slot reduction by sum), the
+    gemv_v2 path (gemv keys; its GEMM 2 sums the slots itself) and the dequant path (no keys: the bf16 fused MoE
+    runs with its own tables)."""
     path = cfg.get("path", "tile")
     if path not in PATHS:
         raise ValueError(f"unknown quantized MoE kernel path {path!r}; expected one of {PATHS}")
+    if path == "dequant":
+        return {"path": path}
     if path == "gemv_dot":
         out = normalize({"reduce": "sum", **cfg, "path": "tile"})
         out["path"] = path

@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.repack import LAYOUTS, PackedWeight
+from moerun.kernels.rmsnorm import round_to
 
 
 def supported(qtype: QuantType) -> bool:
@@ -139,7 +141,7 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
 
 @triton.jit
 def _dequant_kernel(
-    out_ptr,  # [R, K] rows of all experts
+    out_ptr,  # [lead, N, K] (any strides but unit along K): row r of the weight is (r // N, r % N)
     codes,
     high,
     sub,
@@ -147,30 +149,49 @@ def _dequant_kernel(
     R,
     K,
     KQ,
+    N,
+    stride_ol,
+    stride_on,
     QTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Writes rows [pid * BLOCK_R, +BLOCK_R) of the decoded weight, one pair per step."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rows = (offs_r % R).to(tl.int64)[:, None]  # [BLOCK_R, 1]
     lane = tl.arange(0, 32)[None, :]  # [1, 32]
-    out_rows = out_ptr + offs_r.to(tl.int64)[:, None] * K
+    out_rows = out_ptr + (rows // N) * stride_ol + (rows % N) * stride_on  # [BLOCK_R, 1]
     for q in range(0, KQ):
         v0, v1 = dequant_pair(QTYPE, codes, high, sub, scale, rows, q, lane, KQ)
         k0 = q * 64 + lane
         ok = offs_r[:, None] < R
-        tl.store(out_rows + k0, v0.to(out_ptr.dtype.element_ty), mask=ok & (k0 < K))
-        tl.store(out_rows + k0 + 32, v1.to(out_ptr.dtype.element_ty), mask=ok & (k0 + 32 < K))
+        tl.store(out_rows + k0, round_to(v0, out_ptr.dtype.element_ty, INTERPRET), mask=ok & (k0 < K))
+        tl.store(out_rows + k0 + 32, round_to(v1, out_ptr.dtype.element_ty, INTERPRET), mask=ok & (k0 + 32 < K))
 
 
-def dequantize_triton(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense [*lead, N, K] `dtype` tensor decoded by the kernels' decoder (for fallbacks and tests)."""
+def dequantize_triton(pw: PackedWeight, dtype: torch.dtype = torch.float32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Dense [*lead, N, K] `dtype` tensor decoded by the kernels' decoder, in one launch (``pw.dequantize(dtype)``
+    bit for bit in the interpreter; on the GPU code x scale - min may be one FMA, one rounding fewer). ``out``:
+    write into this tensor of that shape and dtype instead (unit stride along K, any other strides of up to three
+    dimensions: a slice of a larger buffer)."""
+    shape = tuple(pw.shape)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=pw.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.stride(-1) != 1 or (out.dim() > 3
+                                                                                   and not out.is_contiguous()):
+        raise ValueError(f"out must be {shape} of {dtype}, unit stride along K (contiguous beyond 3 dims), got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
     if pw.is_dense:
-        return pw.codes.to(dtype)
-    rows = math.prod(pw.shape[:-1])
-    out = torch.empty(pw.shape, dtype=dtype, device=pw.device)
+        return out.copy_(pw.codes)
+    rows = math.prod(shape[:-1])
+    if rows == 0:
+        return out
+    N, K = shape[-2] if len(shape) > 1 else 1, shape[-1]
+    view = out.view(-1, N, K) if out.dim() != 3 else out  # [lead, N, K]
     block_r = 32
     _dequant_kernel[(triton.cdiv(rows, block_r),)](
-        out, *pw.kernel_args(), rows, pw.k, pw.kq, QTYPE=int(pw.qtype), BLOCK_R=block_r, num_warps=4
-    )
+        view, *pw.kernel_args(), rows, K, pw.kq, N, view.stride(0), view.stride(1), QTYPE=int(pw.qtype),
+        BLOCK_R=block_r, INTERPRET=interpreting(), num_warps=4,
+    )  # fmt: skip
     return out

@@ -1,7 +1,7 @@
 """Fused experts of one MoE layer over repacked GGUF weights (repack.py), decoded in registers (decode.py).
 
 Same semantics as kernels/fused_moe.py's fused_moe_triton: GEMM 1 over gate|up with SiLU(gate)*up in its
-epilogue, GEMM 2 over down with the routing weights, then the sum over the k slots. Three paths, by config:
+epilogue, GEMM 2 over down with the routing weights, then the sum over the k slots. The paths, by config:
   gemv      decode: one program per (token-slot, N-tile) streams the slot's expert rows once; each step decodes
             [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
   gemv_dot  decode, same grid, but the decoded [BLOCK_N, 32] planes go through tl.dot against the slot's
@@ -10,6 +10,9 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
             sums, the k-slot sum inside GEMM 2; other types take the gemv path with the same config.
   tile      prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
             that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
+  dequant   prefill: the layer's experts decoded to the activation dtype in one launch per part
+            (decode.dequantize_triton, into a scratch buffer), then kernels/fused_moe.py's fused_moe_triton, whose
+            pipelined tensor-core tiles may outweigh the decoded layer's write and read at thousands of tokens.
 Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
 Nothing reads back to the host, so a decode step can be captured in a CUDA graph.
 """
@@ -23,9 +26,9 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid
-from moerun.kernels.quant.configs import dot_steps, gemv_steps, get_moe_config, normalize_config
-from moerun.kernels.quant.decode import dequant_pair, supported
+from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton
+from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
+from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported
 from moerun.kernels.quant.gemv_v2 import PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
@@ -437,6 +440,20 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
     return _finish(acc, T, k, H, atomic, out_dtype)
 
 
+def _dequant(x: torch.Tensor, parts13: list[PackedWeight], w2: PackedWeight, weights: torch.Tensor,
+             ids: torch.Tensor) -> torch.Tensor:
+    """dequant path: w13's parts decoded into one [E, 2I, H] scratch (in row order), w2 into [E, H, I], both in x's
+    dtype, then the dense fused MoE -> [T, H] in x's dtype."""
+    E, H, I = w2.shape[0], w2.n, w2.k  # noqa: E741
+    w13 = torch.empty(E, 2 * I, H, dtype=x.dtype, device=x.device)  # [E, 2I, H]
+    row = 0
+    for p in parts13:
+        dequantize_triton(p, x.dtype, out=w13[:, row : row + p.n])
+        row += p.n
+    down = dequantize_triton(w2, x.dtype)  # [E, H, I]
+    return fused_moe_triton(x, w13, down, weights, ids)
+
+
 def fused_moe_quant(
     hidden: torch.Tensor,
     w13: Sequence[PackedWeight] | PackedWeight,
@@ -492,6 +509,10 @@ def fused_moe_quant(
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
     cfg = _kernel_config(config, gw, uw, w2, E, k, T, indirect=part_tables is not None)
+    if cfg["path"] == "dequant" and out_dtype != x.dtype:  # the dense kernels round the slot sum to x's dtype
+        cfg = default_moe_config(T, k, qtype=gw.qtype.name)
+    if cfg["path"] == "dequant":
+        return _dequant(x, parts13, w2, weights, ids)
     if cfg["path"] == "gemv_v2":
         return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
     if cfg["path"] == "gemv":
@@ -505,6 +526,8 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
     moved to one the kernels take (gemv_v2 only for the types it reads; the plain gemv kernels take no address
     tables)."""
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, gw.k, w2.k, k, T)
+    if indirect and cfg["path"] == "dequant":  # experts through address tables are never decoded as a layer
+        cfg = default_moe_config(T, k, qtype=gw.qtype.name)
     if indirect and cfg["path"] == "gemv":
         cfg = normalize_config({**cfg, "path": "gemv_v2"})
     if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):

@@ -267,8 +267,8 @@ def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> 
 def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> None:
     """Quantized experts whose kernels round x to int8 get it rounded by the fused router's kernel: the same int8
     rows as they compute themselves (test_route_fused_int8_rows_are_the_quantized_normed_rows), so the same output
-    up to the float32 rounding of the routing weights (compiled with the int8 stores, the softmax may sum in
-    another order on the GPU)."""
+    up to the float32 rounding of the routing weights (compiled with the int8 stores, the kernel's weights can
+    differ in the last bit on the GPU)."""
     from moerun.kernels.quant import fused_moe_quant
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.layers.quantized import QuantizedWeight, set_quantized

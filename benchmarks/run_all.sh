@@ -14,7 +14,8 @@
 #   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
 #   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
 #   gguf-offload  the quantized-offload GPU tests, then the Q4_K_M rows alone in copy and zero-copy mode
-#   variants  batch-1 decode, bf16 and Q4_K_M, every kernel in PDL mode 2 against the default (one build each)
+#   variants  batch-1 decode, bf16 and Q4_K_M, every kernel in PDL mode 2 against the default (one build each);
+#             Q4_K_M also with q|k and v in one launch (MOERUN_QUANT_JOINT=1)
 #   prefill-quant  the quantized MoE tables at prefill sizes (tile against dequant + bf16), then Q4_K_M prefill
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
@@ -71,10 +72,11 @@ for stage in $stages; do
             --prefill-lens 512,2048,8192 --batch-sizes 1 --max-model-len 9216 --steps 16 --profile \
             --out "$out/bench_q4km_prefill" ;;
     variants)
-        for quant in "" "--quant Q4_K_M"; do
-            run variants 300 python3 benchmarks/bench_decode_variants.py $quant --variant default \
-                --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant default_again
-        done ;;
+        run variants 300 python3 benchmarks/bench_decode_variants.py --variant default \
+            --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant default_again
+        run variants 300 python3 benchmarks/bench_decode_variants.py --quant Q4_K_M --variant default \
+            --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant joint:MOERUN_QUANT_JOINT=1 \
+            --variant after_wait+joint:MOERUN_PDL_TRIGGER=after_wait,MOERUN_QUANT_JOINT=1 --variant default_again ;;
     pdl)
         for quant in "" "--quant Q4_K_M"; do
             for mode in "0 start" "1 start" "1 after_wait"; do

@@ -174,3 +174,34 @@ def test_qwen3_30b_shape_cuda_graph(seed, qt, T, cfg) -> None:
         return fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
 
     check_graphed_moe(step, hidden, logits, w13, w2, k, TOLERANCE[torch.bfloat16], seed, replays=2)
+
+
+@pytest.mark.parametrize("x_q8", [False, True], ids=["x", "int8_x"])
+def test_matmul_v2_two_parts_in_one_launch(seed, monkeypatch, x_q8) -> None:
+    # MOERUN_QUANT_JOINT=1: consecutive parts of the types gemv_v2 reads (q|k Q4_K, v Q6_K) run as one launch, bit
+    # for bit the separate launches under the same config; then Q8_0 alone, its successor Q5_0 being on the gemv
+    # path. N = 40 and 24 end inside a program's rows.
+    from moerun.kernels.quant import gemv_v2
+
+    K = 512
+    parts = [random_quantized(qt, (n, K), DEVICE) for qt, n in
+             ((QuantType.Q4_K, 48), (QuantType.Q6_K, 40), (QuantType.Q8_0, 24), (QuantType.Q5_0, 16))]  # fmt: skip
+    packed = packed_parts(QuantizedWeight(parts))
+    x = torch.randn(2, K, device=DEVICE).bfloat16()
+    bias = torch.randn(sum(p.shape[0] for p in parts), device=DEVICE).bfloat16()
+    cfg = {**MATMUL_V2, "BLOCK_N": 16, "x_q8": x_q8}
+    launches = []
+    kernel = gemv_v2._matmul_v2_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gemv_v2, "_matmul_v2_kernel", Counting())
+    separate = quant_matmul_triton(x, packed, bias, config=cfg)
+    assert [g[0] for g in launches] == [3, 3, 2]
+    monkeypatch.setenv("MOERUN_QUANT_JOINT", "1")
+    joint = quant_matmul_triton(x, packed, bias, config=cfg)
+    assert [g[0] for g in launches[3:]] == [6, 2], "q|k and v in one launch, then Q8_0 alone"
+    assert torch.equal(joint, separate), f"seed={seed}"

@@ -8,11 +8,13 @@ Three paths, by config:
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
-output columns; parts that are float types use torch.
+output columns; parts that are float types use torch. With ``MOERUN_QUANT_JOINT=1`` two consecutive gemv_v2
+parts (q|k Q4_K and v Q6_K in a Q4_K_M file) share one launch under the first one's config.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -184,15 +186,30 @@ def quant_matmul_triton(
     if M == 0:
         return y
     x = x.contiguous()
-    col = 0
-    for p in parts:
+    col, i = 0, 0
+    while i < len(parts):
+        p = parts[i]
         if p.is_dense:
             b = None if bias is None else bias[col : col + p.n]
             y[:, col : col + p.n] = F.linear(x, p.codes.to(x.dtype), b)
         else:
-            _launch_part(x, y, p, bias, col, config or get_matmul_config(p.qtype.name, p.n, K, M), x_int8)
-        col += p.n
+            cfg = config or get_matmul_config(p.qtype.name, p.n, K, M)
+            nxt = parts[i + 1] if i + 1 < len(parts) else None
+            if nxt is not None and _joins(p, nxt, cfg):  # both parts in one launch, under the first one's config
+                matmul_v2_part(x, y, p, bias, col, cfg, x_int8, second=(nxt, col + p.n))
+                col, i = col + p.n + nxt.n, i + 2
+                continue
+            _launch_part(x, y, p, bias, col, cfg, x_int8)
+        col, i = col + p.n, i + 1
     return y
+
+
+def _joins(a: PackedWeight, b: PackedWeight, cfg: Config) -> bool:
+    """Whether parts a, b (consecutive, same K) run as one gemv_v2 launch under a's config: with
+    ``MOERUN_QUANT_JOINT=1`` (not yet measured on the GPU, so off by default), both of the types gemv_v2 reads, and
+    a config of that path that reads x as it is or as int8 (x_prep's layout depends on the type)."""
+    return (os.environ.get("MOERUN_QUANT_JOINT", "0") == "1" and not b.is_dense and a.qtype in V2_TYPES
+            and b.qtype in V2_TYPES and cfg["path"] == "gemv_v2" and not cfg.get("x_prep"))  # fmt: skip
 
 
 def int8_input_pad(parts: Sequence[PackedWeight], M: int) -> int | None:

@@ -12,6 +12,8 @@ The chunks are then merged by their log-sum-exps, in one of two ways (SINGLE_LAU
                  merges them.
 The grid and every buffer depend only on B, n_q, n_kv, D, L and num_splits, never on seq_lens, so the host
 never waits on the device and one CUDA graph serves every step of a batch-size bucket.
+For a quantized o_proj whose kernel rounds x to int8 (decode_attention_int8_triton), the program that stores a kv
+head's query heads in the single launch also stores them rounded to int8 (quant/int8_dot.py's layout).
 """
 
 from __future__ import annotations

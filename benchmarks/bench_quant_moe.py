@@ -60,17 +60,20 @@ def _gemv(bn, bk, w, bn2, bk2) -> Config:
             "BLOCK_K2": bk2, "num_warps2": w, "num_stages2": 2, "reduce": "sum"}  # fmt: skip
 
 
-def _v2(bn, bk, w, bn2, bk2, w2, x_prep=False, x_q8=False, inter_q8=False) -> Config:
+def _v2(bn, bk, w, bn2, bk2, w2, x_prep=False, x_q8=False, inter_q8=False, slots2=None) -> Config:
     """gemv_v2 (Q4_K, Q6_K, Q8_0; other types run these blocks on the gemv path): GEMM 1 BLOCK_N rows of
     gate/up in chunks of BLOCK_K inputs (x_prep: reading x prepared in the weights' layout by one more launch;
     x_q8: x quantized to int8 by one more launch, dp4a dot products); GEMM 2 BLOCK_N2 output rows of all k
-    slots, chunks of BLOCK_K2 (inter_q8: GEMM 1 writes its output as int8, GEMM 2 takes dp4a too)."""
+    slots (slots2: that many at once), chunks of BLOCK_K2 (inter_q8: GEMM 1 writes its output as int8, GEMM 2
+    takes dp4a too)."""
     cfg = {"path": "gemv_v2", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, "BLOCK_N2": bn2,
            "BLOCK_K2": bk2, "num_warps2": w2, "num_stages2": 1, "x_prep": x_prep}  # fmt: skip
     if x_q8:
         cfg["x_q8"] = True
     if inter_q8:
         cfg["inter_q8"] = True
+    if slots2:
+        cfg["slots2"] = slots2
     return cfg
 
 
@@ -123,6 +126,13 @@ POOL: dict[str, Config] = {
     "v32qqn16": _v2(32, 2048, 8, 16, 768, 4, x_q8=True, inter_q8=True),
     "v32qqw2": _v2(32, 2048, 2, 8, 768, 2, x_q8=True, inter_q8=True),
     "v64qq": _v2(64, 2048, 8, 8, 768, 4, x_q8=True, inter_q8=True),
+    # GEMM 2 holding 4 or 2 of the 8 slots at once: about half the registers (Q6_K down 246 -> 122 / 96 a thread
+    # in an offline sm_90 compile of the 8-row tile), twice the programs an SM
+    "v16k2qs4": _v2(16, 2048, 4, 8, 512, 4, x_q8=True, slots2=4),
+    "v16k2qs2": _v2(16, 2048, 4, 8, 512, 4, x_q8=True, slots2=2),
+    "v16k2qn16s2": _v2(16, 2048, 4, 16, 512, 4, x_q8=True, slots2=2),
+    "v32qqs4": _v2(32, 2048, 4, 8, 768, 4, x_q8=True, inter_q8=True, slots2=4),
+    "v32qqn16s2": _v2(32, 2048, 4, 16, 768, 4, x_q8=True, inter_q8=True, slots2=2),
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
     "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
@@ -134,7 +144,7 @@ POOL: dict[str, Config] = {
 
 
 X_Q8 = ["v8q", "v8k1q", "v16q", "v16k1q", "v16k2q", "v32q", "v32k2q", "v4q", "v32qq", "v32qqk1", "v32qqn4", "v32qqn16",
-        "v32qqw2", "v64qq"]
+        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2"]
 
 
 def tune_candidates(m: int, families: str = "all") -> list[str]:

@@ -84,6 +84,30 @@ def test_k_in_several_chunks_and_remainder(seed, qt) -> None:
     check(seed, 2, 3, 768, 768, 2, qt, None, torch.float32, V2_CHUNKED)
 
 
+@pytest.mark.parametrize("slots2", [1, 2, 4])
+@pytest.mark.parametrize("inter_q8", [False, True], ids=["float_inter", "int8_inter"])
+def test_gemm2_slots_in_steps(seed, slots2, inter_q8) -> None:
+    # GEMM 2 holding slots2 of the k = 6 slots (8 rounded up) at once: the sum of all slots at once (the default) up
+    # to the float32 order of the slot sum, and (float intermediate) the reference; k = 6 leaves the last step of
+    # slots2 = 4 half empty.
+    T, E, H, I, k = 3, 9, 256, 256, 6  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q6_K)
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    hidden = torch.randn(T, H, device=DEVICE)
+    cfg = {**V2, "x_q8": inter_q8, "inter_q8": inter_q8}
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "slots2": slots2})
+    ref = fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
+    assert torch.equal(fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "slots2": 8}), ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item(),
+                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    if not inter_q8:
+        check(seed, T, E, H, I, k, QuantType.Q4_K, QuantType.Q6_K, torch.float32, {**cfg, "slots2": slots2})
+    with pytest.raises(ValueError, match="power of two"):
+        fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "slots2": 3})
+
+
 def test_q8_0_padded_rows(seed) -> None:
     # 32-element blocks: H and I that need padding to 256 (masked inputs, zero-initialised intermediate).
     check(seed, 3, 5, 96, 160, 3, QuantType.Q8_0, None, torch.float32, V2)

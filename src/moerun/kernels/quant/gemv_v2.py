@@ -15,9 +15,10 @@ Q6_K first merges its two high bits into each code byte (two words of four 6-bit
 GEMM 1 (one program per token-slot and BLOCK_N rows of gate and up) writes SiLU(gate) * up, rounded to the
 activation dtype, in the order GEMM 2 reads it: [T*k, positions, words] with the position's 2^-s applied
 ("position-major": a thread's x values for one position are contiguous), plus the plain sums of every 16
-consecutive values (GEMM 2's sum_i x_i). GEMM 2 (one program per token and BLOCK_N2 output rows) holds all k
-slots of the token as a [BLOCK_N2, slots] tile of rows whose columns share their slot's x, weights the slots
-and sums them in registers, and stores [T, H] in the output dtype: no atomics, no third launch. A row's K is
+consecutive values (GEMM 2's sum_i x_i). GEMM 2 (one program per token and BLOCK_N2 output rows) holds the k
+slots of the token as [BLOCK_N2, slots] tiles of rows whose columns share their slot's x (all slots at once, or
+config key "slots2" of them per step: fewer registers), weights the slots and sums them in registers, and stores
+[T, H] in the output dtype: no atomics, no third launch. A row's K is
 covered in chunks of BLOCK_K inputs (a power of two of groups) and the binary remainder, all unrolled, so every
 load of a program can be in flight at once and any padded K runs unmasked.
 
@@ -440,6 +441,7 @@ def _gemm2_v2_kernel(
     QT: tl.constexpr,
     WPG: tl.constexpr,
     SLOTS: tl.constexpr,  # top_k rounded up to a power of two
+    SLOT_STEP: tl.constexpr,  # slots held at once (a power of two dividing SLOTS): fewer, fewer registers
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     FULL: tl.constexpr,
@@ -453,20 +455,35 @@ def _gemm2_v2_kernel(
     launch_dependents(PDL)
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    s = tl.arange(0, SLOTS)  # [SLOTS]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in tl.static_range(SLOTS // SLOT_STEP):
+        y += _gemm2_slots(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws, wd, wt, token,
+                          g * SLOT_STEP, SLOT_STEP, top_k, H, offs_n, KQ, I_WORDS, stride_it, stride_st, stride_dit,
+                          BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, INDIRECT, XQ8, EMULATE_DP4A)  # fmt: skip
+    tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+@triton.jit
+def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws,
+                 wd, wt, token, s0: tl.constexpr, STEP: tl.constexpr, top_k, H, offs_n, KQ, I_WORDS, stride_it,
+                 stride_st, stride_dit, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, FULL: tl.constexpr,
+                 REM: tl.constexpr, LOG_BG: tl.constexpr, INDIRECT: tl.constexpr, XQ8: tl.constexpr,
+                 EMULATE_DP4A: tl.constexpr):  # fmt: skip
+    """sum over slots s0 + [0, STEP) of the token of routing weight x (rows offs_n of the slot's expert) . (the
+    slot's intermediate) -> [BLOCK_N] float32; the slots as the columns of [BLOCK_N, STEP] tiles."""
+    s = s0 + tl.arange(0, STEP)  # [STEP]
     ok = s < top_k
-    slot = token * top_k + tl.where(ok, s, 0)  # [SLOTS] int64
+    slot = token * top_k + tl.where(ok, s, 0)  # [STEP] int64
     expert = tl.load(ids_ptr + slot, mask=ok, other=0).to(tl.int64)
     weight = tl.load(topk_w_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if INDIRECT:  # each slot's arrays through the table, shaped to broadcast against [rows, slots, groups, words]
-        wc, wh, ws, wd = part_bases(wt, expert, wc, wh, ws, wd)  # [SLOTS] each
+        wc, wh, ws, wd = part_bases(wt, expert, wc, wh, ws, wd)  # [STEP] each
         wc, wh, ws, wd = wc[None, :, None, None], wh[None, :, None, None], ws[None, :, None], wd[None, :, None]
-        rows = tl.where(offs_n < H, offs_n, 0).to(tl.int64)[:, None] + tl.zeros([1, SLOTS], dtype=tl.int64)
+        rows = tl.where(offs_n < H, offs_n, 0).to(tl.int64)[:, None] + tl.zeros([1, STEP], dtype=tl.int64)
     else:
-        rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, SLOTS]
-    acc = tl.zeros([BLOCK_N, SLOTS], dtype=tl.float32)
+        rows = expert[None, :] * H + tl.where(offs_n < H, offs_n, 0)[:, None]  # [BLOCK_N, STEP]
+    acc = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
     for c in tl.static_range(FULL):
         acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G,
                             BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, EMULATE_DP4A)  # fmt: skip
@@ -475,8 +492,7 @@ def _gemm2_v2_kernel(
             acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                                 FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
                                 stride_st, stride_dit, XQ8, EMULATE_DP4A)  # fmt: skip
-    y = tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the k slots
-    tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+    return tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the step's slots
 
 
 @triton.jit
@@ -721,11 +737,15 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     )  # fmt: skip
     out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
+    slots_p2 = triton.next_power_of_2(k)
+    slot_step = min(cfg.get("slots2") or slots_p2, slots_p2)
+    if slot_step & (slot_step - 1):
+        raise ValueError(f"slots2 must be a power of two, got {cfg.get('slots2')}")
     groups2 = i_pad // _group_elems(w2.qtype)
     _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
         inter, sums, dxi, flat_ids, weights.reshape(-1), out, *_arrays(w2), tables[2] if tables else ids, k, H,
         w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
-        WPG=_words_per_group(w2.qtype), SLOTS=triton.next_power_of_2(k), BLOCK_N=bn2,
+        WPG=_words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps2"],
         num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl, **launch_options(pdl),
     )  # fmt: skip

@@ -8,8 +8,9 @@ BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per pro
 of 16), BLOCK_N2 output rows of down per program and token (all k slots at once), BLOCK_K / BLOCK_K2 inputs per
 unrolled chunk, `x_prep` / `x_q8` how GEMM 1 and the dense GEMV read x (prepared in the weights' layout / as
 int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2, `slots2` how many of a token's k
-slots GEMM 2 holds at once (a power of two; default all), and `reduce` does not apply (GEMM 2 sums the slots). Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE
-being the type of the gate projection.
+slots GEMM 2 holds at once (a power of two; default all), and `reduce` does not apply (GEMM 2 sums the slots).
+Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type of
+the gate projection.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store, quantize_x
+from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row, quantize_x
 from moerun.kernels.rmsnorm import round_to
 from moerun.kernels.tickets import ticket_counters
 
@@ -228,10 +228,8 @@ def _store_out(out_ptr, out, b, kv_head, row_mask, N_Q: tl.constexpr, G: tl.cons
     tl.store(dst, rounded, mask=row_mask[:, None])
     if Q8:
         start = kv_head * (G * D)
-        row = b.to(tl.int64)
-        quantize_store(tl.reshape(rounded.to(tl.float32), [ROWS * D]), ROWS * D, start,
-                       xq_ptr + row * (K_PAD // 4), dx_ptr + row * (K_PAD // 32), xs_ptr + row * (K_PAD // 16),
-                       start + G * D)  # fmt: skip
+        quantize_store_row(tl.reshape(rounded.to(tl.float32), [ROWS * D]), ROWS * D, start, xq_ptr, dx_ptr, xs_ptr,
+                           b.to(tl.int64), K_PAD, start + G * D)  # fmt: skip
 
 
 @triton.jit
@@ -449,14 +447,11 @@ def _launch_single(
     # merge tiles of at most 8192 floats: [heads, splits, D]
     block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_gm * D)))
     pdl = pdl_mode(q.device, B)
-    q8 = {}
-    if rows is not None:
-        q8 = dict(xq_ptr=rows.xq, dx_ptr=rows.dx, xs_ptr=rows.xs, K_PAD=rows.k_pad, Q8=True)
     _decode_attention_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
         *_common_args(q, k_cache, v_cache, scale, num_splits),
         N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s, **_common_meta(q, k_cache, block_n),
-        PDL=pdl, **launch_options(pdl), **q8,
+        PDL=pdl, **launch_options(pdl), **(rows.store_args() if rows is not None else {}),
     )  # fmt: skip
 
 

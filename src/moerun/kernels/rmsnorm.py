@@ -15,7 +15,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store
+from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row
 
 # A whole row lives in registers (at most 32 floats per thread with 16 warps); larger rows would spill.
 MAX_HIDDEN = 16384
@@ -107,8 +107,7 @@ def _rms_norm_kernel(
     out = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
                            HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
     if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
-        quantize_store(out.to(tl.float32), BLOCK_H, 0, xq_ptr + row * (K_PAD // 4), dx_ptr + row * (K_PAD // 32),
-                       xs_ptr + row * (K_PAD // 16), K_PAD)  # fmt: skip
+        quantize_store_row(out.to(tl.float32), BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, row, K_PAD, K_PAD)
 
 
 def rms_norm_triton(
@@ -152,11 +151,7 @@ def _rms_norm(
     weight = weight.contiguous()
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
     new_residual = torch.empty_like(out) if residual is not None else x  # [T, H]
-    rows = None
-    q8: dict = {}
-    if k_pad is not None:
-        rows = Int8Rows.empty(T, k_pad, x.device)
-        q8 = dict(xq_ptr=rows.xq, dx_ptr=rows.dx, xs_ptr=rows.xs, K_PAD=k_pad, Q8=True)
+    rows = Int8Rows.empty(T, k_pad, x.device) if k_pad is not None else None
     if T == 0:
         return out, new_residual, rows
     block_h = triton.next_power_of_2(max(H, k_pad or 0))
@@ -181,6 +176,6 @@ def _rms_norm(
         enable_fp_fusion=False,
         PDL=pdl,
         **launch_options(pdl),
-        **q8,
+        **(rows.store_args() if rows is not None else {}),
     )
     return out, new_residual, rows

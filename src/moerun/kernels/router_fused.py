@@ -23,7 +23,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store
+from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row
 from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, round_to
 from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
@@ -110,8 +110,7 @@ def _route_fused_kernel(
     ).to(tl.float32)  # fmt: skip
     if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
         if split == SPLIT - 1:  # the last program, as program 0 already stores the row
-            quantize_store(normed, BLOCK_H, 0, xq_ptr + token * (K_PAD // 4), dx_ptr + token * (K_PAD // 32),
-                           xs_ptr + token * (K_PAD // 16), K_PAD)  # fmt: skip
+            quantize_store_row(normed, BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, token, K_PAD, K_PAD)
     _store_logits(logits_ptr, g, normed, token, rows, row_ok, E, INTERPRET)
     for r0 in range(BLOCK_ROWS, ROWS, BLOCK_ROWS):
         g_r, rows_r, ok_r = _load_router_rows(gate_ptr, first, r0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
@@ -247,11 +246,7 @@ def _route_fused(
     residual_out = torch.empty_like(normed) if residual is not None else x  # [T, H]
     weights = torch.empty(T, k, dtype=torch.float32, device=device)  # [T, k]
     ids = torch.empty(T, k, dtype=torch.int32, device=device)  # [T, k]
-    int8_rows = None
-    q8: dict = {}
-    if k_pad is not None:
-        int8_rows = Int8Rows.empty(T, k_pad, device)
-        q8 = dict(xq_ptr=int8_rows.xq, dx_ptr=int8_rows.dx, xs_ptr=int8_rows.xs, K_PAD=k_pad, Q8=True)
+    int8_rows = Int8Rows.empty(T, k_pad, device) if k_pad is not None else None
     if T == 0:
         return normed, residual_out, weights, ids, int8_rows
     logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
@@ -268,6 +263,7 @@ def _route_fused(
         BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(k), INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
-        enable_fp_fusion=False, PDL=pdl, **launch_options(pdl), **q8,
+        enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
+        **(int8_rows.store_args() if int8_rows is not None else {}),
     )  # fmt: skip
     return normed, residual_out, weights, ids, int8_rows

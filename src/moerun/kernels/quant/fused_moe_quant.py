@@ -508,9 +508,8 @@ def fused_moe_quant(
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
-    cfg = _kernel_config(config, gw, uw, w2, E, k, T, indirect=part_tables is not None)
-    if cfg["path"] == "dequant" and out_dtype != x.dtype:  # the dense kernels round the slot sum to x's dtype
-        cfg = default_moe_config(T, k, qtype=gw.qtype.name)
+    cfg = _kernel_config(config, gw, uw, w2, E, k, T, indirect=part_tables is not None,
+                         dense_out=out_dtype == x.dtype)  # fmt: skip
     if cfg["path"] == "dequant":
         return _dequant(x, parts13, w2, weights, ids)
     if cfg["path"] == "gemv_v2":
@@ -521,12 +520,13 @@ def fused_moe_quant(
 
 
 def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2: PackedWeight, E: int, k: int,
-                   T: int, indirect: bool) -> Config:
+                   T: int, indirect: bool, dense_out: bool = True) -> Config:
     """The config fused_moe_quant runs for T tokens: the one given, else the tuned or default one, its path
     moved to one the kernels take (gemv_v2 only for the types it reads; the plain gemv kernels take no address
-    tables)."""
+    tables; the dequant path, whose dense kernels round the slot sum to x's dtype, only for stacked experts and
+    an output in x's dtype: ``dense_out``)."""
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, gw.k, w2.k, k, T)
-    if indirect and cfg["path"] == "dequant":  # experts through address tables are never decoded as a layer
+    if cfg["path"] == "dequant" and (indirect or not dense_out):
         cfg = default_moe_config(T, k, qtype=gw.qtype.name)
     if indirect and cfg["path"] == "gemv":
         cfg = normalize_config({**cfg, "path": "gemv_v2"})

@@ -18,9 +18,9 @@ activation dtype, in the order GEMM 2 reads it: [T*k, positions, words] with the
 consecutive values (GEMM 2's sum_i x_i). GEMM 2 (one program per token and BLOCK_N2 output rows) holds the k
 slots of the token as [BLOCK_N2, slots] tiles of rows whose columns share their slot's x (all slots at once, or
 config key "slots2" of them per step: fewer registers), weights the slots and sums them in registers, and stores
-[T, H] in the output dtype: no atomics, no third launch. A row's K is
-covered in chunks of BLOCK_K inputs (a power of two of groups) and the binary remainder, all unrolled, so every
-load of a program can be in flight at once and any padded K runs unmasked.
+[T, H] in the output dtype: no atomics, no third launch. A row's K is covered in chunks of BLOCK_K inputs (a power
+of two of groups) and the binary remainder, all unrolled, so every load of a program can be in flight at once and
+any padded K runs unmasked.
 
 x itself sits element-major, so GEMM 1 and the dense GEMV read its values for a word's eight positions as scalar
 loads four elements apart, reloaded by every program (the L1 pipe, not DRAM, limited a Q6_K lm_head). With the
@@ -39,9 +39,9 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
-from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
-from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
+from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
+from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -585,14 +585,9 @@ def _matmul_v2_kernel(
             _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A, N_B, K,
                             KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B, FULL_B, REM_B,
                             LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
-        else:
-            _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
-                            X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
-                            EMULATE_DP4A)  # fmt: skip
-    else:
-        _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
-                        X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
-                        EMULATE_DP4A)  # fmt: skip
+            return
+    _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off, X_WORDS,
+                    QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8, EMULATE_DP4A)
 
 
 # ------------------------------------------------------------------------------------------------ host side

@@ -42,6 +42,10 @@ class Int8Rows(NamedTuple):
     def k_pad(self) -> int:
         return self.xq.shape[1] * 4
 
+    def store_args(self) -> dict:
+        """The keyword arguments of a kernel that also writes its output rows as int8 (quantize_store_row)."""
+        return {"xq_ptr": self.xq, "dx_ptr": self.dx, "xs_ptr": self.xs, "K_PAD": self.k_pad, "Q8": True}
+
     @classmethod
     def empty(cls, T: int, k_pad: int, device: torch.device, zeros: bool = False) -> Int8Rows:
         """Uninitialised (or zeroed) rows for T rows of k_pad values."""
@@ -90,6 +94,13 @@ def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     halves = tl.sum(tl.reshape(q, [BLOCK // 32, 2, 16]), axis=2).to(tl.float32) * d[:, None]  # [B, 2]
     offs_s = start // 16 + tl.arange(0, BLOCK // 16)
     tl.store(xs_row + offs_s, tl.reshape(halves, [BLOCK // 16]), mask=offs_s * 16 < end)
+
+
+@triton.jit
+def quantize_store_row(v, BLOCK: tl.constexpr, start, xq_ptr, dx_ptr, xs_ptr, row, K_PAD: tl.constexpr, end):
+    """quantize_store into row `row` of Int8Rows arrays of K_PAD values a row (Int8Rows.store_args)."""
+    quantize_store(v, BLOCK, start, xq_ptr + row * (K_PAD // 4), dx_ptr + row * (K_PAD // 32),
+                   xs_ptr + row * (K_PAD // 16), end)  # fmt: skip
 
 
 @triton.jit

@@ -283,7 +283,9 @@ def bench_type(name: str, types: tuple[str, str, str], args, ceilings: dict[str,
         table = tune_type(name, types[0], layers, E, H, I, k, args)
         if table and DEVICE == "cuda":
             path = CONFIG_DIR / qconfigs.moe_config_file_name(types[0], E, H, I, device_name())
-            path.write_text(json.dumps({str(m): cfg for m, cfg in table.items()}, indent=1) + "\n")
+            # the M buckets not tuned in this run keep their shipped entries
+            merged = {**(qconfigs.load_moe_table(types[0], E, H, I, device_name()) or {}), **table}
+            path.write_text(json.dumps({str(m): merged[m] for m in sorted(merged)}, indent=1) + "\n")
             print(f"  wrote {path}")
             qconfigs.load_moe_table.cache_clear()
 

@@ -16,7 +16,7 @@
 #   gguf-offload  the quantized-offload GPU tests, then the Q4_K_M rows alone in copy and zero-copy mode
 #   variants  batch-1 decode, bf16 and Q4_K_M, every kernel in PDL mode 2 against the default (one build each);
 #             Q4_K_M also with q|k and v in one launch (MOERUN_QUANT_JOINT=1)
-#   prefill-quant  the quantized MoE tables at prefill sizes (tile against dequant + bf16), then Q4_K_M prefill
+#   prefill-quant  the Q4_K table at M = 1 ... 4096 (prefill sizes: tile against dequant + bf16), then Q4_K_M prefill
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
@@ -66,8 +66,8 @@ for stage in $stages; do
             --vs transformers --hf-budgets 8 --out "$out/bench_offload"
         run offload 120 python3 benchmarks/bench_offload_host.py ;;
     prefill-quant)
-        run prefill-quant 420 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K_M Q6_K Q8_0 \
-            --types Q4_K_M Q6_K Q8_0 --m 1 2 4 8 16 64 256 1024 2048 4096 --out "$out/quant_tune_prefill"
+        run prefill-quant 420 python3 benchmarks/bench_quant_moe.py --tune --tune-types Q4_K_M --types Q4_K_M \
+            --m 1 2 4 8 16 64 256 1024 2048 4096 --out "$out/quant_tune_prefill"
         run prefill-quant 240 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M \
             --prefill-lens 512,2048,8192 --batch-sizes 1 --max-model-len 9216 --steps 16 --profile \
             --out "$out/bench_q4km_prefill" ;;

@@ -4,12 +4,10 @@ One Qwen3-30B-A3B-shaped MoE layer in Q4_K_M's expert types (gate/up Q4_K, down 
 experts' repacked arrays in host memory and found through the kernels' address tables; calls chained in a CUDA
 graph. Variants: the routing of each call kept from replay to replay ("repeated") or drawn afresh before every
 replay ("fresh", as in decoding); the experts of 1 or of 48 layers in host memory; page-locked by the caching
-allocator ("pin_memory"), registered in place ("registered"), registered over transparent huge pages ("thp"),
-made by the driver's virtual memory calls on the host ("vmm") or write-combined ("write_combined", see
-moe/offload/host_vmm.py).
+allocator ("pin_memory"), registered in place ("registered") or registered over transparent huge pages ("thp").
 Prints time per layer and GB/s over the bytes of the touched experts, beside the same call on device memory.
 
-    python benchmarks/bench_host_read.py [--layers 1,48] [--alloc pin_memory,registered,thp,vmm,write_combined] [--routing fresh]
+    python benchmarks/bench_host_read.py [--layers 1,48] [--alloc pin_memory,registered,thp] [--routing fresh]
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 from moerun.kernels.quant.repack import PackedWeight, expert_addresses
 from moerun.kernels.quant.synthetic import random_quantized
 from moerun.layers.quantized import QuantizedWeight
-from moerun.moe.offload import host_vmm
-from moerun.moe.offload.host_vmm import vmm_host_empty, write_combined_empty
 from moerun.ops.quant import packed_parts
 
 E, H, I, K = 128, 2048, 768, 8  # noqa: E741
@@ -53,16 +49,10 @@ def host_layers(parts: list[PackedWeight], layers: int, alloc: str) -> tuple[lis
         return out, None
     layer_bytes = sum(t.numel() * t.element_size() for p in parts for t in p.tensors() if t is not None)
     size = layers * (layer_bytes + 16 * 4096) + (2 << 20)
-    if alloc in ("vmm", "write_combined"):
-        made = vmm_host_empty(size, torch.device("cuda")) if alloc == "vmm" else write_combined_empty(size)
-        if made is None:
-            raise RuntimeError(f"the driver gave no {alloc} host memory: {host_vmm.last_failure}")
-        region, buf = made, made.tensor
-    else:
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if alloc == "thp":
-            region.madvise(mmap.MADV_HUGEPAGE)
-        buf = torch.frombuffer(region, dtype=torch.uint8)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if alloc == "thp":
+        region.madvise(mmap.MADV_HUGEPAGE)
+    buf = torch.frombuffer(region, dtype=torch.uint8)
     buf = buf[(-buf.data_ptr()) % (2 << 20):]  # 2 MiB aligned
     off, out = 0, []
     for _ in range(layers):
@@ -78,8 +68,6 @@ def host_layers(parts: list[PackedWeight], layers: int, alloc: str) -> tuple[lis
                 off = (off + n + 4095) // 4096 * 4096
             layer.append(PackedWeight(p.qtype, p.shape, p.k_pad, *arrays))
         out.append(layer)
-    if alloc in ("vmm", "write_combined"):
-        return out, (region, None)
     err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister failed ({int(err)})")
@@ -151,11 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             for routing in routings:
                 row(alloc, layers, routing, time_calls(parts[:-1], parts[-1], tables, routing == "fresh",
                                                        args.replays, device))
-            if keep is not None and keep[1] is not None:
+            if keep is not None:
                 torch.cuda.cudart().cudaHostUnregister(keep[1].data_ptr())
-            elif keep is not None:
-                torch.cuda.synchronize()
-                keep[0].close()
             del host, keep, tables
     return 0
 

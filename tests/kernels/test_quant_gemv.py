@@ -202,8 +202,8 @@ def test_qwen3_30b_shape_cuda_graph(seed, qt, T, cfg) -> None:
 
 @pytest.mark.parametrize("x_q8", [False, True], ids=["x", "int8_x"])
 def test_matmul_v2_two_parts_in_one_launch(seed, monkeypatch, x_q8) -> None:
-    # MOERUN_QUANT_JOINT=1: consecutive parts of the types gemv_v2 reads (q|k Q4_K, v Q6_K) run as one launch, bit
-    # for bit the separate launches under the same config; then Q8_0 alone, its successor Q5_0 being on the gemv
+    # Consecutive parts of the types gemv_v2 reads (q|k Q4_K, v Q6_K) run as one launch, bit for bit the separate
+    # launches (MOERUN_QUANT_JOINT=0) under the same config; then Q8_0 alone, its successor Q5_0 being on the gemv
     # path. N = 40 and 24 end inside a program's rows.
     from moerun.kernels.quant import gemv_v2
 
@@ -223,9 +223,10 @@ def test_matmul_v2_two_parts_in_one_launch(seed, monkeypatch, x_q8) -> None:
             return kernel[grid]
 
     monkeypatch.setattr(gemv_v2, "_matmul_v2_kernel", Counting())
+    monkeypatch.setenv("MOERUN_QUANT_JOINT", "0")
     separate = quant_matmul_triton(x, packed, bias, config=cfg)
     assert [g[0] for g in launches] == [3, 3, 2]
-    monkeypatch.setenv("MOERUN_QUANT_JOINT", "1")
+    monkeypatch.delenv("MOERUN_QUANT_JOINT")
     joint = quant_matmul_triton(x, packed, bias, config=cfg)
     assert [g[0] for g in launches[3:]] == [6, 2], "q|k and v in one launch, then Q8_0 alone"
     assert torch.equal(joint, separate), f"seed={seed}"

@@ -8,8 +8,9 @@ Three paths, by config:
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
-output columns; parts that are float types use torch. With ``MOERUN_QUANT_JOINT=1`` two consecutive gemv_v2
-parts (q|k Q4_K and v Q6_K in a Q4_K_M file) share one launch under the first one's config.
+output columns; parts that are float types use torch. Two consecutive gemv_v2 parts (q|k Q4_K and v Q6_K in a
+Q4_K_M file) share one launch under the first one's config (``MOERUN_QUANT_JOINT=0``: one launch each; a Q4_K_M
+batch-1 step on an H200 2.499 -> 2.358 ms, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -205,10 +206,10 @@ def quant_matmul_triton(
 
 
 def _joins(a: PackedWeight, b: PackedWeight, cfg: Config) -> bool:
-    """Whether parts a, b (consecutive, same K) run as one gemv_v2 launch under a's config: with
-    ``MOERUN_QUANT_JOINT=1`` (not yet measured on the GPU, so off by default), both of the types gemv_v2 reads, and
-    a config of that path that reads x as it is or as int8 (x_prep's layout depends on the type)."""
-    return (os.environ.get("MOERUN_QUANT_JOINT", "0") == "1" and not b.is_dense and a.qtype in V2_TYPES
+    """Whether parts a, b (consecutive, same K) run as one gemv_v2 launch under a's config: unless
+    ``MOERUN_QUANT_JOINT=0``, when both are of the types gemv_v2 reads and the config is of that path and reads x
+    as it is or as int8 (x_prep's layout depends on the type)."""
+    return (os.environ.get("MOERUN_QUANT_JOINT", "1") != "0" and not b.is_dense and a.qtype in V2_TYPES
             and b.qtype in V2_TYPES and cfg["path"] == "gemv_v2" and not cfg.get("x_prep"))  # fmt: skip
 
 

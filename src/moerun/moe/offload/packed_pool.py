@@ -25,13 +25,7 @@ import torch
 from moerun.engine.memory import available_bytes
 from moerun.formats.quants import QuantType
 from moerun.kernels.quant.repack import PackedWeight, packed_nbytes
-from moerun.moe.offload.store import (
-    HostExpertStore,
-    PartSpec,
-    _unregister_all,
-    expert_host_empty,
-    weights_from_parts,
-)
+from moerun.moe.offload.store import HostExpertStore, PartSpec, _unregister_all, pinned_empty, weights_from_parts
 from moerun.ops.quant import fused_kernels_apply, packed_parts
 
 
@@ -60,7 +54,7 @@ class PackedSlotPool:
             zero13, zero2 = self._repack_staging(layer, 1)  # a zero expert: decodes to zeros
             self.packed.append((_repeat(zero13, slots_per_layer + 1), _repeat(zero2, slots_per_layer + 1)))
         self.host_packed: list[tuple[list[PackedWeight], list[PackedWeight]]] | None = None
-        self._registered: list = []  # host copy memory: page-locked in place, or driver-made regions
+        self._registered: list[int] = []  # host copy memory page-locked in place (cudaHostRegister)
         self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
         if store is not None and (host_copy or (store.pinned and device.type == "cuda"
                                                 and host_copy_fits(specs, store.num_experts))):
@@ -154,7 +148,7 @@ def host_copy_fits(specs: list[list[PartSpec]], num_experts: int) -> bool:
 
 
 def _host_packed(store: HostExpertStore, layer: int, device: torch.device,
-                 registry: list | None) -> tuple[list[PackedWeight], list[PackedWeight]]:
+                 registry: list[int] | None) -> tuple[list[PackedWeight], list[PackedWeight]]:
     """Every expert of one layer repacked (on ``device``) into host arrays (w13 parts, w2 parts) [E, N, K],
     page-locked at their exact size when a registry is given (the caching pinned allocator would round each
     array up to a power of two)."""
@@ -163,16 +157,16 @@ def _host_packed(store: HostExpertStore, layer: int, device: torch.device,
     for parts in (packed_parts(w13), packed_parts(w2)):
         host = []
         for p in parts:
-            arrays = [None if t is None else _host_like(t, registry, device).copy_(t) for t in p.tensors()]
+            arrays = [None if t is None else _host_like(t, registry).copy_(t) for t in p.tensors()]
             host.append(PackedWeight(p.qtype, p.shape, p.k_pad, *arrays))
         out.append(host)
     return out[0], out[1]
 
 
-def _host_like(t: torch.Tensor, registry: list | None, device: torch.device) -> torch.Tensor:
+def _host_like(t: torch.Tensor, registry: list[int] | None) -> torch.Tensor:
     if registry is None:
         return torch.empty(t.shape, dtype=t.dtype)
-    return expert_host_empty(t.numel() * t.element_size(), registry, device).view(t.dtype).view(t.shape)
+    return pinned_empty(t.numel() * t.element_size(), registry).view(t.dtype).view(t.shape)
 
 
 def _layout(layer: list[PartSpec]) -> tuple:

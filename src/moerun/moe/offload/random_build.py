@@ -17,7 +17,7 @@ from moerun.models.registry import get_model_class
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
 from moerun.moe.offload.placement import attach_offload
-from moerun.moe.offload.store import HostExpertStore, PartSpec, expert_host_empty
+from moerun.moe.offload.store import HostExpertStore, PartSpec, pinned_empty
 
 _CHUNK_BYTES = 512 * 2**20  # device scratch per generation step
 
@@ -49,9 +49,8 @@ def random_expert_store(config: ModelConfig, device: torch.device, seed: int = 0
     E = config.num_experts
     sizes = [[E * s.nbytes for s in layer] for layer in specs]
     total = sum(sum(layer) for layer in sizes)
-    registry: list = []
-    arena = expert_host_empty(total, registry, device) if device.type == "cuda" else torch.empty(total,
-                                                                                                 dtype=torch.uint8)
+    registry: list[int] = []
+    arena = pinned_empty(total, registry) if device.type == "cuda" else torch.empty(total, dtype=torch.uint8)
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     banks: dict[int, torch.Tensor] = {}

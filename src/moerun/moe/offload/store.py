@@ -12,7 +12,6 @@ to (a read-only memory map) are copied into one pinned arena. With ``pinned=Fals
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -21,10 +20,8 @@ import torch
 
 from moerun.formats.quants import QuantizedTensor
 from moerun.layers.quantized import QuantizedWeight
-from moerun.moe.offload import host_vmm
 
 logger = logging.getLogger("moerun")
-HOST_MEMORY_KINDS = ("register", "vmm", "write_combined")
 
 
 @dataclass(frozen=True)
@@ -83,13 +80,13 @@ class HostExpertStore:
     """parts[layer][i]: host tensor [E, *specs[layer][i].shape]; ``expert_parts(l, e)`` are its e-th rows."""
 
     def __init__(self, parts: list[list[torch.Tensor]], specs: list[list[PartSpec]], pinned: bool = False,
-                 registered: list | None = None) -> None:
+                 registered: list[int] | None = None) -> None:
         if len(parts) != len(specs) or not parts:
             raise ValueError(f"expected one list of parts per MoE layer, got {len(parts)} and {len(specs)} specs")
         self.parts, self.specs, self.pinned = parts, specs, pinned
         self.num_layers = len(parts)
         self.num_experts = int(parts[0][0].shape[0])
-        self._registered: list = registered if registered is not None else []  # cudaHostRegister'd, regions
+        self._registered: list[int] = registered if registered is not None else []  # cudaHostRegister'd
         self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
 
     @classmethod
@@ -159,7 +156,7 @@ def _aligned(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
-def pinned_empty(nbytes: int, registry: list) -> torch.Tensor:
+def pinned_empty(nbytes: int, registry: list[int]) -> torch.Tensor:
     """An uninitialised uint8 host tensor of exactly ``nbytes``, page-locked (unregistered by the registry's
     owner); falls back to the caching pinned allocator when registration is not available."""
     t = torch.empty(nbytes, dtype=torch.uint8)
@@ -168,25 +165,7 @@ def pinned_empty(nbytes: int, registry: list) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-def expert_host_empty(nbytes: int, registry: list, device: torch.device) -> torch.Tensor:
-    """``pinned_empty`` for expert weights that kernels on ``device`` read in place, from the allocator named by
-    MOERUN_HOST_MEMORY: 'register' (default: cudaHostRegister), 'vmm' or 'write_combined' (host_vmm.py; each
-    falls back to 'register' where the driver refuses it)."""
-    kind = os.environ.get("MOERUN_HOST_MEMORY", "register")
-    if kind not in HOST_MEMORY_KINDS:
-        raise ValueError(f"MOERUN_HOST_MEMORY={kind!r}: expected one of {HOST_MEMORY_KINDS}")
-    region = None
-    if kind == "vmm" and device.type == "cuda":
-        region = host_vmm.vmm_host_empty(nbytes, device)
-    elif kind == "write_combined" and device.type == "cuda":
-        region = host_vmm.write_combined_empty(nbytes)
-    if region is None:
-        return pinned_empty(nbytes, registry)
-    registry.append(region)
-    return region.tensor
-
-
-def _register(t: torch.Tensor, registry: list) -> bool:
+def _register(t: torch.Tensor, registry: list[int]) -> bool:
     """cudaHostRegister on a tensor's memory; True when it is page-locked now."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
@@ -205,17 +184,13 @@ def _register(t: torch.Tensor, registry: list) -> bool:
     return True
 
 
-def _unregister_all(registry: list) -> None:
-    """Releases what a registry holds: addresses registered with cudaHostRegister, and driver-made regions."""
+def _unregister_all(registry: list[int]) -> None:
     if not registry:
         return
     try:
         cudart = torch.cuda.cudart()
-        for entry in registry:
-            if isinstance(entry, host_vmm.HostRegion):
-                entry.close()
-            else:
-                cudart.cudaHostUnregister(entry)
+        for ptr in registry:
+            cudart.cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver releases the memory with the process
         pass
     registry.clear()

@@ -111,7 +111,7 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
         self.counts = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] pairs routed, cumulative
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
-        self._registry: list = []
+        self._registry: list[int] = []
         self.host_counts = (pinned_empty(L * E * 8, self._registry).view(torch.int64).view(L, E)
                             if device.type == "cuda" else None)  # [L, E] the counts after the latest step
         weakref.finalize(self, _unregister_all, self._registry)

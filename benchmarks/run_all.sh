@@ -15,7 +15,7 @@
 #   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
 #   gguf-offload  the quantized-offload GPU tests, then the Q4_K_M rows alone in copy and zero-copy mode
 #   variants  batch-1 decode, bf16 and Q4_K_M, every kernel in PDL mode 2 against the default (one build each);
-#             Q4_K_M also with q|k and v in one launch (MOERUN_QUANT_JOINT=1)
+#             Q4_K_M also with q|k and v in two launches (MOERUN_QUANT_JOINT=0)
 #   prefill-quant  the Q4_K table at M = 1 ... 4096 (prefill sizes: tile against dequant + bf16), then Q4_K_M prefill
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
@@ -75,8 +75,8 @@ for stage in $stages; do
         run variants 300 python3 benchmarks/bench_decode_variants.py --variant default \
             --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant default_again
         run variants 300 python3 benchmarks/bench_decode_variants.py --quant Q4_K_M --variant default \
-            --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant joint:MOERUN_QUANT_JOINT=1 \
-            --variant after_wait+joint:MOERUN_PDL_TRIGGER=after_wait,MOERUN_QUANT_JOINT=1 --variant default_again ;;
+            --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant separate:MOERUN_QUANT_JOINT=0 \
+            --variant default_again ;;
     pdl)
         for quant in "" "--quant Q4_K_M"; do
             for mode in "0 start" "1 start" "1 after_wait"; do

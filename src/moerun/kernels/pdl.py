@@ -15,8 +15,8 @@ capability 9.0 and later unless ``MOERUN_PDL=0``; the interpreter never uses it.
 (kernels/quant/) always let the next kernel launch only once their own wait has returned (mode 2,
 ``quant_pdl_mode``; ``MOERUN_PDL_QUANT=0`` launches them without PDL). A Q4_K_M batch-1 step without PDL for them
 took 2.572 ms, with them in mode 1 2.515 ms (4.7 against 3.8 ms in an older build), and with every kernel in mode 2
-(``MOERUN_PDL_TRIGGER=after_wait``) 2.347 ms; the other kernels stay in mode 1 by default until bf16 decode is
-measured in mode 2 (benchmarks/RESULTS.md).
+(``MOERUN_PDL_TRIGGER=after_wait``) 2.347 ms. The other kernels stay in mode 1: with q|k and v in one launch the
+Q4_K_M step gains only 0.012 ms more from mode 2 everywhere, and bf16 decode loses 0.05 ms (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
                      "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),
                      "misses_cpu": s["misses_cpu"], "misses_copied": s["misses_copied"],
-                     "cost_model": s.get("cost_model"),
+                     "cost_model": s.get("cost_model"), "staging_rows": s.get("staging_rows"),
                      "peak_gib": torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else None})
         print(_row_line(rows[-1]), flush=True)
     del llm
@@ -441,7 +441,9 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     n_moe = len(mc.moe_layers)
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
-        budget = (fp.non_expert_bytes + kv + ws + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
+        # + the rows a zero-copy layer stages its missed experts in (top-k experts, about 25 MB)
+        stage = mc.num_experts_per_tok * max(qfp.expert_bytes)
+        budget = (fp.non_expert_bytes + kv + ws + stage + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
             cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit)
             slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)

@@ -81,16 +81,20 @@ def test_cache_smaller_than_top_k(hf_model, reference, slots):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")
-def test_triton_kernels_in_the_interpreter(hf_model):
-    # the Triton path (address tables dereferenced by the kernels) with slot churn, against the resident engine on
-    # the same kernels; a short run, the interpreter being slow
+@pytest.mark.parametrize("stage", [None, 1], ids=["misses staged", "one staging row, the rest read in place"])
+def test_triton_kernels_in_the_interpreter(hf_model, stage):
+    # the Triton path (address tables dereferenced by the kernels, missed experts staged on the device first) with
+    # slot churn, against the resident engine on the same kernels; a short run, the interpreter being slow
     opts = dict(moe_backend="triton")
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     ids = prompts(4)[:2]
     expected = [o.token_ids for o in LLM(str(hf_model), **OPTS, **opts).generate(ids, params)]
-    llm = zero_copy_llm(hf_model, 2, policy="lru", admit_bytes_per_step=CHURN, opts=opts)
+    llm = zero_copy_llm(hf_model, 2, policy="lru", admit_bytes_per_step=CHURN, opts=opts, stage_experts=stage)
+    manager = llm.model.expert_offload
+    assert manager.staging is not None and manager.staging.shape[0] == (stage or manager.top_k)
     assert [o.token_ids for o in llm.generate(ids, params)] == expected
     assert check_stats(llm)["admissions"] > 0
+    manager.check()
 
 
 # ---- table / slot accounting over random routing ----
@@ -170,7 +174,7 @@ def test_quantized_experts_read_in_place(gguf_model, device):
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
               offload=OffloadConfig(mode=mode, admit_bytes_per_step=CHURN))
     manager = llm.model.expert_offload
-    assert isinstance(manager, ZeroCopyOffload) and manager.packed
+    assert isinstance(manager, ZeroCopyOffload) and manager.packed and manager.staging is not None
     assert manager.table.shape[1:] == (2, 8, 4)  # gate|up and down parts, 8 experts, 4 arrays each
     assert [o.token_ids for o in llm.generate(few, SHORT)] == expected
     s = llm.stats()

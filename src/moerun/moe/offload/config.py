@@ -25,6 +25,9 @@ class OffloadConfig:
     admit_bytes_per_step: zero_copy mode: bytes of experts copied into slots between two steps at most (None: a
         quarter of what the step read from host memory, at least one expert, plus the experts read from host memory
         at two step boundaries in a row; 0: the cache never changes).
+    stage_experts: zero_copy mode on the Triton backend: a layer's missed experts are first copied by one kernel
+        into this many device staging rows (None: top-k; 0: never), then read from there; kernels reading host
+        memory in place get about half the rate of a copy. Pairs beyond the rows read their experts in place.
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
     prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
     prefetch_depth: how many following MoE layers to prefetch for.
@@ -58,6 +61,7 @@ class OffloadConfig:
     force: bool = False
     mode: str = "auto"
     admit_bytes_per_step: int | None = None
+    stage_experts: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,6 +73,8 @@ class OffloadConfig:
         if self.mode == "zero_copy" and self.pin == "staged":
             raise ValueError("offload mode 'zero_copy' reads experts from pinned host memory: it needs pin='all' "
                              "or 'auto', not 'staged'")
+        if self.stage_experts is not None and self.stage_experts < 0:
+            raise ValueError(f"stage_experts must be >= 0, got {self.stage_experts}")
         if self.policy not in POLICIES:
             raise ValueError(f"offload policy must be one of {POLICIES}, got {self.policy!r}")
         if self.cpu_compute not in CPU_COMPUTE:

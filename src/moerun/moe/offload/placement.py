@@ -32,7 +32,8 @@ def plan_for_checkpoint(path: str | Path, mc: ModelConfig, ec: EngineConfig, gpu
 
     fp = footprint_of_gguf(path, mc, ec.dtype) if is_gguf(path) else footprint_of_config(mc, ec.dtype)
     return plan_placement(fp, mc, ec.dtype, ec.max_model_len, ec.max_num_seqs, ec.max_num_batched_tokens,
-                          int(available_bytes(ec.device) * 0.9), gpu_memory_gb, expert_cache_gb, config)
+                          int(available_bytes(ec.device) * 0.9), gpu_memory_gb, expert_cache_gb, config,
+                          torch.device(ec.device))
 
 
 def load_offloaded(path: str | Path, ec: EngineConfig, placement: Placement, config: OffloadConfig,

@@ -112,10 +112,12 @@ class Placement:
 
 def plan_placement(fp: Footprint, mc: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
                    max_num_batched_tokens: int, free_bytes: int, gpu_memory_gb: float | None = None,
-                   expert_cache_gb: float | None = None, config: OffloadConfig | None = None) -> Placement:
+                   expert_cache_gb: float | None = None, config: OffloadConfig | None = None,
+                   device: torch.device | None = None) -> Placement:
     """Decides the placement; raises ValueError (nothing allocated yet) when the budget cannot work.
 
-    free_bytes: what the device can give (used when gpu_memory_gb is None). Without gpu_memory_gb and
+    free_bytes: what the device can give (used when gpu_memory_gb is None); device: where the experts run (None:
+    counts zero-copy's staging rows only when config.mode asks for zero-copy). Without gpu_memory_gb and
     expert_cache_gb a model that fits is not offloaded; one that does not fit is, with a warning.
     """
     config = config or OffloadConfig()
@@ -136,12 +138,20 @@ def plan_placement(fp: Footprint, mc: ModelConfig, dtype: torch.dtype, max_model
             return Placement(False, E, fp.non_expert_bytes, ws, 0, kv, budget, "the whole model fits")
     # Copy mode needs a token's k experts resident at once; zero-copy kernels read missing ones from host memory.
     min_slots = 0 if config.cpu_compute == "always" or config.mode == "zero_copy" else min(fp.top_k, E)
+    # zero-copy layers stage their missed experts in device rows (kernels/stage_misses.py); 'auto' picks zero-copy
+    # on CUDA only (config.resolve_mode)
+    stage_rows = fp.top_k if config.stage_experts is None else config.stage_experts
+    zero_copy = config.mode == "zero_copy" or (config.mode == "auto" and config.cpu_compute == "off"
+                                               and device is not None and device.type == "cuda")
+    stage = stage_rows * max(fp.expert_bytes) if zero_copy else 0
+    ws += stage
     minimum = fp.non_expert_bytes + ws + kv_seq + fp.pool_bytes(min_slots)
     if minimum > limit:
         raise ValueError(
             f"{where} is too small to offload this model's experts: non-expert weights need "
             f"{fp.non_expert_bytes / GiB:.3f} GiB, a KV cache for one sequence of max_model_len={max_model_len} "
-            f"tokens {kv_seq / GiB:.3f} GiB, activation workspace {ws / GiB:.3f} GiB and the smallest expert cache "
+            f"tokens {kv_seq / GiB:.3f} GiB, activation workspace{' with staging rows' if stage else ''} "
+            f"{ws / GiB:.3f} GiB and the smallest expert cache "
             f"({min_slots} slots per layer x {len(fp.expert_bytes)} MoE layers) {fp.pool_bytes(min_slots) / GiB:.3f}"
             f" GiB: at least {minimum / GiB:.3f} GiB is needed; raise gpu_memory_gb, lower max_model_len or "
             "max_num_batched_tokens, or compute experts on the CPU (cpu_compute='always')"

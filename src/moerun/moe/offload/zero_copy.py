@@ -27,6 +27,7 @@ The cache changes only between steps (``between_steps``, called by the runner be
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -109,6 +110,8 @@ class ZeroCopyOffload(OffloadManagerBase):
                                  for layer in range(L)]
         else:
             self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
+        self.is_host = torch.ones(L, E, dtype=torch.int32, device=device)  # [L, E] 1: the table points at host memory
+        self._make_staging()
         self.counts = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] pairs routed, cumulative
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
@@ -132,6 +135,46 @@ class ZeroCopyOffload(OffloadManagerBase):
                                   w2[0].numel() * w2.element_size())
         return ExpertPointers(self.table[layer, 0, :, 0], self.table[layer, 1, :, 0], H, I, self.dtype, align,
                               regions)
+
+    def _array_bytes(self, layer: int) -> list[int]:
+        """Bytes of each array of one expert of ``layer``, [P * W] in the table's order (0 for an absent one)."""
+        if not self.packed:
+            return [t[0].numel() * t.element_size() for t in self.store.parts[layer]]
+        parts = [*self.pool.host_packed[layer][0], *self.pool.host_packed[layer][1]]
+        return [0 if t is None else t[0].numel() * t.element_size() for p in parts for t in p.tensors()]
+
+    def _make_staging(self) -> None:
+        """The device rows missed experts are staged in (kernels/stage_misses.py), where they apply: the Triton
+        backend, stage_experts > 0 and addresses and sizes that are whole words of 4 or 8 bytes."""
+        rows = self.top_k if self.config.stage_experts is None else self.config.stage_experts
+        self.staging: torch.Tensor | None = None
+        if rows == 0 or pick_backend(self.backend, self.device, "MoE") != "triton":
+            return
+        L, P, E, W = self.table.shape
+        sizes = np.array([self._array_bytes(layer) for layer in range(L)], dtype=np.int64)  # [L, P * W]
+        values = np.concatenate([self.host_addr.reshape(-1), self.slot_addr.reshape(-1), sizes.reshape(-1)])
+        values = values[values != 0]
+        low = int((values & -values).min()) if len(values) else 8
+        word = 8 if low % 8 == 0 else 4 if low % 4 == 0 else 0
+        if word == 0:
+            return
+        aligned = (sizes + 255) // 256 * 256  # [L, P * W] each array starts 256-byte aligned in its row
+        offsets = np.concatenate([np.zeros((L, 1), dtype=np.int64), np.cumsum(aligned, axis=1)[:, :-1]], axis=1)
+        row_words = int(aligned.sum(axis=1).max()) // word
+        dtype = torch.int64 if word == 8 else torch.int32
+        self.staging = torch.zeros(rows, row_words, dtype=dtype, device=self.device)  # [rows, row words]
+        self.stage_sizes = torch.from_numpy(sizes // word).to(self.device)  # [L, P * W] words
+        self.stage_offsets = torch.from_numpy(offsets // word).to(self.device)  # [L, P * W] words
+        self.stage_max_words = [int(m) // word for m in sizes.max(axis=1)]
+        self.step_table = torch.empty_like(self.table[0])  # [P, E, W] the staged layer's addresses
+
+    def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The layer's table for this pass, its missed experts staged on the device ([P, E, W])."""
+        from moerun.kernels.stage_misses import stage_misses_triton
+
+        return stage_misses_triton(self.table[layer], self.is_host[layer], topk_ids.reshape(-1),
+                                   self.stage_sizes[layer], self.stage_offsets[layer], self.stage_max_words[layer],
+                                   self.staging, self.step_table)
 
     @staticmethod
     def _packed_arrays(store: HostExpertStore, S: int, device: torch.device,
@@ -170,11 +213,19 @@ class ZeroCopyOffload(OffloadManagerBase):
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
         ids = topk_ids.reshape(-1).long()  # [T*k]
         self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
+        step = self._staged_tables(layer, topk_ids) if self.staging is not None else None  # [P, E, W]
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
-            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=self.quant_tables[layer])
+            tables = self.quant_tables[layer] if step is None else ([step[p] for p in range(step.shape[0] - 1)],
+                                                                     step[-1])
+            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=tables)
         else:
-            out = fused_moe_indirect(x, self.pointers[layer], topk_weights, topk_ids, backend=self.backend)
+            pointers = self.pointers[layer]
+            if step is not None:
+                # staged arrays start 256-byte aligned: the layer's alignment holds for them too
+                pointers = replace(pointers, w13=step[0, :, 0], w2=step[1, :, 0],
+                                   regions=(*pointers.regions, self.staging))
+            out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend)
         if layer == self.num_layers - 1 and self.host_counts is not None:
             self.host_counts.copy_(self.counts, non_blocking=True)
         return out
@@ -295,6 +346,8 @@ class ZeroCopyOffload(OffloadManagerBase):
             + np.arange(W)[None, None, :]  # [n, P, W] indices into the flattened table
         packed = to_device(np.stack([flat.reshape(-1), values.reshape(-1)]), self.device)  # [2, n P W]
         self.table.view(-1).index_copy_(0, packed[0], packed[1])
+        flags = to_device(np.stack([layers * E + experts, (~ready).astype(np.int64)]), self.device)  # [2, n]
+        self.is_host.view(-1).index_copy_(0, flags[0], flags[1].to(torch.int32))
 
     def _copy_views(self, layer: int, expert: int, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(slot arrays, the expert's host arrays) that admitting ``expert`` into ``slot`` copies."""
@@ -324,7 +377,8 @@ class ZeroCopyOffload(OffloadManagerBase):
         d = self.stats.as_dict()
         d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=True,
                  admit_bytes_per_step=self.config.admit_bytes_per_step,
-                 copies_in_flight=sum(len(plan) for _, plan in self.pending))
+                 copies_in_flight=sum(len(plan) for _, plan in self.pending),
+                 staging_rows=0 if self.staging is None else int(self.staging.shape[0]))
         return d
 
     def reset_stats(self) -> None:
@@ -351,3 +405,4 @@ class ZeroCopyOffload(OffloadManagerBase):
         expected = np.where(ready[:, None, :, None], at_slot, host)
         assert (self.table.cpu().numpy() == expected).all(), \
             "a table entry points at neither its slot nor its host copy"
+        assert (self.is_host.cpu().numpy() == ~ready).all(), "the device residency flags disagree with the slots"

@@ -1,34 +1,37 @@
 """kernels/stage_misses.py: the missed experts of the first pairs are copied into staging rows, byte for byte, and
-only their entries of the step's table move there; cached experts, repeated experts and pairs beyond the rows are
-left as the table had them."""
+only their entries of the step's table move there; cached experts, repeated experts, missed experts beyond the
+rows and pairs beyond the scanned ones are left as the table had them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moerun.kernels.stage_misses import stage_misses_triton
+from moerun.kernels.stage_misses import SCAN_PAIRS, stage_misses_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _expected(table, is_host, ids, rows):
-    """{(p, e, w): staging row} of the entries the kernel must stage."""
+    """{(p, e, w): staging row} of the entries the kernel must stage: the first ``rows`` distinct missed experts
+    among the scanned pairs, in order."""
     P, E, W = table.shape
-    staged, seen = {}, set()
-    for row, e in enumerate(ids.tolist()[:rows]):
+    staged, seen, row = {}, set(), 0
+    for e in ids.tolist()[:SCAN_PAIRS]:
         if e not in seen and is_host[e]:
-            for p in range(P):
-                for w in range(W):
-                    staged[(p, e, w)] = row
+            if row < rows:
+                for p in range(P):
+                    for w in range(W):
+                        staged[(p, e, w)] = row
+            row += 1
         seen.add(e)
     return staged
 
 
 @pytest.mark.parametrize("word_dtype", [torch.int64, torch.int32], ids=["8-byte words", "4-byte words"])
-@pytest.mark.parametrize("pairs,rows", [(1, 8), (8, 8), (16, 8), (5, 3)])
+@pytest.mark.parametrize("pairs,rows", [(1, 8), (8, 8), (16, 8), (5, 3), (70, 4)])
 def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
-    P, E, W = 2, 7, 2
+    P, E, W = 2, 7 if pairs < 64 else 40, 2
     word = torch.empty((), dtype=word_dtype).element_size()
     sizes = torch.randint(1, 300, (P * W,))  # words; array (1, 1) absent
     sizes[3] = 0

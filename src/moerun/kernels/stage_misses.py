@@ -7,9 +7,10 @@ into a row of a device staging area and writes the step's address table: the lay
 entries pointing at their staging row. The fused MoE then reads the step's table. Graph-safe: the routing, the
 residency flags and the addresses are read on the device.
 
-Grid (pairs staged, arrays, chunks). A program copies one chunk of one array of the expert routed to pair
-``row``; only the first pair routed to an expert copies it, the later ones share its row. Pairs beyond the
-staging rows are not staged: their experts stay where the table points (read in place, correct, slower).
+Grid (pairs scanned, arrays, chunks). A program copies one chunk of one array of the expert routed to its pair
+when that pair is the expert's first and the expert is read from host memory; the staging row is the number of
+such pairs before it. Missed experts beyond the staging rows, or first routed after the scanned pairs, stay
+where the table points (read in place: correct, slower).
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ import triton.language as tl
 
 CHUNK_WORDS = 8192  # words a program copies (64 KiB of int64 words: 50.7 GB/s from host memory on an H200)
 BLOCK_WORDS = 1024  # words per load instruction group
+SCAN_PAIRS = 64  # pairs looked at (a batch of 8 tokens at top-8); the experts of later pairs are not staged
 
 
 @triton.jit
 def _stage_misses_kernel(
     table_ptr,  # [P * E * W] int64: the layer's addresses (expert e's array w of part p at (p * E + e) * W + w)
     is_host_ptr,  # [E] int32: 1 where the expert's entries point at host memory
-    ids_ptr,  # [N] int32 or int64: the expert of each (token, slot) pair
+    ids_ptr,  # [>= N] int32 or int64: the expert of each (token, slot) pair
     sizes_ptr,  # [P * W] int64: words of each array of one expert (0: no such array)
     offsets_ptr,  # [P * W] int64: word offset of each array inside a staging row
     staging_ptr,  # [R, ROW_WORDS] words (int64 or int32)
     out_ptr,  # [P * E * W] int64: the step's table, already a copy of the layer's; staged entries rewritten
-    N,
+    N,  # pairs scanned
     E,
+    R,  # staging rows
     ROW_WORDS,
     W: tl.constexpr,
     WORD: tl.constexpr,  # bytes of a word
@@ -40,20 +43,24 @@ def _stage_misses_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0)  # the pair
     a = tl.program_id(1)
     c = tl.program_id(2)
-    e = tl.load(ids_ptr + row).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    earlier = tl.load(ids_ptr + pairs, mask=pairs < row, other=-1).to(tl.int64)
-    first = tl.sum((earlier == e).to(tl.int32), axis=0) == 0
-    host = tl.load(is_host_ptr + e) != 0
+    scan = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ids = tl.load(ids_ptr + scan, mask=scan < N, other=-1).to(tl.int64)  # [BLOCK_N]
+    # a pair stages its expert when it is the expert's first pair and the expert is read from host memory
+    repeats = (ids[:, None] == ids[None, :]) & (scan[None, :] < scan[:, None])  # [BLOCK_N, BLOCK_N]
+    first = tl.sum(repeats.to(tl.int32), axis=1) == 0  # [BLOCK_N]
+    host = tl.load(is_host_ptr + ids, mask=scan < N, other=0) != 0  # [BLOCK_N]
+    staged = first & host & (scan < N)  # [BLOCK_N]
+    rank = tl.sum((staged & (scan < row)).to(tl.int32), axis=0)  # this pair's staging row
+    mine = tl.sum((staged & (scan == row)).to(tl.int32), axis=0) > 0
     size = tl.load(sizes_ptr + a)
-    if first & host & (size > 0):
-        p = a // W
-        entry = (p * E + e) * W + a % W
+    if mine & (rank < R) & (size > 0):
+        e = tl.load(ids_ptr + row).to(tl.int64)
+        entry = (a // W * E + e) * W + a % W
         src_words = (tl.load(table_ptr + entry) - staging_ptr.to(tl.int64)) // WORD  # from staging_ptr, in words
-        dst_words = row.to(tl.int64) * ROW_WORDS + tl.load(offsets_ptr + a)
+        dst_words = rank.to(tl.int64) * ROW_WORDS + tl.load(offsets_ptr + a)
         offs = tl.arange(0, BLOCK)  # [BLOCK]
         for i in tl.static_range(0, CHUNK, BLOCK):
             o = c * CHUNK + i + offs  # [BLOCK] words of the array
@@ -67,20 +74,21 @@ def _stage_misses_kernel(
 def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
                         offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor
                         ) -> torch.Tensor:
-    """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the missed experts of the first
-    pairs of ``ids`` [N] (as many as ``staging`` [R, row words] has rows) copied into staging rows and pointed at.
+    """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the first R distinct missed
+    experts among the first SCAN_PAIRS pairs of ``ids`` [N] copied into the R rows of ``staging`` [R, row words]
+    (in order of their first pair) and pointed at.
 
     is_host [E] int32 (1: the table points at host memory), sizes / offsets [P * W] int64 in words of staging's
     element type, max_words the largest size; every address in the table a multiple of that word. Returns out."""
     P, E, W = table.shape
     word = staging.element_size()
     out.copy_(table)
-    n = min(ids.numel(), staging.shape[0])
-    if n == 0:
+    n = min(ids.numel(), SCAN_PAIRS)
+    if n == 0 or staging.shape[0] == 0:
         return out
     chunks = triton.cdiv(max_words, CHUNK_WORDS)
     _stage_misses_kernel[(n, P * W, chunks)](
-        table, is_host, ids, sizes, offsets, staging, out, n, E, staging.shape[1], W=W, WORD=word,
+        table, is_host, ids, sizes, offsets, staging, out, n, E, staging.shape[0], staging.shape[1], W=W, WORD=word,
         BLOCK_N=triton.next_power_of_2(n), CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4,
     )  # fmt: skip
     return out

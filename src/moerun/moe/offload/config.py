@@ -27,7 +27,7 @@ class OffloadConfig:
         at two step boundaries in a row; 0: the cache never changes).
     stage_experts: zero_copy mode on the Triton backend: a layer's missed experts are first copied by one kernel
         into this many device staging rows (None: top-k; 0: never), then read from there; kernels reading host
-        memory in place get about half the rate of a copy. Pairs beyond the rows read their experts in place.
+        memory in place get about half the rate of a copy. Missed experts beyond the rows are read in place.
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
     prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
     prefetch_depth: how many following MoE layers to prefetch for.

@@ -100,3 +100,18 @@ def test_next_input_ids_mixes_pending_and_known_tokens():
     out = next_input_ids([7, 0, 9, 0], [-1, 3, -1, 0], pending, torch.device("cpu"))
     assert out.tolist() == [7, picks[3].item(), 9, picks[0].item()]
     assert next_input_ids([4, 5], [-1, -1], None, torch.device("cpu")).tolist() == [4, 5]
+
+
+def test_default_is_off_only_behind_an_expert_cache() -> None:
+    # a device cache of experts learns each step's routing a step late under async scheduling; with no slots a
+    # layer (every expert staged or read from host memory) there is nothing to learn, so the default stays on
+    from types import SimpleNamespace
+
+    from moerun.engine.engine import caches_experts
+
+    model = torch.nn.Linear(1, 1)
+    assert not caches_experts(model)
+    model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=0)
+    assert not caches_experts(model)
+    model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=3)
+    assert caches_experts(model)

@@ -33,10 +33,10 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + mc.eos_token_ids))
         # async scheduling: on by default where decode runs in CUDA graphs (the host work then overlaps the GPU),
-        # except with offloaded experts, whose cache then learns each step's routing one step later
-        offloaded = model.__dict__.get("expert_offload") is not None
+        # except with offloaded experts behind a device cache, which then learns each step's routing one step later
+        # (with no slots there is nothing to learn: a Q4_K_M at --n-cpu-moe 48's memory ran 35.4 -> 36.8 tok/s)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else bool(self.runner.graphs) and not offloaded)
+                                 else bool(self.runner.graphs) and not caches_experts(model))
         self._pending: PendingTokens | None = None
         pinned = self.device.type == "cuda"
         self._host_ids = [torch.zeros(num_slots, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -182,3 +182,10 @@ class Engine:
             return self.model.compute_logits(hidden).float()
         finally:
             self.cache.release(slot)
+
+
+def caches_experts(model: torch.nn.Module) -> bool:
+    """Whether the model's experts are offloaded behind a device cache of at least one slot a layer."""
+    manager = model.__dict__.get("expert_offload")
+    return manager is not None and manager.slots_per_layer > 0
+

@@ -4,8 +4,12 @@ Every offloaded MoE layer has a device table of int64 addresses, [P, E, W] of ``
 experts: w13 and w2, one address each, pointers.py): an entry points at the expert's slot in the device pool when
 the expert is resident, else at its row of the pinned host store, which the fused kernels read in place over PCIe
 (zero-copy; kernels/fused_moe_ptr.py). A layer's forward is
-route -> table-based fused MoE, plus a count of the (token, slot) pairs each expert received, accumulated on the
-device in ``counts`` [L, E] and copied (non-blocking, inside the step) to a pinned host buffer after the last layer.
+route -> (Triton backend) stage the missed experts -> table-based fused MoE, plus a count of the (token, slot) pairs
+each expert received, accumulated on the device in ``counts`` [L, E] and copied (non-blocking, inside the step) to a
+pinned host buffer after the last layer. Staging (kernels/stage_misses.py): one launch copies the pass's first
+top-k missed experts (``is_host`` [L, E] says which entries point at host memory) into device rows and hands the
+fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the rate of
+the fused kernels reading in place.
 
 Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
 over their repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the table holds

@@ -19,6 +19,7 @@ import torch
 
 from moerun.api import LLM
 from moerun.bench.engine_bench import measure_decode
+from moerun.bench.profile import replay_ms
 from moerun.bench.run import _preset_model
 from moerun.config import ModelConfig
 from moerun.models.presets import preset_config
@@ -38,19 +39,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph | None, repeat: int = 100) -> float:
-    """Mean milliseconds of back-to-back replays (CUDA events); NaN without a graph."""
-    if graph is None:
-        return float("nan")
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+def _replay_ms(graph: torch.cuda.CUDAGraph | None) -> float:
+    """Back-to-back replay time of the batch-1 graph; NaN without one (CPU)."""
+    return float("nan") if graph is None else replay_ms(graph)
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]:
@@ -84,7 +75,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
             llm.engine.runner.capture(args.prompt_len)
             steps = sorted(measure_decode(llm, [1], args.prompt_len, args.steps)[1]["step_ms"]
                            for _ in range(args.repeat))  # fmt: skip
-            rows.append((name, steps[0], steps[len(steps) // 2], replay_ms(llm.engine.runner.graphs.get(1))))
+            rows.append((name, steps[0], steps[len(steps) // 2], _replay_ms(llm.engine.runner.graphs.get(1))))
             print(f"  {name}: {rows[-1][2]:.3f} ms a step", flush=True)
     finally:
         os.environ.clear()

@@ -11,6 +11,19 @@ from moerun.api import LLM
 from moerun.engine.batch import ForwardBatch
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, repeat: int = 100) -> float:
+    """Mean milliseconds of back-to-back replays of a captured graph (CUDA events, after 5 warm-up replays)."""
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
 @torch.inference_mode()
 def profile_decode(llm: LLM, context_len: int = 128, top: int = 15) -> dict:
     """Graph replay time of the batch-1 bucket, and the kernels of one eager decode step ranked by GPU time."""
@@ -20,15 +33,7 @@ def profile_decode(llm: LLM, context_len: int = 128, top: int = 15) -> dict:
     out: dict = {}
     graph = engine.runner.graphs.get(1)
     if graph is not None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            graph.replay()
-        start.record()
-        for _ in range(50):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        out["graph_replay_ms"] = start.elapsed_time(end) / 50
+        out["graph_replay_ms"] = replay_ms(graph, 50)
     slot = engine.cache.allocate()
     try:
         batch = ForwardBatch.build([context_len - 1], [1], [slot], engine.device)

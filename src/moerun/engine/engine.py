@@ -188,4 +188,3 @@ def caches_experts(model: torch.nn.Module) -> bool:
     """Whether the model's experts are offloaded behind a device cache of at least one slot a layer."""
     manager = model.__dict__.get("expert_offload")
     return manager is not None and manager.slots_per_layer > 0
-

@@ -85,4 +85,3 @@ def wait_for_previous(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-

@@ -11,7 +11,7 @@ import torch
 
 from moerun.config import ModelConfig
 from moerun.engine.kv_cache import KVCache
-from moerun.moe.offload.config import OffloadConfig
+from moerun.moe.offload.config import OffloadConfig, resolve_mode
 
 logger = logging.getLogger("moerun")
 GiB = 2**30
@@ -138,12 +138,11 @@ def plan_placement(fp: Footprint, mc: ModelConfig, dtype: torch.dtype, max_model
             return Placement(False, E, fp.non_expert_bytes, ws, 0, kv, budget, "the whole model fits")
     # Copy mode needs a token's k experts resident at once; zero-copy kernels read missing ones from host memory.
     min_slots = 0 if config.cpu_compute == "always" or config.mode == "zero_copy" else min(fp.top_k, E)
-    # zero-copy layers stage their missed experts in device rows (kernels/stage_misses.py); 'auto' picks zero-copy
-    # on CUDA only (config.resolve_mode)
+    # zero-copy layers stage their missed experts in device rows (kernels/stage_misses.py); counted wherever 'auto'
+    # could pick zero-copy (for dense experts: resolve_mode)
     stage_rows = fp.top_k if config.stage_experts is None else config.stage_experts
-    zero_copy = config.mode == "zero_copy" or (config.mode == "auto" and config.cpu_compute == "off"
-                                               and device is not None and device.type == "cuda")
-    stage = stage_rows * max(fp.expert_bytes) if zero_copy else 0
+    mode = config.mode if device is None else resolve_mode(config, device, dense=True)
+    stage = stage_rows * max(fp.expert_bytes) if mode == "zero_copy" else 0
     ws += stage
     minimum = fp.non_expert_bytes + ws + kv_seq + fp.pool_bytes(min_slots)
     if minimum > limit:

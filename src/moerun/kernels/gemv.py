@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +52,8 @@ BACKENDS = ("triton", "torch")
 class GemvConfig:
     """Launch parameters of one (N, K, T, dtype) case.
 
-    backend "torch" marks a case where the tuner found cuBLAS (F.linear) faster; the ops then use it.
+    backend "torch" marks a case where the tuner found cuBLAS (F.linear) faster; the ops then use it, and the
+    tiles are the fastest Triton ones, which a single-token GEMV under PDL keeps (see ``_cuda_config``).
     """
 
     block_n: int = 16
@@ -114,18 +115,20 @@ def default_config(
 ) -> GemvConfig:
     """Hand-reasoned config when no tuned one covers the case.
 
-    One token: the fma path over 16 rows x 512 bytes per step, K split while there are fewer than about four
-    programs per SM and each split keeps at least four steps. More tokens: untuned, cuBLAS (backend "torch"),
-    which beat the untuned dot path on an H200; the dot tiles here serve callers that force the GEMV.
+    One token: the fma path over 4 rows x 1 KiB per step (on an H200 few rows and long steps won for every
+    Qwen3-30B-A3B projection: each program's loads go out at once), K split while there are fewer than about
+    four programs per SM and each split keeps at least four steps. More tokens: untuned, cuBLAS (backend
+    "torch"), which beat the untuned dot path on an H200; the dot tiles here serve callers that force the GEMV.
     """
     interpret = interpreting() if interpret is None else interpret
     if interpret:
         # the interpreter runs programs one by one: few, small ones
         return GemvConfig(block_n=16, block_k=32, dot=T > 1, num_stages=1)
-    block_k = 512 // dtype.itemsize  # 512 bytes of every row per step: 16-byte loads across a warp
     if T > 1:
-        return GemvConfig(block_n=16, block_k=min(block_k, 128), dot=True, num_stages=4, backend="torch")
-    block_n = 16
+        return GemvConfig(block_n=16, block_k=min(512 // dtype.itemsize, 128), dot=True, num_stages=4,
+                          backend="torch")
+    block_k = 1024 // dtype.itemsize  # 1 KiB of every row per step: 16-byte loads across a warp, 4 rows in flight
+    block_n = 4
     n_tiles = triton.cdiv(N, block_n)
     split_k = 1
     while n_tiles * split_k * 2 <= 4 * sms and K // (split_k * 2) >= 4 * block_k:
@@ -148,12 +151,13 @@ def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int, pdl: bo
     """get_config on CUDA device index, memoised: Linear.forward asks on every call.
 
     With PDL a single-token GEMV stays on Triton where cuBLAS won the tuning (by a few percent at most on an
-    H200): a cuBLAS launch would end the chain of early-starting kernels of the decode step.
+    H200), with the fastest Triton tiles the tuner recorded: a cuBLAS launch would end the chain of
+    early-starting kernels of the decode step.
     """
     tuned = tuned_for(load_table(_device_name(index)).get(table_key(N, K, dtype), {}), T)
     default = default_config(N, K, T, dtype, sms=_sm_count(index))
     if tuned is not None and tuned.backend == "torch" and T == 1 and pdl:
-        return default
+        return replace(tuned, backend="triton")
     return tuned or default
 
 
@@ -306,7 +310,8 @@ def _gemv_kernel(
             w = _weight_tile(w_rows, k0, K, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]; num_stages pipelines it
         else:
             w = w_next
-            w_next = _weight_tile(w_rows, tl.minimum(k0 + BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
+            if K_SPLIT > BLOCK_K:  # a split of one step has nothing to load ahead
+                w_next = _weight_tile(w_rows, tl.minimum(k0 + BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
         if EVEN_K:
             a_mask = t_mask[:, None]
         else:

@@ -15,6 +15,7 @@ from moerun.engine.kv_cache import KVCache  # noqa: E402
 from moerun.kernels.gemv import (  # noqa: E402
     MAX_TOKENS,
     GemvConfig,
+    choose,
     default_config,
     linear_triton,
     rms_norm_linear_triton,
@@ -164,6 +165,12 @@ def test_config_table_and_defaults() -> None:
         GemvConfig.from_dict({"BLOCK_N": 16})
     with pytest.raises(ValueError, match="dot path"):
         GemvConfig(block_n=8, dot=True)
+    # a table entry where cuBLAS won alone: PDL decode of one token keeps Triton with its tiles, the rest cuBLAS
+    cublas = GemvConfig(block_n=2, block_k=2048, backend="torch")
+    default = default_config(5120, 2048, 1, torch.bfloat16, interpret=False)
+    assert choose(cublas, default, 1, pdl=True) == GemvConfig(block_n=2, block_k=2048)
+    assert choose(cublas, default, 1, pdl=False) == cublas and choose(cublas, default, 2, pdl=True) == cublas
+    assert choose(None, default, 1, pdl=True) == default
     # on a 132-SM GPU: a narrow long projection is split over K, o_proj (N=2048, K=4096) and q|k|v are not
     assert default_config(256, 8192, 1, torch.bfloat16, interpret=False).split_k == 4
     assert default_config(2048, 4096, 1, torch.bfloat16, interpret=False).split_k == 1

@@ -155,7 +155,12 @@ def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int, pdl: bo
     early-starting kernels of the decode step.
     """
     tuned = tuned_for(load_table(_device_name(index)).get(table_key(N, K, dtype), {}), T)
-    default = default_config(N, K, T, dtype, sms=_sm_count(index))
+    return choose(tuned, default_config(N, K, T, dtype, sms=_sm_count(index)), T, pdl)
+
+
+def choose(tuned: GemvConfig | None, default: GemvConfig, T: int, pdl: bool) -> GemvConfig:
+    """The tuned config, else the default; a single token under PDL keeps Triton with the tuned tiles where the
+    table says cuBLAS (see _cuda_config)."""
     if tuned is not None and tuned.backend == "torch" and T == 1 and pdl:
         return replace(tuned, backend="triton")
     return tuned or default

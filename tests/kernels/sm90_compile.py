@@ -1,0 +1,151 @@
+"""Compiles the Triton kernels of the GPU paths for sm_90 (H100 / H200) without a GPU, launching nothing.
+
+Triton's interpreter runs kernels on the CPU but skips the compiler, so a kernel can pass every interpreter test
+and still fail to compile for the GPU (a `tl.static_range` bound that is not a compile-time constant, say). This
+script calls the ops on small CPU tensors in compiled mode (TRITON_INTERPRET unset) with Triton's launch replaced
+by a compile for an sm_90 target (Triton's own ptxas, no driver needed), so each launch is compiled with the
+constexprs the GPU path would give it, PDL variants included. Outputs are never computed: the cases only launch.
+
+    python tests/kernels/sm90_compile.py        # prints one line per compiled kernel; exit code 1 on any failure
+
+tests/kernels/test_sm90_compile.py runs it in a subprocess (the other kernel tests run in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime import jit
+
+TARGET = GPUTarget("cuda", 90, 32)
+# launch keywords that are compile options; launch_pdl only changes the launch
+COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+compiled: list[str] = []
+_pdl_override: int | None = None
+
+
+def _compile_instead_of_launch(self, *args, grid, warmup=False, **kwargs):  # noqa: ARG001 - Triton's signature
+    """JITFunction.run replacement: bind the call's arguments, compile for TARGET, record the kernel's name."""
+    options = {key: kwargs.pop(key) for key in list(kwargs) if key in COMPILE_OPTIONS}
+    kwargs.pop("launch_pdl", None)
+    bound = dict(zip((p.name for p in self.params), args))
+    bound.update(kwargs)
+    signature, constexprs = {}, {}
+    for i, p in enumerate(self.params):
+        value = bound.get(p.name, p.default)
+        if p.name == "PDL" and _pdl_override is not None:
+            value = _pdl_override
+        if p.is_constexpr or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = value
+        else:
+            signature[p.name] = jit.mangle_type(value)
+    triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    compiled.append(self.fn.__name__)
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    """name -> a call of one op on CPU tensors (imports inside: moerun reads TRITON_INTERPRET at import)."""
+    from moerun.formats.quants import QuantType
+    from moerun.kernels import gemv
+    from moerun.kernels.decode_attention import decode_attention_int8_triton, decode_attention_triton
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
+    from moerun.kernels.quant.decode import dequantize_triton
+    from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
+    from moerun.kernels.quant.matmul_quant import quant_matmul_triton
+    from moerun.kernels.quant.repack import pack
+    from moerun.kernels.quant.synthetic import random_quantized
+    from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
+    from moerun.kernels.router import route_triton
+    from moerun.kernels.router_fused import route_fused_int8_triton, route_fused_triton
+    from moerun.kernels.stage_misses import stage_misses_triton
+
+    bf16 = torch.bfloat16
+    H, I, E, k = 256, 256, 16, 4  # noqa: E741
+    x1, x8 = torch.randn(1, H, dtype=bf16), torch.randn(8, H, dtype=bf16)
+    norm_w = torch.ones(H, dtype=bf16)
+    ids1 = torch.randint(0, E, (1, k), dtype=torch.int32)
+    ids64 = torch.randint(0, E, (64, k), dtype=torch.int32)
+    w1, w64 = torch.rand(1, k), torch.rand(64, k)
+    w13, w2 = torch.randn(E, 2 * I, H, dtype=bf16), torch.randn(E, H, I, dtype=bf16)
+    q4 = [pack(random_quantized(QuantType.Q4_K, (E, I, H), "cpu")) for _ in range(2)]
+    q6_down = pack(random_quantized(QuantType.Q6_K, (E, H, I), "cpu"))
+    qk, v = (pack(random_quantized(t, (n, H), "cpu")) for t, n in ((QuantType.Q4_K, 64), (QuantType.Q6_K, 32)))
+    n_q, n_kv, D, L = 8, 2, 64, 64
+    k_cache = torch.zeros(2, L, n_kv, D, dtype=bf16)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(1, n_q, D, dtype=bf16)
+    slots, lens = torch.zeros(1, dtype=torch.int32), torch.full((1,), 40, dtype=torch.int32)
+    qkv = torch.randn(1, (n_q + 2 * n_kv) * D, dtype=bf16)
+    cos, sin = torch.randn(L, D, dtype=bf16), torch.randn(L, D, dtype=bf16)
+    v2 = {"path": "gemv_v2", "BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
+    P, W, R = 2, 1, k  # staging of missed experts: dense w13 | w2, one array each, top-k rows
+    table = torch.zeros(P, E, W, dtype=torch.int64)
+    words = torch.full((P * W,), 64, dtype=torch.int64)
+    return {
+        "gemv, one step": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,
+                                                     gemv.GemvConfig(block_n=4, block_k=256)),
+        "gemv, split-K": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,
+                                                    gemv.GemvConfig(block_n=4, block_k=64, split_k=2)),
+        "gemv, dot": lambda: gemv.linear_triton(x8, torch.randn(64, H, dtype=bf16), None,
+                                                gemv.GemvConfig(block_n=16, block_k=64, dot=True, num_stages=3)),
+        "gemv with add + RMSNorm": lambda: gemv.rms_norm_linear_triton(x1, x1, norm_w, 1e-6,
+                                                                       torch.randn(64, H, dtype=bf16)),
+        "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
+        "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
+        "route": lambda: route_triton(torch.randn(8, E), k, True),
+        "route_fused": lambda: route_fused_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k, True),
+        "route_fused_int8": lambda: route_fused_int8_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k,
+                                                            True, H),
+        "fused_moe, decode": lambda: fused_moe_triton(x1, w13, w2, w1, ids1),
+        "fused_moe, prefill tiles": lambda: fused_moe_triton(torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64),
+        "quant matmul, q|k and v in one launch, int8 x": lambda: quant_matmul_triton(
+            x1, [qk, v], config={**v2, "x_q8": True}),
+        "quant matmul, float x": lambda: quant_matmul_triton(x1, [qk], config=v2),
+        "quant decode to bf16 (prefill path 'dequant')": lambda: dequantize_triton(q4[0], bf16),
+        "quant MoE, decode": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1),
+        "quant MoE, prefill tiles": lambda: fused_moe_quant(torch.randn(64, H, dtype=bf16), q4, q6_down, w64,
+                                                            ids64),
+        "decode attention": lambda: decode_attention_triton(q, k_cache, v_cache, slots, lens, 0.125),
+        "decode attention, int8 output": lambda: decode_attention_int8_triton(q, k_cache, v_cache, slots, lens, 0.125,
+                                                                              n_q * D),
+        "q/k norm + RoPE + cache write": lambda: qk_norm_rope_write_triton(
+            qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin,
+            torch.zeros(1, dtype=torch.int64), slots, k_cache, v_cache, n_q, n_kv),
+        "stage missed experts": lambda: stage_misses_triton(
+            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
+            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table)),
+    }
+
+
+def main() -> int:
+    global _pdl_override
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET: the point is to compile")
+    jit.JITFunction.run = _compile_instead_of_launch
+    failures = []
+    for pdl in (None, 1, 2):  # as launched on the CPU (no PDL), then each PDL mode where a kernel takes one
+        _pdl_override = pdl
+        for name, call in _cases().items():
+            before = len(compiled)
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - reported, then the other cases run
+                failures.append(name)
+                print(f"FAILED {name} (PDL {pdl}):\n{traceback.format_exc()}", flush=True)
+                continue
+            print(f"ok {name} (PDL {pdl}): {', '.join(compiled[before:]) or 'no launch'}", flush=True)
+    print(f"{len(compiled)} compiles, {len(failures)} failed cases")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -136,3 +136,19 @@ def test_pdl_launches_give_the_plain_launches_tokens(tokenizer, monkeypatch):
     for mode in (1, 2):
         assert outs[0][0] == outs[mode][0] and outs[0][1] == outs[mode][1]
         torch.testing.assert_close(outs[0][2], outs[mode][2], rtol=0, atol=0)
+
+
+def test_decode_qk_inside_attention_gives_the_same_tokens(tokenizer, monkeypatch):
+    # float32: the one launch rounds the attention math (no fused multiply-adds) apart from the two launches, far
+    # below any greedy tie; the cache writes are bit for bit the separate kernel's (tests/kernels)
+    model = small_model(seed=3)
+    prompts = [[random.randrange(150000) for _ in range(random.randint(3, 40))] for _ in range(4)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
+    outs = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("MOERUN_DECODE_QK_FUSED", fused)  # read at capture
+        llm = LLM.from_model(model, tokenizer, max_model_len=256, max_num_seqs=4, cuda_graphs=True)
+        outs[fused] = ([o.token_ids for o in llm.generate(prompts[:1], params)],
+                       [o.token_ids for o in llm.generate(prompts, params)])
+        del llm
+    assert outs["0"] == outs["1"]

@@ -55,7 +55,9 @@ def _cases() -> dict[str, Callable[[], None]]:
     """name -> a call of one op on CPU tensors (imports inside: moerun reads TRITON_INTERPRET at import)."""
     from moerun.formats.quants import QuantType
     from moerun.kernels import gemv
-    from moerun.kernels.decode_attention import decode_attention_int8_triton, decode_attention_triton
+    from moerun.kernels.decode_attention import (
+        decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
+    )
     from moerun.kernels.fused_moe import fused_moe_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.decode import dequantize_triton
@@ -117,6 +119,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         "decode attention": lambda: decode_attention_triton(q, k_cache, v_cache, slots, lens, 0.125),
         "decode attention, int8 output": lambda: decode_attention_int8_triton(q, k_cache, v_cache, slots, lens, 0.125,
                                                                               n_q * D),
+        "decode attention with the q/k norm, RoPE and cache write": lambda: decode_attention_qk_triton(
+            qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin, lens.long() - 1, slots,
+            k_cache, v_cache, slots, lens, 0.125, n_q, n_kv, n_q * D),
         "q/k norm + RoPE + cache write": lambda: qk_norm_rope_write_triton(
             qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin,
             torch.zeros(1, dtype=torch.int64), slots, k_cache, v_cache, n_q, n_kv),

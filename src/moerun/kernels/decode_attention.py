@@ -18,12 +18,15 @@ head's query heads in the single launch also stores them rounded to int8 (quant/
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+from moerun.kernels.qk_norm_rope import check_qk_inputs, norm_rope_heads, unit_inner_stride
 from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row, quantize_x
 from moerun.kernels.rmsnorm import round_to
 from moerun.kernels.tickets import ticket_counters
@@ -91,19 +94,53 @@ def _split_softmax(q_ptr, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_sca
                    INTERPRET: tl.constexpr):  # fmt: skip
     """The online softmax of the query heads of kv_head (sequence b) over cache positions [start, end) of the
     sequence's slot: (acc [BLOCK_G, D], l, m [BLOCK_G], heads [BLOCK_G], g_mask [BLOCK_G])."""
-    slot = tl.load(slot_ptr + b).to(tl.int64)
     g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     d = tl.arange(0, D)  # [D]
     g_mask = g < G
     heads = kv_head * G + g  # [BLOCK_G] query heads of this kv head
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
+    acc, l, m = _slot_softmax(q, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, stride_ks, stride_kl,
+                              stride_kh, stride_vs, stride_vl, stride_vh, BLOCK_G, D, BLOCK_N, DOT_PRECISION,
+                              INTERPRET)  # fmt: skip
+    return acc, l, m, heads, g_mask
+
+
+@triton.jit
+def _slot_softmax(q, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, stride_ks, stride_kl, stride_kh,
+                  stride_vs, stride_vl, stride_vh, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """_chunk_softmax of q [BLOCK_G, D] (the query heads of kv_head) over positions [start, end) of sequence b's
+    cache slot."""
+    slot = tl.load(slot_ptr + b).to(tl.int64)
     if INTERPRET:
         q = q.to(tl.float32)
-    acc, l, m = _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
-                               v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl,
-                               qk_scale, BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)
-    return acc, l, m, heads, g_mask
+    return _chunk_softmax(q, k_ptr + slot * stride_ks + kv_head * stride_kh,
+                          v_ptr + slot * stride_vs + kv_head * stride_vh, start, end, stride_kl, stride_vl, qk_scale,
+                          BLOCK_G, D, BLOCK_N, DOT_PRECISION, INTERPRET)  # fmt: skip
+
+
+@triton.jit
+def _new_token_qk(qkv_row, q_w_ptr, k_w_ptr, cos_row, sin_row, eps, pos, tslot, k_ptr, v_ptr, kv_head, writes,
+                  stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, N_Q: tl.constexpr,
+                  N_KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                  INTERPRET: tl.constexpr):  # fmt: skip
+    """QK mode: the new token's k (normed, rotated) and v of kv_head into the cache at (tslot, pos) where
+    ``writes``, then a block barrier, so that this program's cache reads after it see them; returns the normed,
+    rotated query heads of kv_head [BLOCK_G, D] (rows from G on zero), as qk_norm_rope.py computes them."""
+    d = tl.arange(0, D)  # [D]
+    if writes:
+        kv = kv_head + tl.arange(0, 1)  # [1]
+        k_new = norm_rope_heads(qkv_row + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, D, INTERPRET)
+        k_dst = k_ptr + tslot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
+        tl.store(k_dst, k_new.to(k_ptr.dtype.element_ty))  # [1, D]
+        v_new = tl.load(qkv_row + (N_Q + N_KV + kv[:, None]) * D + d[None, :])  # v passes through unchanged
+        tl.store(v_ptr + tslot * stride_vs + pos * stride_vl + kv[:, None] * stride_vh + d[None, :],
+                 v_new.to(v_ptr.dtype.element_ty))
+    tl.debug_barrier()  # every program reaches it: the writes are visible to the whole block after it
+    g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+    heads = tl.where(g < G, kv_head * G + g, N_Q)  # padding rows name no head: they load zeros
+    return norm_rope_heads(qkv_row, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, D, INTERPRET)
 
 
 @triton.jit
@@ -271,6 +308,20 @@ def _decode_attention_kernel(
     xs_ptr=None,
     K_PAD: tl.constexpr = 0,
     Q8: tl.constexpr = False,
+    # QK mode: q is made here from the q|k|v row (per-head RMSNorm + RoPE), and the new token's k and v go into
+    # the cache first (kernels/qk_norm_rope.py's work, without its launch); q_ptr is not read then
+    qkv_ptr=None,  # [B, (n_q + 2 n_kv) D]
+    q_w_ptr=None,  # [D]
+    k_w_ptr=None,  # [D]
+    cos_ptr=None,  # [P, D]
+    sin_ptr=None,  # [P, D]
+    pos_ptr=None,  # [B] the new token's position
+    tslot_ptr=None,  # [B] the new token's cache slot
+    eps=0.0,
+    stride_qkv=0,
+    stride_cos=0,
+    stride_sin=0,
+    QK: tl.constexpr = False,
 ):
     """Single-launch path: split-KV partials merged by the last live split of each (sequence, kv head)."""
     launch_dependents(PDL)
@@ -281,11 +332,28 @@ def _decode_attention_kernel(
     seq_len = tl.minimum(tl.load(seq_len_ptr + b).to(tl.int32), max_len)
     start, end, live = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, MIN_CHUNK)
     d = tl.arange(0, D)  # [D]
+    if QK:
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        # the program whose chunk holds the new position writes its k and v (so that its own reads see them);
+        # split 0 where no chunk holds it
+        holds = (split < live) & (start <= pos) & (pos < end)
+        q = _new_token_qk(qkv_ptr + b.to(tl.int64) * stride_qkv, q_w_ptr, k_w_ptr, cos_ptr + pos * stride_cos,
+                          sin_ptr + pos * stride_sin, eps, pos, tl.load(tslot_ptr + b).to(tl.int64), k_ptr, v_ptr,
+                          kv_head, holds | ((pos >= seq_len) & (split == 0)), stride_ks, stride_kl, stride_kh,
+                          stride_vs, stride_vl, stride_vh, N_Q, N_KV, G, BLOCK_G, D, INTERPRET)  # fmt: skip
     if split < live:
-        acc, l, m, heads, g_mask = _split_softmax(q_ptr, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale,
-                                                  stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs,
-                                                  stride_vl, stride_vh, G, BLOCK_G, D, BLOCK_N, DOT_PRECISION,
-                                                  INTERPRET)  # fmt: skip
+        if QK:
+            g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+            g_mask = g < G
+            heads = kv_head * G + g
+            acc, l, m = _slot_softmax(q, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, stride_ks,
+                                      stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, BLOCK_G, D, BLOCK_N,
+                                      DOT_PRECISION, INTERPRET)  # fmt: skip
+        else:
+            acc, l, m, heads, g_mask = _split_softmax(q_ptr, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end,
+                                                      qk_scale, stride_qb, stride_qh, stride_ks, stride_kl, stride_kh,
+                                                      stride_vs, stride_vl, stride_vh, G, BLOCK_G, D, BLOCK_N,
+                                                      DOT_PRECISION, INTERPRET)  # fmt: skip
         out = acc / tl.where(g_mask, l, 1.0)[:, None]  # [BLOCK_G, D]; a live chunk has l > 0
         if live == 1:
             # the whole sequence in one chunk: no partials, no ticket
@@ -362,12 +430,59 @@ def decode_attention_int8_triton(
     return out, rows if rows is not None else quantize_x(out.reshape(out.shape[0], -1), k_pad)
 
 
+class NewTokenQK(NamedTuple):
+    """What the q/k norm, RoPE and cache write of decode_attention_qk_triton read (qk_norm_rope_write's inputs)."""
+
+    qkv: torch.Tensor  # [B, (n_q + 2 n_kv) D]
+    q_norm_w: torch.Tensor  # [D]
+    k_norm_w: torch.Tensor  # [D]
+    eps: float
+    cos: torch.Tensor  # [P, D]
+    sin: torch.Tensor  # [P, D]
+    positions: torch.Tensor  # [B]
+    token_slots: torch.Tensor  # [B]
+
+    def kernel_args(self) -> dict:
+        cos, sin = unit_inner_stride(self.cos), unit_inner_stride(self.sin)
+        return dict(qkv_ptr=self.qkv, q_w_ptr=self.q_norm_w.contiguous(), k_w_ptr=self.k_norm_w.contiguous(),
+                    cos_ptr=cos, sin_ptr=sin, pos_ptr=self.positions, tslot_ptr=self.token_slots, eps=self.eps,
+                    stride_qkv=self.qkv.stride(0), stride_cos=cos.stride(0), stride_sin=sin.stride(0), QK=True,
+                    # the norm rounds as qk_norm_rope.py's kernel does: no fused multiply-adds
+                    enable_fp_fusion=False)  # fmt: skip
+
+
+def decode_attention_qk_triton(
+    qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float, n_q: int, n_kv: int,
+    k_pad: int | None = None, num_splits: int | None = None, min_chunk: int | None = None,
+) -> tuple[torch.Tensor, Int8Rows | None]:
+    """qk_norm_rope_write_triton then decode_attention_triton (decode_attention_int8_triton with k_pad) in one
+    launch: one new token per sequence, its q|k|v row qkv [B, (n_q + 2 n_kv) D] -> (out [B, n_q, D], its int8
+    rows or None). The token's normed, rotated k and its v go into the caches at (token_slots[b], positions[b]),
+    which must lie inside the sequence's attended positions [0, seq_lens[b]) or past them (not checked: no host
+    reads); q never leaves the kernel. Same values as the two launches, up to float32 summation order."""
+    D = cos.shape[-1]
+    check_qk_inputs(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    if k_pad is not None:
+        check_k_pad(k_pad, n_q * D)
+    qk = NewTokenQK(qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots)
+    q_view = qkv[:, : n_q * D].unflatten(1, (n_q, D))  # [B, n_q, D]: shapes and strides only, never read
+    out, rows = _decode_attention(q_view, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, None, True,
+                                  min_chunk, k_pad, qk)  # fmt: skip
+    if k_pad is not None and rows is None:
+        rows = quantize_x(out.reshape(out.shape[0], -1), k_pad)
+    return out, rows
+
+
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, num_splits: int | None, block_n: int | None, single_launch: bool | None, min_chunk: int | None,
-    k_pad: int | None,
+    k_pad: int | None, qk: NewTokenQK | None = None,
 ) -> tuple[torch.Tensor, Int8Rows | None]:
-    """Both entry points: (out, the int8 rows where the kernel wrote them)."""
+    """Every entry point: (out, the int8 rows where the kernel wrote them); qk: QK mode (single launch)."""
     B, n_q, D = q.shape
     S, L, n_kv, _ = k_cache.shape
     _check(q, k_cache, v_cache, slot_ids, seq_lens)
@@ -385,14 +500,14 @@ def _decode_attention(
         rows = Int8Rows.empty(B, k_pad, q.device)
     if B == 0:
         return out, rows
-    if q.stride(2) != 1:
+    if q.stride(2) != 1 and qk is None:
         q = q.contiguous()
     o_part = torch.empty(B, n_q, num_splits, D, dtype=torch.float32, device=q.device)  # [B, n_q, splits, D]
     lse_part = torch.empty(B, n_q, num_splits, dtype=torch.float32, device=q.device)  # [B, n_q, splits]
     args = (q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part)
     if single:
         min_chunk = triton.cdiv(MIN_CHUNK if min_chunk is None else min_chunk, block_n) * block_n
-        _launch_single(*args, out, scale, num_splits, block_n, max(block_n, min_chunk), rows)
+        _launch_single(*args, out, scale, num_splits, block_n, max(block_n, min_chunk), rows, qk)
     else:
         _launch_partial(*args, scale, num_splits, block_n)
         _launch_combine(o_part, lse_part, out, num_splits)
@@ -437,9 +552,10 @@ def _launch_single(
     block_n: int,
     min_chunk: int,
     rows: Int8Rows | None = None,
+    qk: NewTokenQK | None = None,
 ) -> None:
     """One launch: partials, then the merge by the last live split of each (sequence, kv head); with rows, the
-    output also as int8 into them."""
+    output also as int8 into them; with qk, q made and the new k, v written in the same launch."""
     B, n_q, D = q.shape
     n_kv = k_cache.shape[2]
     tickets = ticket_counters(q.device, B * n_kv, "decode_attention")  # [B * n_kv]
@@ -450,7 +566,8 @@ def _launch_single(
     _decode_attention_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
         *_common_args(q, k_cache, v_cache, scale, num_splits),
-        N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s, **_common_meta(q, k_cache, block_n),
+        N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s,
+        **{**_common_meta(q, k_cache, block_n), **(qk.kernel_args() if qk is not None else {})},
         PDL=pdl, **launch_options(pdl), **(rows.store_args() if rows is not None else {}),
     )  # fmt: skip
 

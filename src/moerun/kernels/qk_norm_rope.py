@@ -21,7 +21,7 @@ HEADS_PER_PROGRAM = 8
 
 
 @triton.jit
-def _norm_rope_heads(
+def norm_rope_heads(
     src_ptr,  # first element of head 0 of q or k in this token's qkv row
     heads,  # [HB] head indices; those at or past n_heads are padding
     n_heads,
@@ -101,12 +101,12 @@ def _qk_norm_rope_write_kernel(
     sin_row = sin_ptr + pos * stride_sin
     if group < q_groups:
         heads = group * HB + tl.arange(0, HB)  # [HB]
-        out = _norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        out = norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
         mask = (heads[:, None] < N_Q) & (d[None, :] < D)
         tl.store(q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=mask)
     else:
         kv = (group - q_groups) * HB + tl.arange(0, HB)  # [HB] kv heads
-        out = _norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        out = norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
         mask = (kv[:, None] < N_KV) & (d[None, :] < D)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
@@ -139,14 +139,14 @@ def qk_norm_rope_write_triton(
     positions must lie in the cos/sin tables and the cache, token_slots in the cache (not checked: no host reads).
     """
     D = cos.shape[-1]
-    _check(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
+    check_qk_inputs(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
     T = qkv.shape[0]
     if k_out is not None and (k_out.shape != (T, n_kv, D) or not k_out.is_contiguous() or k_out.dtype != qkv.dtype):
         raise ValueError(f"k_out must be a contiguous [{T}, {n_kv}, {D}] tensor of {qkv.dtype}, got "
                          f"{tuple(k_out.shape)} of {k_out.dtype}")
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
-    cos, sin = _unit_inner_stride(cos), _unit_inner_stride(sin)
+    cos, sin = unit_inner_stride(cos), unit_inner_stride(sin)
     q = torch.empty(T, n_q, D, dtype=qkv.dtype, device=qkv.device)  # [T, n_q, D]
     if T == 0:
         return q
@@ -192,11 +192,11 @@ def qk_norm_rope_write_triton(
     return q
 
 
-def _unit_inner_stride(t: torch.Tensor) -> torch.Tensor:
+def unit_inner_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check(
+def check_qk_inputs(
     qkv: torch.Tensor,
     q_norm_w: torch.Tensor,
     k_norm_w: torch.Tensor,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,14 @@ from moerun.layers.linear import Linear, MergedLinear
 from moerun.layers.norm import RMSNorm
 from moerun.layers.rotary import RotaryEmbedding
 from moerun.ops.linear import gemv_applies
+
+
+def decode_qk_in_attention() -> bool:
+    """Whether decode on CUDA runs the q/k norm, RoPE and cache write inside the attention kernel
+    (``ops.decode_attention_qk``, one launch fewer a layer) instead of their own kernel in front of it:
+    ``MOERUN_DECODE_QK_FUSED=1``; read at each forward, so a recaptured graph follows it. Off by default until
+    measured on the GPU."""
+    return os.environ.get("MOERUN_DECODE_QK_FUSED", "0") == "1"
 
 
 # Whether SDPA gets the kv heads as they are (enable_gqa) or repeated to the query heads first. PyTorch picks a
@@ -93,6 +103,14 @@ class Qwen3Attention(nn.Module):
         """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H]."""
         T, D = qkv.shape[0], self.head_dim
         cos, sin = self.rotary.cos_sin(qkv.device, qkv.dtype)
+        if not batch.is_prefill and qkv.device.type == "cuda" and decode_qk_in_attention():
+            pad = self.o_proj.int8_input_pad(qkv[:, : self.n_q * D])  # a GGUF o_proj's int8 rows, made in the launch
+            out, out_int8 = ops.decode_attention_qk(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
+                batch.token_slots, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
+                self.scale, self.n_q, self.n_kv, k_pad=pad,
+            )  # [T, n_q, D]
+            return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
         # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
         k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op

@@ -3,6 +3,7 @@
 ``qk_norm_rope_write``: split q|k|v, per-head RMSNorm of q and k, NeoX rotary, k/v into the cache.
 ``decode_attention``: one new query token per sequence against its cached keys and values (GQA);
 ``decode_attention_int8`` also rounds its output to int8 for a quantized o_proj.
+``decode_attention_qk``: both in one launch at decode (the q|k|v row in, the attention output out).
 """
 
 from __future__ import annotations
@@ -134,3 +135,22 @@ def decode_attention_int8(
     from moerun.kernels.decode_attention import decode_attention_int8_triton
 
     return decode_attention_int8_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale, k_pad)
+
+
+def decode_attention_qk(
+    qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float, n_q: int, n_kv: int,
+    k_pad: int | None = None, backend: str | None = None,
+) -> tuple[torch.Tensor, Int8Rows | None]:
+    """qk_norm_rope_write then decode_attention for one new token per sequence (qkv [B, (n_q + 2 n_kv) D]), in one
+    launch on the Triton path: (out [B, n_q, D], with k_pad its int8 rows for a quantized o_proj, else None; the
+    torch reference never rounds them)."""
+    if pick_backend(backend, qkv.device, "decode-attention") == "torch":
+        q = qk_norm_rope_write_reference(qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache,
+                                         v_cache, n_q, n_kv)  # fmt: skip
+        return decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale), None
+    from moerun.kernels.decode_attention import decode_attention_qk_triton
+
+    return decode_attention_qk_triton(qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache,
+                                      v_cache, slot_ids, seq_lens, scale, n_q, n_kv, k_pad)  # fmt: skip

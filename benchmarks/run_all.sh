@@ -14,8 +14,9 @@
 #   pdl        batch-1 decode, bf16 and Q4_K_M, without PDL and with each trigger point (kernels/pdl.py)
 #   quant      Q4_K_M only: tune the quantized dense GEMV and MoE decode tables, then batch-1 decode with a profile
 #   gguf-offload  the quantized-offload GPU tests, then the Q4_K_M rows alone in copy and zero-copy mode
-#   variants  batch-1 decode, bf16 and Q4_K_M, every kernel in PDL mode 2 against the default (one build each);
-#             Q4_K_M also with q|k and v in two launches (MOERUN_QUANT_JOINT=0)
+#   variants  batch-1 decode, bf16 and Q4_K_M (one build each): the q/k norm inside the decode attention launch
+#             (MOERUN_DECODE_QK_FUSED=1) and every kernel in PDL mode 2 against the default; Q4_K_M also with q|k
+#             and v in two launches (MOERUN_QUANT_JOINT=0)
 #   prefill-quant  the Q4_K table at M = 1 ... 4096 (prefill sizes: tile against dequant + bf16), then Q4_K_M prefill
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
@@ -73,10 +74,11 @@ for stage in $stages; do
             --out "$out/bench_q4km_prefill" ;;
     variants)
         run variants 300 python3 benchmarks/bench_decode_variants.py --variant default \
-            --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant default_again
+            --variant qk:MOERUN_DECODE_QK_FUSED=1 --variant after_wait:MOERUN_PDL_TRIGGER=after_wait \
+            --variant default_again
         run variants 300 python3 benchmarks/bench_decode_variants.py --quant Q4_K_M --variant default \
-            --variant after_wait:MOERUN_PDL_TRIGGER=after_wait --variant separate:MOERUN_QUANT_JOINT=0 \
-            --variant default_again ;;
+            --variant qk:MOERUN_DECODE_QK_FUSED=1 --variant after_wait:MOERUN_PDL_TRIGGER=after_wait \
+            --variant separate:MOERUN_QUANT_JOINT=0 --variant default_again ;;
     pdl)
         for quant in "" "--quant Q4_K_M"; do
             for mode in "0 start" "1 start" "1 after_wait"; do

@@ -14,6 +14,10 @@ The grid and every buffer depend only on B, n_q, n_kv, D, L and num_splits, neve
 never waits on the device and one CUDA graph serves every step of a batch-size bucket.
 For a quantized o_proj whose kernel rounds x to int8 (decode_attention_int8_triton), the program that stores a kv
 head's query heads in the single launch also stores them rounded to int8 (quant/int8_dot.py's layout).
+decode_attention_qk_triton also takes over qk_norm_rope.py's work for the new token (the single launch in "QK
+mode"): each program normalises and rotates its kv head's query heads from the q|k|v row itself, and the program
+whose chunk holds the new position first writes that position's k and v into the cache, then a block barrier
+makes them visible to its own reads.
 """
 
 from __future__ import annotations

@@ -59,16 +59,18 @@ def _cases() -> dict[str, Callable[[], None]]:
         decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
     )
     from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
-    from moerun.kernels.quant.repack import pack
+    from moerun.kernels.quant.repack import expert_addresses, pack
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
     from moerun.kernels.router_fused import route_fused_int8_triton, route_fused_triton
     from moerun.kernels.stage_misses import stage_misses_triton
+    from moerun.kernels.tile_configs import normalize
 
     bf16 = torch.bfloat16
     H, I, E, k = 256, 256, 16, 4  # noqa: E741
@@ -92,7 +94,31 @@ def _cases() -> dict[str, Callable[[], None]]:
     P, W, R = 2, 1, k  # staging of missed experts: dense w13 | w2, one array each, top-k rows
     table = torch.zeros(P, E, W, dtype=torch.int64)
     words = torch.full((P * W,), 64, dtype=torch.int64)
+    q5 = [pack(random_quantized(QuantType.Q5_K, (E, I, H), "cpu")) for _ in range(2)]
+    q8_down = pack(random_quantized(QuantType.Q8_0, (E, H, I), "cpu"))
+    q4_0 = pack(random_quantized(QuantType.Q4_0, (64, H), "cpu"))
+    x64 = torch.randn(64, H, dtype=bf16)
+    tables = ([expert_addresses(p) for p in q4], expert_addresses(q6_down))  # zero-copy offloading's address tables
+    dense_rows = (w13.view(E, -1), w2.view(E, -1))
+    fused_gemm2 = normalize({"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2,
+                             "BLOCK_N2": 8, "BLOCK_K2": 1024, "num_warps2": 4, "num_stages2": 2, "reduce": "fused"})
+    v2_moe = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "BLOCK_N2": 8, "BLOCK_K2": 256,
+              "num_warps2": 4}
     return {
+        "fused_moe, decode, k slots summed in GEMM 2": lambda: fused_moe_triton(x8[:4], w13, w2, w1.repeat(4, 1),
+                                                                                ids1.repeat(4, 1), fused_gemm2),
+        "fused_moe through address tables (zero-copy)": lambda: fused_moe_indirect_triton(
+            x1, *(torch.tensor([t.data_ptr() for t in rows]) for rows in dense_rows), I, bf16, w1, ids1, 16),
+        "decode attention, two launches": lambda: decode_attention_triton(q, k_cache, v_cache, slots, lens, 0.125,
+                                                                          single_launch=False),
+        "quant MoE, decode, Q5_K gate/up and Q8_0 down (gemv path)": lambda: fused_moe_quant(x1, q5, q8_down, w1, ids1),
+        "quant MoE, decode, int8 x and intermediate": lambda: fused_moe_quant(
+            x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": True}),
+        "quant MoE, decode, x prepared": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_prep": True}),
+        "quant MoE through address tables": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, tables=tables),
+        "quant MoE, prefill, Q5_K / Q8_0 tiles": lambda: fused_moe_quant(x64, q5, q8_down, w64, ids64),
+        "quant matmul, prefill tiles": lambda: quant_matmul_triton(x64, [qk, v]),
+        "quant matmul, Q4_0 (gemv path)": lambda: quant_matmul_triton(x1, [q4_0]),
         "gemv, one step": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,
                                                      gemv.GemvConfig(block_n=4, block_k=256)),
         "gemv, split-K": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,

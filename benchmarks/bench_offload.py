@@ -441,8 +441,8 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     n_moe = len(mc.moe_layers)
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
-        # + the rows a zero-copy layer stages its missed experts in (top-k experts, about 25 MB)
-        stage = mc.num_experts_per_tok * max(qfp.expert_bytes)
+        # + the rows a zero-copy layer stages its missed experts in (top-k experts by default, about 25 MB)
+        stage = OffloadConfig().stage_rows(mc.num_experts_per_tok) * max(qfp.expert_bytes)
         budget = (fp.non_expert_bytes + kv + ws + stage + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
             cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit)

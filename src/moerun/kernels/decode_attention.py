@@ -15,9 +15,9 @@ never waits on the device and one CUDA graph serves every step of a batch-size b
 For a quantized o_proj whose kernel rounds x to int8 (decode_attention_int8_triton), the program that stores a kv
 head's query heads in the single launch also stores them rounded to int8 (quant/int8_dot.py's layout).
 decode_attention_qk_triton also takes over qk_norm_rope.py's work for the new token (the single launch in "QK
-mode"): each program normalises and rotates its kv head's query heads from the q|k|v row itself, and the program
-whose chunk holds the new position first writes that position's k and v into the cache, then a block barrier
-makes them visible to its own reads.
+mode"): the program whose chunk holds the new position first writes that position's k and v into the cache, then
+a block barrier makes them visible to its own reads; each program with positions to attend to normalises and
+rotates its kv head's query heads from the q|k|v row itself.
 """
 
 from __future__ import annotations
@@ -125,13 +125,11 @@ def _slot_softmax(q, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, s
 
 
 @triton.jit
-def _new_token_qk(qkv_row, q_w_ptr, k_w_ptr, cos_row, sin_row, eps, pos, tslot, k_ptr, v_ptr, kv_head, writes,
-                  stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, N_Q: tl.constexpr,
-                  N_KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                  INTERPRET: tl.constexpr):  # fmt: skip
-    """QK mode: the new token's k (normed, rotated) and v of kv_head into the cache at (tslot, pos) where
-    ``writes``, then a block barrier, so that this program's cache reads after it see them; returns the normed,
-    rotated query heads of kv_head [BLOCK_G, D] (rows from G on zero), as qk_norm_rope.py computes them."""
+def _write_new_kv(qkv_row, k_w_ptr, cos_row, sin_row, eps, pos, tslot, k_ptr, v_ptr, kv_head, writes, stride_ks,
+                  stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, N_Q: tl.constexpr, N_KV: tl.constexpr,
+                  D: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """QK mode: where ``writes``, the new token's k (normed, rotated as qk_norm_rope.py does) and v of kv_head into
+    the cache at (tslot, pos); then a block barrier, so that this program's cache reads after it see them."""
     d = tl.arange(0, D)  # [D]
     if writes:
         kv = kv_head + tl.arange(0, 1)  # [1]
@@ -142,9 +140,6 @@ def _new_token_qk(qkv_row, q_w_ptr, k_w_ptr, cos_row, sin_row, eps, pos, tslot, 
         tl.store(v_ptr + tslot * stride_vs + pos * stride_vl + kv[:, None] * stride_vh + d[None, :],
                  v_new.to(v_ptr.dtype.element_ty))
     tl.debug_barrier()  # every program reaches it: the writes are visible to the whole block after it
-    g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
-    heads = tl.where(g < G, kv_head * G + g, N_Q)  # padding rows name no head: they load zeros
-    return norm_rope_heads(qkv_row, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, D, INTERPRET)
 
 
 @triton.jit
@@ -341,15 +336,20 @@ def _decode_attention_kernel(
         # the program whose chunk holds the new position writes its k and v (so that its own reads see them);
         # split 0 where no chunk holds it
         holds = (split < live) & (start <= pos) & (pos < end)
-        q = _new_token_qk(qkv_ptr + b.to(tl.int64) * stride_qkv, q_w_ptr, k_w_ptr, cos_ptr + pos * stride_cos,
-                          sin_ptr + pos * stride_sin, eps, pos, tl.load(tslot_ptr + b).to(tl.int64), k_ptr, v_ptr,
-                          kv_head, holds | ((pos >= seq_len) & (split == 0)), stride_ks, stride_kl, stride_kh,
-                          stride_vs, stride_vl, stride_vh, N_Q, N_KV, G, BLOCK_G, D, INTERPRET)  # fmt: skip
+        qkv_row = qkv_ptr + b.to(tl.int64) * stride_qkv
+        cos_row = cos_ptr + pos * stride_cos
+        sin_row = sin_ptr + pos * stride_sin
+        _write_new_kv(qkv_row, k_w_ptr, cos_row, sin_row, eps, pos, tl.load(tslot_ptr + b).to(tl.int64), k_ptr,
+                      v_ptr, kv_head, holds | ((pos >= seq_len) & (split == 0)), stride_ks, stride_kl, stride_kh,
+                      stride_vs, stride_vl, stride_vh, N_Q, N_KV, D, INTERPRET)  # fmt: skip
     if split < live:
         if QK:
             g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
             g_mask = g < G
             heads = kv_head * G + g
+            # the query heads of kv_head normed and rotated here; padding rows name no head and stay zero
+            q = norm_rope_heads(qkv_row, tl.where(g_mask, heads, N_Q), N_Q, q_w_ptr, cos_row, sin_row, eps, D, D,
+                                INTERPRET)  # [BLOCK_G, D]
             acc, l, m = _slot_softmax(q, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, stride_ks,
                                       stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, BLOCK_G, D, BLOCK_N,
                                       DOT_PRECISION, INTERPRET)  # fmt: skip

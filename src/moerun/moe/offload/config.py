@@ -94,6 +94,10 @@ class OffloadConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
 
+    def stage_rows(self, top_k: int) -> int:
+        """Device rows a zero-copy layer stages its missed experts in: stage_experts, or top_k when None."""
+        return top_k if self.stage_experts is None else self.stage_experts
+
 
 def resolve_mode(config: OffloadConfig, device: torch.device, dense: bool, quantized_in_place: bool = False) -> str:
     """'copy' or 'zero_copy' for experts on ``device`` (dense: every expert part is a float tensor;

@@ -140,9 +140,8 @@ def plan_placement(fp: Footprint, mc: ModelConfig, dtype: torch.dtype, max_model
     min_slots = 0 if config.cpu_compute == "always" or config.mode == "zero_copy" else min(fp.top_k, E)
     # zero-copy layers stage their missed experts in device rows (kernels/stage_misses.py); counted wherever 'auto'
     # could pick zero-copy (for dense experts: resolve_mode)
-    stage_rows = fp.top_k if config.stage_experts is None else config.stage_experts
     mode = config.mode if device is None else resolve_mode(config, device, dense=True)
-    stage = stage_rows * max(fp.expert_bytes) if mode == "zero_copy" else 0
+    stage = config.stage_rows(fp.top_k) * max(fp.expert_bytes) if mode == "zero_copy" else 0
     ws += stage
     minimum = fp.non_expert_bytes + ws + kv_seq + fp.pool_bytes(min_slots)
     if minimum > limit:

@@ -150,7 +150,7 @@ class ZeroCopyOffload(OffloadManagerBase):
     def _make_staging(self) -> None:
         """The device rows missed experts are staged in (kernels/stage_misses.py), where they apply: the Triton
         backend, stage_experts > 0 and addresses and sizes that are whole words of 4 or 8 bytes."""
-        rows = self.top_k if self.config.stage_experts is None else self.config.stage_experts
+        rows = self.config.stage_rows(self.top_k)
         self.staging: torch.Tensor | None = None
         if rows == 0 or pick_backend(self.backend, self.device, "MoE") != "triton":
             return

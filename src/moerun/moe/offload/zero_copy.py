@@ -348,10 +348,13 @@ class ZeroCopyOffload(OffloadManagerBase):
         values = np.where(ready[:, None, None], at, host)  # [n, P, W]
         flat = ((layers[:, None, None] * P + np.arange(P)[None, :, None]) * E + experts[:, None, None]) * W \
             + np.arange(W)[None, None, :]  # [n, P, W] indices into the flattened table
-        packed = to_device(np.stack([flat.reshape(-1), values.reshape(-1)]), self.device)  # [2, n P W]
-        self.table.view(-1).index_copy_(0, packed[0], packed[1])
-        flags = to_device(np.stack([layers * E + experts, (~ready).astype(np.int64)]), self.device)  # [2, n]
-        self.is_host.view(-1).index_copy_(0, flags[0], flags[1].to(torch.int32))
+        m = flat.size
+        # one transfer: (table index, address) pairs, then (is_host index, flag) pairs
+        packed = to_device(np.stack([np.concatenate([flat.reshape(-1), layers * E + experts]),
+                                     np.concatenate([values.reshape(-1), (~ready).astype(np.int64)])]),
+                           self.device)  # [2, n P W + n]
+        self.table.view(-1).index_copy_(0, packed[0, :m], packed[1, :m])
+        self.is_host.view(-1).index_copy_(0, packed[0, m:], packed[1, m:].to(torch.int32))
 
     def _copy_views(self, layer: int, expert: int, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(slot arrays, the expert's host arrays) that admitting ``expert`` into ``slot`` copies."""

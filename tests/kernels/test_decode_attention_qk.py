@@ -9,12 +9,15 @@ import torch
 pytest.importorskip("triton")
 
 from moerun.kernels.quant.int8_dot import quantize_x  # noqa: E402
-from moerun.ops.attention import decode_attention, decode_attention_int8, decode_attention_qk  # noqa: E402
+from moerun import ops  # noqa: E402
+from moerun.ops.attention import decode_attention, decode_attention_int8  # noqa: E402
 from moerun.ops.attention import qk_norm_rope_write  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_CUDA = DEVICE.type == "cuda"
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+# one float32 rounding of the sum of squares apart; in bf16 that can move a value by one bf16 step
+K_TOLERANCE = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-7)}
 N_Q, N_KV, D, L = 8, 2, 64, 1024
 
 
@@ -52,9 +55,10 @@ def two_launches(c: dict, k_cache: torch.Tensor, v_cache: torch.Tensor, k_pad: i
 
 def one_launch(c: dict, k_cache: torch.Tensor, v_cache: torch.Tensor, k_pad: int | None = None,
                backend: str = "triton"):  # fmt: skip
-    return decode_attention_qk(c["qkv"], c["q_norm_w"], c["k_norm_w"], c["eps"], c["cos"], c["sin"], c["positions"],
-                               c["token_slots"], k_cache, v_cache, c["token_slots"], c["seq_lens"], D**-0.5, N_Q, N_KV,
-                               k_pad, backend=backend)  # fmt: skip
+    return ops.decode_attention_qk(
+        c["qkv"], c["q_norm_w"], c["k_norm_w"], c["eps"], c["cos"], c["sin"], c["positions"], c["token_slots"],
+        k_cache, v_cache, c["token_slots"], c["seq_lens"], D**-0.5, N_Q, N_KV, k_pad, backend=backend,
+    )
 
 
 @pytest.mark.parametrize("past_end", [False, True], ids=["last_position", "past_the_end"])
@@ -69,8 +73,13 @@ def test_one_launch_matches_two(seed: int, dtype: torch.dtype, past_end: bool) -
         k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
         out, rows = one_launch(c, k_cache, v_cache)
         assert rows is None
-        # the new k and v are bit for bit the separate kernel's (the same norm, rounded the same way)
-        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"seed={seed} call {call}"
+        # v is copied; k comes from the same norm code, which on the GPU may sum its squares in another order (the
+        # two kernels lay a head out over their warps differently): float32 rounding apart there, equal here
+        assert torch.equal(v_cache, v_ref), f"seed={seed} call {call}"
+        if ON_CUDA:
+            torch.testing.assert_close(k_cache, k_ref, **K_TOLERANCE[dtype], msg=lambda m: f"seed={seed}: {m}")
+        else:
+            assert torch.equal(k_cache, k_ref), f"seed={seed} call {call}"
         if ON_CUDA:  # the attention compiled without fused multiply-adds here: float32 rounding apart
             torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"seed={seed}: {m}")
         else:

@@ -158,6 +158,19 @@ def gemm2_variants(base: Config) -> list[Config]:
     return [cfg for cfg in out if cfg != base]
 
 
+def prefill_variants(base: Config) -> list[Config]:
+    """The tile config ``base`` with its weights read by TMA, short tail tiles (half an M-block) and a deeper GEMM 1
+    pipeline, alone and together: at prefill sizes the M-blocks of an expert's last, mostly padding block and the
+    operand loads are what these change."""
+    out = []
+    tails = (0, base["BLOCK_M"] // 2) if base["BLOCK_M"] >= 32 else (0,)
+    for tma, tail, stages in itertools.product((False, True), tails, sorted({base["num_stages"], 4})):
+        cfg = normalize({**base, "tma": tma, "TAIL_M": tail, "num_stages": stages})
+        if cfg != base and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int], args) -> dict[int, Config]:  # noqa: E741
     """Best config per M for one shape; prints one line per M and appends every timing to the log."""
     w13 = torch.randn(E, 2 * I, H, device=DEVICE, dtype=dtype) / H**0.5  # [E, 2I, H]
@@ -177,6 +190,8 @@ def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int]
         if args.gemm2 and first and min(first, key=lambda r: r["us"])["config"]["path"] == "tile":
             around = min(first, key=lambda r: r["us"])["config"]
             results += [time_candidate(m, cfg, inputs, ref, scale, args) for cfg in gemm2_variants(around)]
+            around = min((r for r in results if "us" in r), key=lambda r: r["us"])["config"]
+            results += [time_candidate(m, cfg, inputs, ref, scale, args) for cfg in prefill_variants(around)]
         log_rows.extend(results)
         timed = [r for r in results if "us" in r]
         if not timed:
@@ -226,7 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--m", type=int, nargs="+", default=list(M_BUCKETS), help="M buckets (tokens) to tune")
     p.add_argument("--quick", action="store_true", help="reduced search space (a few minutes for both presets)")
     p.add_argument("--gemm2", action="store_true",
-                   help="then search GEMM 2's tile separately around the best tile config (prefill sizes)")
+                   help="then search GEMM 2's tile separately around the best tile config, then TMA weight loads, "
+                        "short tail tiles and a deeper GEMM 1 pipeline around the best of those (prefill sizes)")
     add_tuner_arguments(p, str(CONFIG_DIR))
     return resolve_tuner_timing(p.parse_args(argv), quick_rep_ms=30)
 

@@ -135,6 +135,14 @@ def _cases() -> dict[str, Callable[[], None]]:
                                                             True, H),
         "fused_moe, decode": lambda: fused_moe_triton(x1, w13, w2, w1, ids1),
         "fused_moe, prefill tiles": lambda: fused_moe_triton(torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64),
+        "fused_moe, prefill tiles with short tail tiles": lambda: fused_moe_triton(
+            torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64, normalize(
+                {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
+                 "num_stages": 3, "BLOCK_N2": 256, "num_stages2": 4, "TAIL_M": 64})),
+        "fused_moe, prefill tiles, weights by TMA": lambda: fused_moe_triton(
+            torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64, normalize(
+                {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
+                 "num_stages": 3, "BLOCK_N2": 256, "num_stages2": 4, "TAIL_M": 64, "tma": True})),
         "quant matmul, q|k and v in one launch, int8 x": lambda: quant_matmul_triton(
             x1, [qk, v], config={**v2, "x_q8": True}),
         "quant matmul, float x": lambda: quant_matmul_triton(x1, [qk], config=v2),

@@ -28,12 +28,18 @@ GEMV_ATOMIC = {**GEMV_SUM, "reduce": "atomic"}
 GEMV_FUSED = {**GEMV_SUM, "BLOCK_N2": 16, "BLOCK_K2": 16, "reduce": "fused"}
 TILE_ATOMIC = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "reduce": "atomic"}
 TILE_SUM = {**TILE_ATOMIC, "BLOCK_N2": 64, "BLOCK_K2": 16, "GROUP_M": 1, "reduce": "sum"}
+# 32-row blocks; a block of at most 16 token-slots (an expert's last) runs as a 16-row tile in both GEMMs.
+TILE_TAIL = {**TILE_ATOMIC, "BLOCK_M": 32, "TAIL_M": 16}
+# Weight tiles by tensor descriptors; GEMM 2's N-tile (32) does not divide the tests' odd H, nor K-tiles their I.
+TILE_TMA = {**TILE_ATOMIC, "tma": True}
 CONFIGS = {
     "gemv-sum": GEMV_SUM,
     "gemv-atomic": GEMV_ATOMIC,
     "gemv-fused": GEMV_FUSED,
     "tile-atomic": TILE_ATOMIC,
     "tile-sum": TILE_SUM,
+    "tile-tail": TILE_TAIL,
+    "tile-tma": TILE_TMA,
 }
 
 # Error allowed relative to the largest reference magnitude; the reference rounds each expert's output to the
@@ -75,7 +81,7 @@ def check(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", ["gemv-sum", "tile-atomic"])
+@pytest.mark.parametrize("config", ["gemv-sum", "tile-atomic", "tile-tma"])
 @pytest.mark.parametrize(
     "T,E,H,I,k",
     [(1, 7, 48, 40, 2), (5, 13, 64, 32, 8), (19, 13, 32, 64, 1)],
@@ -134,6 +140,39 @@ def test_tile_path_with_empty_experts_and_many_blocks(seed) -> None:
     ids = torch.stack([pool[torch.randperm(3)[:k]] for _ in range(T)]).to(DEVICE)  # [T, k]
     weights = torch.softmax(torch.randn(T, k), dim=-1).to(DEVICE)
     check(seed, torch.randn(T, H).to(torch.bfloat16).to(DEVICE), w13, w2, weights, ids, TILE_ATOMIC)
+
+
+@pytest.mark.parametrize("reduce", ["atomic", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_short_tail_tiles(seed, reduce, dtype) -> None:
+    # Experts 0..4 get 33, 48, 49, 16 and 1 token-slots: last blocks of 1, 16 (= TAIL_M) and 17 (> TAIL_M: the
+    # full tile), a lone 16 and a lone 1; the 32-row blocks before them are full. k = 1, so one token per slot.
+    counts = [33, 48, 49, 16, 1]
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel())][:, None].to(DEVICE)  # [T, 1]
+    T, E, H, I = ids.shape[0], 7, 32, 64  # noqa: E741
+    w13, w2 = make_weights(E, H, I, dtype)
+    weights = torch.rand(T, 1, device=DEVICE)
+    check(seed, torch.randn(T, H).to(dtype).to(DEVICE), w13, w2, weights, ids, {**TILE_TAIL, "reduce": reduce})
+
+
+@pytest.mark.parametrize("tail", [0, 16])
+def test_tma_weight_tiles(seed, tail) -> None:
+    # N-tiles past the gate rows (I = 40 in 32-wide tiles) and K-tiles past the end of the row (H = 40, I = 40 in
+    # 32-wide steps); tiles of the last expert's rows run off the end of the tensor
+    T, E, H, I, k = 37, 5, 40, 40, 2  # noqa: E741
+    w13, w2 = make_weights(E, H, I, torch.bfloat16)
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H).to(torch.bfloat16).to(DEVICE), w13, w2, weights, ids,
+          {**TILE_TAIL, "tma": True, "TAIL_M": tail})  # fmt: skip
+
+
+def test_tail_tile_config_is_checked() -> None:
+    for tail in (8, 24, 32):  # below 16, not a power of two, not below BLOCK_M
+        with pytest.raises(ValueError, match="TAIL_M"):
+            tile_configs.normalize({**TILE_TAIL, "TAIL_M": tail})
+    with pytest.raises(ValueError, match="TAIL_M"):
+        tile_configs.normalize({**GEMV_SUM, "TAIL_M": 16})
 
 
 def test_hidden_dtype_differs_from_weights(seed) -> None:

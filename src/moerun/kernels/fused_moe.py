@@ -3,7 +3,9 @@
 Two paths, picked by the tile config:
   gemv  one program per (token-slot, N-tile): reads the slot's expert rows once, reduces over K with tl.sum.
         No sorting; meant for decode, where the layer is a bandwidth-bound read of the touched experts.
-  tile  tokens sorted by expert and padded to BLOCK_M (see align.py), then grouped GEMMs with tl.dot.
+  tile  tokens sorted by expert and padded to BLOCK_M (see align.py), then grouped GEMMs with tl.dot. Options:
+        TAIL_M runs a block of at most TAIL_M token-slots (an expert's last) as a TAIL_M-row tile; tma brings the
+        stacked weights' tiles in through tensor descriptors (the gathered activation rows stay on pointer loads).
 The k slots of a token are summed either by fp32 atomic adds into [T, H], or by writing [T*k, H] and summing
 ("sum": a second kernel on the tile path; on the gemv path the last of a token's k programs on an N-tile sums
 them, found by a ticket counter), or (gemv path, reduce "fused") inside GEMM2 itself: one program per (token,
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerun.kernels.align import align_tokens
 from moerun.kernels.interpreter import interpreting
@@ -70,6 +73,29 @@ def _expert_weights(w_ptr, table_ptr, expert, stride_we, like_ptr, INDIRECT: tl.
     return base
 
 
+@triton.jit
+def _block_weights(w_ptr, w_desc, table_ptr, expert, rows, stride_we, like_ptr, INDIRECT: tl.constexpr,
+                   ALIGN: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """(weights, first row) of an expert whose weight matrices have ``rows`` rows: with TMA the descriptor of the
+    stacked [E * rows, K] view and the expert's first row in it; else a pointer to its first element and 0."""
+    if TMA:
+        base = w_desc
+        first = expert * rows
+    else:
+        base = _expert_weights(w_ptr, table_ptr, expert, stride_we, like_ptr, INDIRECT, ALIGN)
+        first = 0
+    return base, first
+
+
+@triton.jit
+def _tail_block(sorted_ids_ptr, row0, num_pairs, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
+    """Whether the M-block of rows [row0, row0 + BLOCK_M) holds at most TAIL_M pairs. An expert's pairs come first
+    in its run and the padding last, so those pairs lie in the block's first TAIL_M rows: the block can run as a
+    TAIL_M-row tile, skipping the padding rows' share of the matrix work."""
+    pairs = tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    return tl.sum((pairs < num_pairs).to(tl.int32), axis=0) <= TAIL_M
+
+
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gemm1_tile_kernel(
@@ -100,6 +126,10 @@ def _gemm1_tile_kernel(
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr,
     ALIGN: tl.constexpr,
+    TAIL_M: tl.constexpr = 0,  # > 0: blocks of at most TAIL_M pairs run as TAIL_M-row tiles (their other rows,
+    # padding, are never written: GEMM 2 with the same TAIL_M never reads them)
+    w_desc=None,  # TMA: tensor descriptor of w viewed as [E * 2I, H], blocks [BLOCK_N, BLOCK_K]
+    TMA: tl.constexpr = False,  # weight tiles come by the tensor memory accelerator (stacked weights only)
 ):
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -107,8 +137,33 @@ def _gemm1_tile_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    pair = tl.load(sorted_ids_ptr + rows)  # [BLOCK_M]
+    w_base, w_row = _block_weights(w_ptr, w_desc, table_ptr, expert, 2 * I, stride_we, x_ptr, INDIRECT, ALIGN, TMA)
+    # a short tile where the block has few pairs (the branch exists only with TAIL_M; a Python False is not a
+    # compile-time constant to Triton, hence the row count spelled out in the call)
+    tail = False
+    if TAIL_M > 0:
+        tail = _tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
+    if tail:
+        _gemm1_rows(x_ptr, w_base, w_row, inter_ptr, sorted_ids_ptr, pid_m * BLOCK_M,
+                    TAIL_M if TAIL_M > 0 else BLOCK_M, pid_n, num_pairs, top_k, H, I, stride_xt, stride_xh, stride_wn,
+                    stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, TMA)  # fmt: skip
+    else:
+        _gemm1_rows(x_ptr, w_base, w_row, inter_ptr, sorted_ids_ptr, pid_m * BLOCK_M, BLOCK_M, pid_n, num_pairs,
+                    top_k, H, I, stride_xt, stride_xh, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K,
+                    UPCAST, DOT_PRECISION, TMA)  # fmt: skip
+
+
+@triton.jit
+def _gemm1_rows(
+    x_ptr, w_base, w_row, inter_ptr, sorted_ids_ptr, row0, ROWS: tl.constexpr, pid_n, num_pairs, top_k, H,
+    I, stride_xt, stride_xh, stride_wn, stride_wh, stride_it,  # noqa: E741
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """GEMM 1 of sorted rows [row0, row0 + ROWS) (one expert's weights [2I, H]: at w_base, or with TMA rows w_row +
+    [0, 2I) of the descriptor w_base) for N-tile pid_n: silu(x g^T) * (x u^T) into their intermediate rows."""
+    rows = row0 + tl.arange(0, ROWS)  # [ROWS]
+    pair = tl.load(sorted_ids_ptr + rows)  # [ROWS]
     row_ok = pair < num_pairs
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -116,22 +171,26 @@ def _gemm1_tile_kernel(
     offs_wn = offs_n % I
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
-    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
-    g_ptrs = (
-        _expert_weights(w_ptr, table_ptr, expert, stride_we, x_ptr, INDIRECT, ALIGN)
-        + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wh
-    )  # [BLOCK_K, BLOCK_N]
-    u_ptrs = g_ptrs + I * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [ROWS, BLOCK_K]
+    if not TMA:
+        g_ptrs = w_base + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BLOCK_K, BLOCK_N]
+        u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
         else:
             k_ok = offs_k < H - kb * BLOCK_K
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:
+            # rows past the expert's gate (or up) rows and columns past H belong to masked outputs or read zeros
+            g = w_base.load([w_row + pid_n * BLOCK_N, kb * BLOCK_K]).T  # [BLOCK_K, BLOCK_N]
+            u = w_base.load([w_row + I + pid_n * BLOCK_N, kb * BLOCK_K]).T
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST:
@@ -141,10 +200,11 @@ def _gemm1_tile_kernel(
         acc_g = tl.dot(x, g, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(x, u, acc_u, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
+        if not TMA:
+            g_ptrs += BLOCK_K * stride_wh
+            u_ptrs += BLOCK_K * stride_wh
 
-    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [ROWS, BLOCK_N]
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_n[None, :]
     tl.store(out_ptrs, act, mask=offs_n[None, :] < I)
 
@@ -179,6 +239,9 @@ def _gemm2_tile_kernel(
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr,
     ALIGN: tl.constexpr,
+    TAIL_M: tl.constexpr = 0,  # as GEMM 1's (the same value: it reads only the rows GEMM 1 wrote)
+    w_desc=None,  # TMA: tensor descriptor of w viewed as [E * H, I], blocks [BLOCK_N, BLOCK_K]
+    TMA: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -186,36 +249,64 @@ def _gemm2_tile_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    pair = tl.load(sorted_ids_ptr + rows)  # [BLOCK_M]
+    w_base, w_row = _block_weights(w_ptr, w_desc, table_ptr, expert, H, stride_we, inter_ptr, INDIRECT, ALIGN, TMA)
+    # a short tile where the block has few pairs (the branch exists only with TAIL_M; a Python False is not a
+    # compile-time constant to Triton, hence the row count spelled out in the call)
+    tail = False
+    if TAIL_M > 0:
+        tail = _tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
+    if tail:
+        _gemm2_rows(inter_ptr, w_base, w_row, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m * BLOCK_M,
+                    TAIL_M if TAIL_M > 0 else BLOCK_M, pid_n, num_pairs, top_k, H, I, stride_it, stride_wn, stride_wi,
+                    stride_ot, BLOCK_N, BLOCK_K, EVEN_K, ATOMIC, UPCAST, DOT_PRECISION, TMA)  # fmt: skip
+    else:
+        _gemm2_rows(inter_ptr, w_base, w_row, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m * BLOCK_M, BLOCK_M, pid_n,
+                    num_pairs, top_k, H, I, stride_it, stride_wn, stride_wi, stride_ot, BLOCK_N, BLOCK_K, EVEN_K,
+                    ATOMIC, UPCAST, DOT_PRECISION, TMA)  # fmt: skip
+
+
+@triton.jit
+def _gemm2_rows(
+    inter_ptr, w_base, w_row, topk_w_ptr, out_ptr, sorted_ids_ptr, row0, ROWS: tl.constexpr, pid_n, num_pairs,
+    top_k, H, I, stride_it, stride_wn, stride_wi, stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # noqa: E741
+    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """GEMM 2 of sorted rows [row0, row0 + ROWS) (one expert's weights [H, I]: at w_base, or with TMA rows w_row +
+    [0, H) of the descriptor w_base) for N-tile pid_n, times the routing weights, added into each token's row
+    (ATOMIC) or stored per token-slot."""
+    rows = row0 + tl.arange(0, ROWS)  # [ROWS]
+    pair = tl.load(sorted_ids_ptr + rows)  # [ROWS]
     row_ok = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_wn = offs_n % H
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
-    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    b_ptrs = (
-        _expert_weights(w_ptr, table_ptr, expert, stride_we, inter_ptr, INDIRECT, ALIGN)
-        + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wi
-    )  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]  # [ROWS, BLOCK_K]
+    if not TMA:
+        b_ptrs = w_base + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wi  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
         # Padding rows of the intermediate hold zeros (their inputs were masked), so A needs no row mask.
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
         else:
             k_ok = offs_k < I - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if TMA:  # rows past the expert's H rows belong to masked outputs; columns past I read zeros
+            b = w_base.load([w_row + pid_n * BLOCK_N, kb * BLOCK_K]).T  # [BLOCK_K, BLOCK_N]
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wi
+        if not TMA:
+            b_ptrs += BLOCK_K * stride_wi
 
-    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [ROWS]
     acc = acc * weight[:, None]
     mask = row_ok[:, None] & (offs_n[None, :] < H)
     if ATOMIC:
@@ -539,6 +630,21 @@ def _fused_moe_gemv(
     return _finish(acc, T, k, H, True, out_dtype) if atomic else out
 
 
+def _tma_fits(w: ExpertWeights) -> bool:
+    """Whether stacked weights [E, N, K] can be read by tensor descriptors: a device with TMA (or the interpreter),
+    contiguous, rows a multiple of 16 bytes and a 16-byte aligned start."""
+    t = w.tensor
+    if w.indirect or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9):  # TMA: Hopper and later
+        return False
+    return t.is_contiguous() and t.shape[2] * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _weight_descriptor(w: ExpertWeights, block_n: int, block_k: int) -> TensorDescriptor:
+    """Host tensor descriptor of stacked weights [E, N, K] viewed as [E * N, K], tiles [block_n, block_k]."""
+    E, N, K = w.tensor.shape  # noqa: N806
+    return TensorDescriptor.from_tensor(w.tensor.view(E * N, K), [block_n, block_k])
+
+
 def _fused_moe_tile(
     hidden: torch.Tensor,
     w13: ExpertWeights,
@@ -562,21 +668,24 @@ def _fused_moe_tile(
     num_pid_m = align.block_expert.numel()
     inter = torch.empty(align.sorted_ids.numel(), I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
+    tma = cfg["tma"] and _tma_fits(w13) and _tma_fits(w2)
     _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
         hidden, *w13.args(hidden), inter, align.sorted_ids, align.block_expert, align.num_padded, pairs, k, H, I,
         num_pid_m, hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"], EVEN_K=H % bk1 == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, INDIRECT=w13.indirect, ALIGN=w13.align,
+        UPCAST=upcast, DOT_PRECISION=precision, INDIRECT=w13.indirect, ALIGN=w13.align, TAIL_M=cfg["TAIL_M"],
+        w_desc=_weight_descriptor(w13, bn1, bk1) if tma else None, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, atomic, hidden.device)
-    bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
         inter, *w2.args(inter), topk_weights.reshape(-1), acc, align.sorted_ids, align.block_expert,
         align.num_padded, pairs, k, H, I, num_pid_m,
         inter.stride(0), *w2.strides, acc.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, GROUP_M=cfg["GROUP_M"], EVEN_K=I % bk2 == 0, ATOMIC=atomic,
-        UPCAST=upcast, DOT_PRECISION=precision, INDIRECT=w2.indirect, ALIGN=w2.align,
+        UPCAST=upcast, DOT_PRECISION=precision, INDIRECT=w2.indirect, ALIGN=w2.align, TAIL_M=cfg["TAIL_M"],
+        w_desc=_weight_descriptor(w2, bn2, bk2) if tma else None, TMA=tma,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)

@@ -6,6 +6,10 @@ A config is a dict with keys:
   BLOCK_N, BLOCK_K, num_warps, num_stages           first GEMM (w13, SiLU*up epilogue)
   BLOCK_N2, BLOCK_K2, num_warps2, num_stages2       second GEMM (w2); default to the first GEMM's values
   GROUP_M     M-blocks that share a band of N-tiles in the launch order (tile path)
+  TAIL_M      tile path: 0, or a power of two (>= 16, < BLOCK_M): an M-block holding at most TAIL_M token-slots
+              (the last, partly filled block of an expert's run) runs as a TAIL_M-row tile in both GEMMs
+  tma         tile path: the weight tiles of both GEMMs come by the tensor memory accelerator (tensor descriptors;
+              stacked weights on a Hopper-class GPU or in the interpreter, else ignored)
   reduce      "atomic" (fp32 atomic adds into [T, H]), "sum" (write [T*k, H] fp32, then sum the k slots) or, on
               the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and sums the k slots in registers)
 Tables are keyed by M, the number of tokens; k is the model's experts per token.
@@ -68,12 +72,19 @@ def normalize(cfg: Config) -> Config:
     out.setdefault("num_warps", 4)
     out.setdefault("num_stages", 2)
     out.setdefault("reduce", "atomic" if out["path"] == "tile" else "sum")
+    out.setdefault("TAIL_M", 0)
+    out.setdefault("tma", False)
     for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"):
         out.setdefault(f"{key}2", out[key])
     if out["path"] not in PATHS:
         raise ValueError(f"unknown MoE kernel path {out['path']!r}; expected one of {PATHS}")
     if out["reduce"] not in REDUCTIONS:
         raise ValueError(f"unknown MoE slot reduction {out['reduce']!r}; expected one of {REDUCTIONS}")
+    tail = out["TAIL_M"]
+    if tail and (tail < 16 or tail & (tail - 1) or tail >= out["BLOCK_M"] or out["path"] != "tile"):
+        raise ValueError(f"TAIL_M must be 0 or a power of two >= 16 below BLOCK_M on the tile path, got {out}")
+    if out["tma"] and out["path"] != "tile":
+        raise ValueError(f"tma needs the tile path, got {out}")
     if out["reduce"] == "fused" and out["path"] != "gemv":
         raise ValueError(f"slot reduction 'fused' needs the gemv path, got path {out['path']!r}")
     return out

@@ -91,6 +91,27 @@ def median_ms(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_rounds(fns: dict[str, Callable[[], object]], rounds: int, warmup_ms: int,
+                       rep_ms: int) -> dict[str, list[float]]:
+    """{name: [median ms of each round]}: every fn timed once per round, in turn, ``rounds`` times over, so that
+    drift during the run (clocks, temperature, a neighbour on the host) touches all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(median_ms(fn, warmup_ms, rep_ms))
+    return times
+
+
+def pick_final(times: dict[str, list[float]], incumbent: str | None, min_gain: float) -> str:
+    """The name with the lowest median over its rounds; the incumbent (the config shipped now) stays unless that
+    median beats the incumbent's by more than the fraction min_gain, so that noise does not churn the tables."""
+    medians = {name: statistics.median(t) for name, t in times.items() if t}
+    best = min(medians, key=medians.__getitem__)
+    if incumbent in medians and medians[best] > medians[incumbent] * (1 - min_gain):
+        return incumbent
+    return best
+
+
 def add_tuner_arguments(p: argparse.ArgumentParser, config_dir: str) -> None:
     """The options every tuner takes: where its table and log go, and how long each candidate is timed."""
     p.add_argument("--out-dir", default=config_dir, help="where the JSON table goes")

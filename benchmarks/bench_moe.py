@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tune_moe import DTYPES, MODEL_SHAPES  # noqa: E402
 
+from moerun.bench.profile import kernel_table  # noqa: E402
 from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from moerun.kernels.router import route_triton  # noqa: E402
 from moerun.kernels.interpreter import interpreting  # noqa: E402
@@ -248,10 +249,22 @@ def bench_shape(name: str, shape: dict[str, int], dtype: torch.dtype, ms: list[i
             row["route_triton_us"] = sec * 1e6
         rows.append(row)
         print(format_row(row, list(impls), args.ceilings), flush=True)
+        if args.kernels and "triton" in impls and DEVICE == "cuda":
+            row["triton_kernels"] = kernel_split(lambda: fused_moe_triton(x, w13, w2, tw, ti))
+            split = ", ".join(f"{n} {t:.1f}" for n, t in row["triton_kernels"].items())
+            print(f"    kernels (us): {split}", flush=True)
         del sets
     del weights
     empty_cache()
     return rows
+
+
+def kernel_split(call: Callable[[], object]) -> dict[str, float]:
+    """GPU microseconds per kernel of one Triton MoE call (alignment, GEMM 1, GEMM 2, slot sum...), from the
+    profiler over repeated eager calls on one input: where the layer's time goes, not a replacement for the
+    graph-replayed, input-rotated total above (small M then finds its experts in L2)."""
+    table = kernel_table(call, top=12, repeats=10)
+    return {k["name"].removeprefix("_").removesuffix("_kernel")[:40]: 1e3 * k["ms"] for k in table["top_kernels"]}
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -300,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=0.25, help="timing budget per (M, implementation)")
     p.add_argument("--max-runs", type=int, default=200)
     p.add_argument("--batched-mm-max-bytes", type=float, default=4e9, help="skip hf_batched_mm above this gather")
+    p.add_argument("--kernels", action="store_true", help="also the Triton path's GPU time per kernel (CUDA only)")
     return p.parse_args(argv)
 
 

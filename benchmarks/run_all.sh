@@ -59,7 +59,7 @@ for stage in $stages; do
         run e2e 300 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M --prefill-lens 512,2048 \
             --batch-sizes 1,8,64 --max-model-len 4096 --steps 32 --profile --out "$out/bench_q4km" ;;
     kernels)
-        run kernels 420 python3 benchmarks/bench_moe.py --budget-s 0.15 --out "$out/bench_moe"
+        run kernels 420 python3 benchmarks/bench_moe.py --budget-s 0.15 --kernels --out "$out/bench_moe"
         run kernels 420 python3 benchmarks/bench_quant_moe.py --types Q4_K Q6_K Q8_0 --m 1 4 64 1024 4096 \
             --out "$out/bench_quant" ;;
     offload)

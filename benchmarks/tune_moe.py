@@ -181,11 +181,12 @@ def prefill_variants(base: Config) -> list[Config]:
     return out
 
 
-def final_rounds(m: int, results: list[dict[str, Any]], shipped: Config | None, inputs: tuple, ref: torch.Tensor,
-                 scale: float, args: argparse.Namespace) -> tuple[Config, dict[str, Any]] | None:
-    """The fastest few of the search, and the config shipped now for m, timed again in interleaved rounds: (the
-    winner, a log row), or None when nothing was timed. A single timing of each candidate is a few percent noisy
-    on a GPU, as much as the gaps between the leading candidates; the rounds compare them under the same drift."""
+def final_rounds(m: int, results: list[dict[str, Any]], shipped: Config | None, inputs: tuple,
+                 args: argparse.Namespace) -> tuple[Config, dict[str, Any]] | None:
+    """The fastest few of the search, and the config shipped now for m (searched too), timed again in interleaved
+    rounds: (the winner, a log row), or None when nothing was timed. A single timing of each candidate is a few
+    percent noisy on a GPU, as much as the gaps between the leading candidates; the rounds compare them under the
+    same drift."""
     finalists: list[Config] = []
     for row in sorted((r for r in results if "us" in r), key=lambda r: r["us"]):
         if row["config"] not in finalists:
@@ -193,11 +194,10 @@ def final_rounds(m: int, results: list[dict[str, Any]], shipped: Config | None, 
     names = {f"#{i + 1}": cfg for i, cfg in enumerate(finalists[: args.finalists])}
     incumbent = None
     if shipped is not None:
-        shipped = normalize(shipped)
         found = [name for name, cfg in names.items() if cfg == shipped]
         if found:
             incumbent = found[0]
-        elif "us" in time_candidate(m, shipped, inputs, ref, scale, args):  # still correct and runs
+        elif any(r["config"] == shipped and "us" in r for r in results):  # still correct and runs
             names["shipped"], incumbent = shipped, "shipped"
     if not names:
         return None
@@ -224,7 +224,10 @@ def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int]
         ref = fused_moe_reference(hidden, w13, w2, weights, ids).float()
         scale = ref.abs().max().item()
         inputs = (hidden, w13, w2, weights, ids)
-        results = [time_candidate(m, cfg, inputs, ref, scale, args) for cfg in candidates(m, k, dtype, args.quick)]
+        shipped = shipped_table.get(m)  # searched too: the final rounds weigh it against the new leaders
+        search = candidates(m, k, dtype, args.quick)
+        search += [shipped] if shipped is not None and shipped not in search else []
+        results = [time_candidate(m, cfg, inputs, ref, scale, args) for cfg in search]
         first = [r for r in results if "us" in r]
         if args.gemm2 and first and min(first, key=lambda r: r["us"])["config"]["path"] == "tile":
             around = min(first, key=lambda r: r["us"])["config"]
@@ -236,8 +239,9 @@ def tune_shape(E: int, H: int, I: int, k: int, dtype: torch.dtype, ms: list[int]
         if not timed:
             print(f"{m:>6} {'-':>9} {'-':>10} {len(results):>5}  (all candidates failed)")
             continue
-        win_cfg, win_us = min(timed, key=lambda r: r["us"])["config"], min(r["us"] for r in timed)
-        final = final_rounds(m, results, shipped_table.get(m), inputs, ref, scale, args) if args.rounds else None
+        fastest = min(timed, key=lambda r: r["us"])
+        win_cfg, win_us = fastest["config"], fastest["us"]
+        final = final_rounds(m, results, shipped, inputs, args) if args.rounds else None
         if final is not None:
             win_cfg, row = final
             log_rows.append(row)

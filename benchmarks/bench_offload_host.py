@@ -51,7 +51,7 @@ def churn(sets: list[np.ndarray], rng: np.random.Generator, args: argparse.Names
 
 def time_between_steps(args: argparse.Namespace) -> tuple[float, float]:
     """(median microseconds per step of zero-copy's host work between steps, hit rate) over ``args.steps`` steps
-    after 20 of warm-up; each step's routing is recorded as the graphed step records it (counts [L, E])."""
+    after 20 of warm-up; each step's routing is recorded as the graphed step records it (counts and steps [L, E])."""
     manager = ZeroCopyOffload(tiny_store(args), args.slots, torch.device("cpu"), args.top_k,
                               OffloadConfig(mode="zero_copy"), backend="torch")
     rng = np.random.default_rng(0)
@@ -59,7 +59,9 @@ def time_between_steps(args: argparse.Namespace) -> tuple[float, float]:
     times = []
     for step in range(20 + args.steps):
         churn(sets, rng, args)
-        manager.counts += torch.from_numpy(np.stack([np.bincount(s, minlength=args.experts) for s in sets]))
+        routing = torch.from_numpy(np.stack([np.bincount(s, minlength=args.experts) for s in sets]))  # [L, E]
+        manager.counts += routing
+        manager.steps += routing > 0  # one forward pass used these experts
         t0 = time.perf_counter()
         manager.between_steps(1)
         if step >= 20:

@@ -1,6 +1,7 @@
 """Zero-copy offloading: generation is token-for-token the non-offloaded engine's under every policy while the cache
 churns between steps; table entries point at a slot only once its copy completed, evicted experts at their host
-copies, no slot is double-booked; options, errors and the CLI flag. The CUDA test checks the graphed decode."""
+copies, no slot is double-booked; misses and bytes counted per forward pass when one boundary takes several steps;
+options, errors and the CLI flag. The CUDA test checks the graphed decode."""
 
 from __future__ import annotations
 
@@ -163,6 +164,66 @@ def test_table_accounting(policy, k, slots, admit, seed, zipf, steps):
         assert s["bytes_admitted"] <= (len(steps) - 1) * admit * nbytes
     if slots == 0 or admit == 0:
         assert s["admissions"] == 0
+
+
+# routing of two forward passes [T, k] in every layer: experts 0 .. 3 start in the slots, so 0 and 1 hit and 5 (in
+# both passes) and 6 are read from host memory; 5 must count a miss and its bytes in each pass
+TWO_PASSES = [[[5, 0], [0, 5]], [[5, 1], [6, 5]]]
+
+
+def forward_pass(manager: ZeroCopyOffload, store: HostExpertStore, ids: list[list[int]]) -> None:
+    topk_ids = torch.tensor(ids, dtype=torch.int32)
+    topk_weights = torch.full(topk_ids.shape, 0.5)
+    x = torch.randn(topk_ids.shape[0], H, generator=torch.Generator().manual_seed(len(ids)))
+    for layer in range(L):
+        out = manager.forward_layer(layer, x, topk_weights, topk_ids)
+        w13, w2 = store.weights(layer)
+        torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("taken_by", ["between_steps", "stats_dict"])
+def test_steps_taken_together_count_each_pass(taken_by):
+    # async scheduling: one boundary (or a stats read) often takes two finished steps at once; an expert missed in
+    # both was read from host memory twice, so the statistics equal those of one boundary per step (synchronous)
+    store = toy_store(0)
+    keys = ["lookups", "hits", "misses", "misses_host", "bytes_read_host", "bytes_copied"]
+    got = {}
+    for together in (False, True):
+        config = OffloadConfig(mode="zero_copy", policy="lfu", admit_bytes_per_step=0)  # the cache stays as filled
+        manager = ZeroCopyOffload(store, 4, torch.device("cpu"), 2, config, backend="torch")
+        manager.between_steps(2)
+        for ids in TWO_PASSES:
+            forward_pass(manager, store, ids)
+            if not together:
+                manager.between_steps(2)
+        if together and taken_by == "between_steps":
+            manager.between_steps(2)
+        s = manager.stats_dict()
+        got[together] = ({k: s[k] for k in keys}, manager.policy.freq.copy())
+        manager.check()
+    nbytes = store.expert_bytes(0)
+    # per layer: pass 1 routes 0 (hit) and 5 (miss), pass 2 routes 1 (hit), 5 and 6 (misses)
+    expected = dict(lookups=5 * L, hits=2 * L, misses=3 * L, misses_host=3 * L, bytes_read_host=3 * L * nbytes,
+                    bytes_copied=3 * L * nbytes)
+    assert got[False][0] == expected
+    assert got[True][0] == expected
+    freq = np.zeros((L, E), dtype=np.int64)  # the policy sees the (token, expert) pairs, as before
+    freq[:, [0, 1, 5, 6]] = [2, 1, 4, 1]
+    assert (got[False][1] == freq).all() and (got[True][1] == freq).all()
+
+
+def test_reset_stats_drops_the_passes_before_it():
+    store = toy_store(0)
+    manager = ZeroCopyOffload(store, 4, torch.device("cpu"), 2, OffloadConfig(mode="zero_copy", admit_bytes_per_step=0),
+                              backend="torch")
+    manager.between_steps(2)
+    forward_pass(manager, store, TWO_PASSES[0])
+    manager.reset_stats()
+    forward_pass(manager, store, TWO_PASSES[1])
+    manager.between_steps(2)
+    s = manager.stats_dict()
+    assert (s["lookups"], s["hits"], s["misses"]) == (3 * L, L, 2 * L)
+    assert s["bytes_read_host"] == 2 * L * store.expert_bytes(0)
 
 
 # ---- quantized experts (the fused quantized kernels through address tables; Triton's interpreter on CPU) ----

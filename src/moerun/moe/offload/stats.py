@@ -27,7 +27,7 @@ class OffloadStats:
     bytes_copied: int = 0
     bytes_copied_miss: int = 0
     bytes_copied_prefetch: int = 0
-    bytes_read_host: int = 0  # zero-copy mode: bytes of missed experts the kernels read over PCIe (once each)
+    bytes_read_host: int = 0  # zero-copy mode: bytes of missed experts the kernels read over PCIe (once a pass)
     admissions: int = 0  # zero-copy mode: experts copied into slots between steps
     bytes_admitted: int = 0
     evictions: int = 0

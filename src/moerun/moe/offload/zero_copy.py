@@ -4,12 +4,13 @@ Every offloaded MoE layer has a device table of int64 addresses, [P, E, W] of ``
 experts: w13 and w2, one address each, pointers.py): an entry points at the expert's slot in the device pool when
 the expert is resident, else at its row of the pinned host store, which the fused kernels read in place over PCIe
 (zero-copy; kernels/fused_moe_ptr.py). A layer's forward is
-route -> (Triton backend) stage the missed experts -> table-based fused MoE, plus a count of the (token, slot) pairs
-each expert received, accumulated on the device in ``counts`` [L, E] and copied (non-blocking, inside the step) to a
-pinned host buffer after the last layer. Staging (kernels/stage_misses.py): one launch copies the pass's first
-top-k missed experts (``is_host`` [L, E] says which entries point at host memory) into device rows and hands the
-fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the rate of
-the fused kernels reading in place.
+route -> (Triton backend) stage the missed experts -> table-based fused MoE, plus two counts accumulated on the
+device: the (token, slot) pairs each expert received (``counts`` [L, E]) and the forward passes in which it received
+any (``steps`` [L, E]; each pass reads a missed expert from host memory again), both copied (non-blocking, inside
+the step) to a pinned host buffer after the last layer. Staging (kernels/stage_misses.py): one launch copies the
+pass's first top-k missed experts (``is_host`` [L, E] says which entries point at host memory) into device rows and
+hands the fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the
+rate of the fused kernels reading in place.
 
 Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
 over their repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the table holds
@@ -17,9 +18,10 @@ one row of W = 4 array addresses (codes, high, sub, scale) per packed part, and 
 through them (kernels/quant/fused_moe_quant.py, ``tables=``; the Triton backend, the interpreter on CPU).
 
 The cache changes only between steps (``between_steps``, called by the runner before each forward pass):
-1. the routing counts of the steps finished since the last call give the statistics (hits = routed experts whose
-   entry points at a slot; misses = read from host) and feed the eviction policy; when the last step has not
-   finished yet its counts are taken at a later call (they accumulate), so the host never waits;
+1. the routing counts of the steps finished since the last call give the statistics (per step: hits = routed
+   experts whose entry points at a slot; misses = read from host; under async scheduling one call often takes two
+   steps, and an expert routed in both counts twice) and feed the eviction policy (pairs); when the last step has
+   not finished yet its counts are taken at a later call (they accumulate), so the host never waits;
 2. admissions whose copy has completed (its event has fired) switch their entries to their slots;
 3. the most-routed missed experts are admitted, within ``admit_bytes_per_step``, into free slots or in place of
    the policy's victim when the policy values them more. Ordering: the evicted experts' entries are pointed back
@@ -116,13 +118,16 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
         self.is_host = torch.ones(L, E, dtype=torch.int32, device=device)  # [L, E] 1: the table points at host memory
         self._make_staging()
-        self.counts = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] pairs routed, cumulative
+        # [2, L, E] cumulative: pairs routed to each expert (``counts``), forward passes that routed any (``steps``)
+        self.tallies = torch.zeros(2, L, E, dtype=torch.int64, device=device)
+        self.counts, self.steps = self.tallies[0], self.tallies[1]
+        self.used = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] 1: routed in this forward pass
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
-        self.host_counts = (pinned_empty(L * E * 8, self._registry).view(torch.int64).view(L, E)
-                            if device.type == "cuda" else None)  # [L, E] the counts after the latest step
+        self.host_tallies = (pinned_empty(2 * L * E * 8, self._registry).view(torch.int64).view(2, L, E)
+                             if device.type == "cuda" else None)  # [2, L, E] the tallies after the latest step
         weakref.finalize(self, _unregister_all, self._registry)
-        self.seen = np.zeros((L, E), dtype=np.int64)  # [L, E] counts already taken into the statistics
+        self.seen = np.zeros((2, L, E), dtype=np.int64)  # [2, L, E] tallies already taken into the statistics
         self._mark: torch.cuda.Event | None = None  # recorded at the previous between_steps (CUDA)
         self.pending: list[tuple[torch.cuda.Event | None, Plan]] = []  # copies in flight, oldest first
         self.carried: np.ndarray | None = None  # routing counted by stats_dict, not yet used for admissions
@@ -217,6 +222,9 @@ class ZeroCopyOffload(OffloadManagerBase):
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
         ids = topk_ids.reshape(-1).long()  # [T*k]
         self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
+        if layer == 0:  # a new forward pass: no expert routed in it yet
+            self.used.zero_()
+        self.used[layer].index_fill_(0, ids, 1)
         step = self._staged_tables(layer, topk_ids) if self.staging is not None else None  # [P, E, W]
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
@@ -230,8 +238,10 @@ class ZeroCopyOffload(OffloadManagerBase):
                 pointers = replace(pointers, w13=step[0, :, 0], w2=step[1, :, 0],
                                    regions=(*pointers.regions, self.staging))
             out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend)
-        if layer == self.num_layers - 1 and self.host_counts is not None:
-            self.host_counts.copy_(self.counts, non_blocking=True)
+        if layer == self.num_layers - 1:
+            self.steps.add_(self.used)
+            if self.host_tallies is not None:
+                self.host_tallies.copy_(self.tallies, non_blocking=True)
         return out
 
     # ---- between forward passes (host) ----
@@ -240,9 +250,11 @@ class ZeroCopyOffload(OffloadManagerBase):
         if not self.started:  # routing recorded while warming up or capturing graphs is not a step's
             self.started = True
             self._take_routing(wait=True)
-        routed = self._take_routing(wait=False)
-        if routed is not None:
-            self._record(routed)
+        taken = self._take_routing(wait=False)
+        routed = None
+        if taken is not None:
+            routed, steps = taken
+            self._record(routed, steps)
         if self.carried is not None:
             routed = self.carried if routed is None else routed + self.carried
             self.carried = None
@@ -260,15 +272,16 @@ class ZeroCopyOffload(OffloadManagerBase):
         if plan is not None and len(plan):
             self._copy(plan)
 
-    def _take_routing(self, wait: bool) -> np.ndarray | None:
-        """Pairs routed to each expert [L, E] since the last call, or None when no step finished since then.
+    def _take_routing(self, wait: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """(pairs routed to each expert [L, E], forward passes that routed to it [L, E]) since the last call, or
+        None when no step finished since then.
 
         With async scheduling a step is always in flight when this runs; the mark recorded at the previous call
-        tells whether the steps queued before it have finished. The pinned counts are cumulative, so a copy from
-        a later step landing meanwhile only moves pairs to this call from the next one.
+        tells whether the steps queued before it have finished. The pinned tallies are cumulative, so a copy from
+        a later step landing meanwhile only moves its steps to this call from the next one.
         """
-        if self.host_counts is None:
-            now = self.counts.numpy().copy()
+        if self.host_tallies is None:
+            now = self.tallies.numpy().copy()
         else:
             mark = torch.cuda.Event()
             mark.record()
@@ -277,18 +290,20 @@ class ZeroCopyOffload(OffloadManagerBase):
                 mark.synchronize()
             elif not (mark.query() or (previous is not None and previous.query())):
                 return None
-            now = self.host_counts.numpy().copy()
-        routed, self.seen = now - self.seen, now
-        return routed
+            now = self.host_tallies.numpy().copy()
+        taken, self.seen = now - self.seen, now
+        return taken[0], taken[1]
 
-    def _record(self, routed: np.ndarray) -> None:
-        """Hits, misses and bytes read from host of the routing [L, E]; the policy sees it too."""
+    def _record(self, routed: np.ndarray, steps: np.ndarray) -> None:
+        """Hits, misses and bytes read from host of the forward passes counted in ``steps`` [L, E]: an expert routed
+        in n passes is n lookups, and n misses when it is not resident (each pass reads it from host memory). The
+        policy sees the pairs ``routed`` [L, E]."""
         st = self.stats
-        used = routed > 0  # [L, E]
-        missed = used & ~self.slots.ready  # [L, E] read by the kernels from host memory
+        ready = self.slots.ready  # [L, E]
+        missed = np.where(ready, 0, steps)  # [L, E] passes in which the kernels read the expert from host memory
         misses = int(missed.sum())
-        st.lookups += int(used.sum())
-        st.hits += int((used & self.slots.ready).sum())
+        st.lookups += int(steps.sum())
+        st.hits += int(steps[ready].sum())
         st.misses += misses
         st.misses_host += misses
         nbytes = int((missed.sum(axis=1) * np.asarray(self.expert_bytes, dtype=np.int64)).sum())
@@ -377,9 +392,10 @@ class ZeroCopyOffload(OffloadManagerBase):
     # ---- statistics ----
     def stats_dict(self) -> dict:
         """Counters and rates (stats.py) of the steps so far (waits for the last one) and the configuration."""
-        routed = self._take_routing(wait=True) if self.started else None
-        if routed is not None:
-            self._record(routed)
+        taken = self._take_routing(wait=True) if self.started else None
+        if taken is not None:
+            routed, steps = taken
+            self._record(routed, steps)
             self.carried = routed if self.carried is None else self.carried + routed
         d = self.stats.as_dict()
         d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=True,

@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from moerun.kernels import align  # noqa: E402
 from moerun.kernels.align import align_tokens, max_padded_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,3 +81,12 @@ def test_align_empty_experts(seed: int) -> None:
     choices = torch.tensor([2, 5, 6], dtype=torch.int32)
     ids = torch.stack([choices[torch.randperm(3)[:2]] for _ in range(T)])  # [T, 2]
     check_alignment(ids, E, 16, seed)
+
+
+@pytest.mark.parametrize("T,E,k,block_m", [(300, 16, 8, 32), (150, 128, 8, 16)])
+def test_align_chunks_of_several_sub_chunks(seed: int, monkeypatch, T: int, E: int, k: int, block_m: int) -> None:
+    # At most 3 chunks: 2400 pairs in sub-chunks of 256 (E = 16) and 1200 in sub-chunks of 128 (E = 128) make
+    # chunks of several sub-chunks and a short last one; with E = 128, 195 M-blocks take the 3 programs' strides
+    # of 64 blocks round twice.
+    monkeypatch.setattr(align, "_MAX_CHUNKS", 3)
+    check_alignment(random_ids(T, E, k), E, block_m, seed)

@@ -2,6 +2,8 @@
 
 Everything stays on the device and every output has a size fixed by (T, k, E, BLOCK_M), so the alignment can be
 captured in a CUDA graph. The sort is a stable counting sort: pairs of one expert keep their flat order t*k+j.
+Two launches over chunks of the pairs: a histogram per chunk, then a scatter in which every chunk derives the
+experts' padded runs and its own offsets in them from all the histograms (and the M-blocks' experts, strided).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import triton.language as tl
 
 # Elements of the [chunk, experts] one-hot tiles and of the [blocks, experts] owner tiles: bounds register use.
 _TILE_ELEMS = 16384
+# Most chunks (programs) of the alignment: each program sums the counts of every chunk, C * E reads, so larger
+# inputs give each chunk more pairs instead of adding chunks.
+_MAX_CHUNKS = 128
 
 
 class Alignment(NamedTuple):
@@ -32,7 +37,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
-@triton.jit(do_not_specialize=["N", "P", "fill_per_program"])
+@triton.jit(do_not_specialize=["N", "P", "subs", "fill_per_program"])
 def _histogram_kernel(
     ids_ptr,  # [N] expert of each flat pair
     chunk_counts_ptr,  # [C, E] pairs per (chunk, expert)
@@ -40,89 +45,85 @@ def _histogram_kernel(
     N,
     E,
     P,
+    subs,  # sub-chunks of SUB pairs per chunk (one chunk per program)
     fill_per_program,
-    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
-    counts = tl.sum(onehot, axis=0)  # [BLOCK_E]
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s in tl.range(0, subs):
+        offs = (pid * subs + s) * SUB + tl.arange(0, SUB)  # [SUB]
+        ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)  # [BLOCK_E]
     tl.store(chunk_counts_ptr + pid * E + experts, counts, mask=experts < E)
 
     # The sentinel fill is spread over the same programs so it costs no extra launch.
     fill_end = tl.minimum((pid + 1) * fill_per_program, P)
-    for start in tl.range(pid * fill_per_program, fill_end, CHUNK):
-        pos = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + pos, N + tl.zeros([CHUNK], dtype=tl.int32), mask=pos < fill_end)
+    for start in tl.range(pid * fill_per_program, fill_end, SUB):
+        pos = start + tl.arange(0, SUB)
+        tl.store(sorted_ids_ptr + pos, N + tl.zeros([SUB], dtype=tl.int32), mask=pos < fill_end)
 
 
-@triton.jit(do_not_specialize=["C", "B"])
-def _offsets_kernel(
-    chunk_counts_ptr,  # [C, E] in: pairs per (chunk, expert); out: pairs of that expert in earlier chunks
-    expert_start_ptr,  # [E] first padded row of each expert
-    block_expert_ptr,  # [B] expert of each M-block or -1
-    num_padded_ptr,  # [1]
-    C,
+@triton.jit(do_not_specialize=["N", "C", "B", "subs"])
+def _scatter_kernel(
+    ids_ptr,  # [N]
+    chunk_counts_ptr,  # [C, E] pairs per (chunk, expert)
+    sorted_ids_ptr,  # [P]
+    block_expert_ptr,  # [B] out: expert of each M-block or -1
+    num_padded_ptr,  # [1] out
+    N,
     E,
+    C,
     B,
+    subs,
     BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
+    """Each program (one chunk) sums the chunk counts itself, all of them for the experts' padded runs and those of
+    the chunks before its own for its pairs' places in them, so no program waits for another: C reads of E counts
+    a program, against a serial scan over the chunks in a launch of its own."""
+    pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_ok = experts < E
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert in the chunks before this one
     for c0 in tl.range(0, C, BLOCK_C):
         chunks = c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
-        mask = (chunks[:, None] < C) & e_ok[None, :]
-        ptrs = chunk_counts_ptr + chunks[:, None] * E + experts[None, :]
-        counts = tl.load(ptrs, mask=mask, other=0)  # [BLOCK_C, BLOCK_E]
-        before = tl.cumsum(counts, axis=0) - counts + totals[None, :]
-        tl.store(ptrs, before, mask=mask)
+        counts = tl.load(chunk_counts_ptr + chunks[:, None] * E + experts[None, :],
+                         mask=(chunks[:, None] < C) & e_ok[None, :], other=0)  # [BLOCK_C, BLOCK_E]  # fmt: skip
         totals += tl.sum(counts, axis=0)
-
+        before += tl.sum(tl.where(chunks[:, None] < pid, counts, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]
     ends = tl.cumsum(padded, axis=0)  # [BLOCK_E] one past each expert's last padded row
-    tl.store(expert_start_ptr + experts, ends - padded, mask=e_ok)
     total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
+    if pid == 0:
+        tl.store(num_padded_ptr, total)
 
+    # M-block owners, strided over the programs: block b belongs to the first expert whose run ends after it
+    # (empty experts end where they start).
     end_blocks = tl.where(e_ok, ends // BLOCK_M, 2147483647)  # [BLOCK_E]
-    for b0 in tl.range(0, B, BLOCK_B):
+    for b0 in tl.range(pid * BLOCK_B, B, C * BLOCK_B):
         blocks = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
-        # Block b belongs to the first expert whose run ends after it; empty experts end where they start.
         owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)  # [BLOCK_B]
         owner = tl.where(blocks * BLOCK_M < total, owner, -1)
         tl.store(block_expert_ptr + blocks, owner, mask=blocks < B)
 
-
-@triton.jit(do_not_specialize=["N"])
-def _scatter_kernel(
-    ids_ptr,  # [N]
-    chunk_before_ptr,  # [C, E]
-    expert_start_ptr,  # [E]
-    sorted_ids_ptr,  # [P]
-    N,
-    E,
-    CHUNK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
-    valid = offs < N
-    experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
-    # Rank of each pair among the pairs of the same expert earlier in this chunk.
-    rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)  # [CHUNK]
-    safe_ids = tl.where(valid, ids, 0)
-    before = tl.load(chunk_before_ptr + pid * E + safe_ids, mask=valid, other=0)
-    start = tl.load(expert_start_ptr + safe_ids, mask=valid, other=0)
-    tl.store(sorted_ids_ptr + start + before + rank, offs, mask=valid)
+    # This chunk's pairs, sub-chunk by sub-chunk: a pair's row is its expert's next free row.
+    next_row = ends - padded + before  # [BLOCK_E]
+    for s in tl.range(0, subs):
+        offs = (pid * subs + s) * SUB + tl.arange(0, SUB)  # [SUB]
+        valid = offs < N
+        ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+        # rank among the earlier pairs of the same expert in this sub-chunk, plus the expert's next free row
+        row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + next_row[None, :]), axis=1)  # [SUB]
+        tl.store(sorted_ids_ptr + row, offs, mask=valid)
+        next_row += tl.sum(onehot, axis=0)
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -137,27 +138,23 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     max_padded = max_padded_rows(n, E, block_m)
     max_blocks = max_padded // block_m
     block_e = triton.next_power_of_2(E)
-    chunk = max(16, min(256, _TILE_ELEMS // block_e))
-    num_chunks = max(1, triton.cdiv(n, chunk))
+    sub = max(16, min(256, _TILE_ELEMS // block_e))  # pairs of a [pairs, experts] one-hot tile
+    subs = max(1, triton.cdiv(n, sub * _MAX_CHUNKS))  # sub-chunks a program takes, so that chunks stay few
+    num_chunks = max(1, triton.cdiv(n, sub * subs))
 
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)  # [P]
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)  # [B]
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     chunk_counts = torch.empty(num_chunks, E, dtype=torch.int32, device=device)  # [C, E]
-    expert_start = torch.empty(E, dtype=torch.int32, device=device)  # [E]
 
     # Tile sizes depend only on E, so a new T never triggers a recompilation.
     tile_rows = max(1, _TILE_ELEMS // 2 // block_e)
     fill = triton.cdiv(max_padded, num_chunks)
     _histogram_kernel[(num_chunks,)](
-        ids, chunk_counts, sorted_ids, n, E, max_padded, fill, CHUNK=chunk, BLOCK_E=block_e, num_warps=8
+        ids, chunk_counts, sorted_ids, n, E, max_padded, subs, fill, SUB=sub, BLOCK_E=block_e, num_warps=8
     )  # fmt: skip
-    _offsets_kernel[(1,)](
-        chunk_counts, expert_start, block_expert, num_padded, num_chunks, E, max_blocks,
-        BLOCK_M=block_m, BLOCK_C=tile_rows, BLOCK_E=block_e, BLOCK_B=tile_rows, num_warps=8,
+    _scatter_kernel[(num_chunks,)](
+        ids, chunk_counts, sorted_ids, block_expert, num_padded, n, E, num_chunks, max_blocks, subs,
+        BLOCK_M=block_m, SUB=sub, BLOCK_E=block_e, BLOCK_C=tile_rows, BLOCK_B=tile_rows, num_warps=8,
     )  # fmt: skip
-    if n > 0:
-        _scatter_kernel[(num_chunks,)](
-            ids, chunk_counts, expert_start, sorted_ids, n, E, CHUNK=chunk, BLOCK_E=block_e, num_warps=8
-        )
     return Alignment(sorted_ids, block_expert, num_padded, block_m)

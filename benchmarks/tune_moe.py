@@ -108,7 +108,7 @@ def tile_candidates(m: int, k: int, quick: bool) -> list[Config]:
         configs = [_tile_config(*row, "atomic") for row in rows]
         if m >= 1024:
             # Where the atomics' traffic is largest, also try writing per-slot rows and summing them.
-            configs += [_tile_config(*row, "sum") for row in rows[:2]]
+            configs += [_tile_config(*row, red) for row in rows[:2] for red in ("sum", "sum_out")]
         return configs
     else:
         block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * pairs_per_expert_hint)]
@@ -118,7 +118,7 @@ def tile_candidates(m: int, k: int, quick: bool) -> list[Config]:
             # Two B tiles (gate, up) plus A per stage must fit in ~227 KB of shared memory.
             if (bm * bk + 2 * bk * bn) * 2 * s <= 220 * 1024 and not (bm == 16 and w == 8)
         ]
-        return [_tile_config(*row, red) for row, red in itertools.product(rows, ("atomic", "sum"))]
+        return [_tile_config(*row, red) for row, red in itertools.product(rows, ("atomic", "sum", "sum_out"))]
 
 
 def _tile_config(bm: int, bn: int, bk: int, g: int, w: int, s: int, red: str) -> Config:
@@ -170,12 +170,14 @@ def gemm2_variants(base: Config) -> list[Config]:
 
 def prefill_variants(base: Config) -> list[Config]:
     """The tile config ``base`` with its weights read by TMA, short tail tiles (half an M-block) and a deeper GEMM 1
-    pipeline, alone and together: at prefill sizes the M-blocks of an expert's last, mostly padding block and the
-    operand loads are what these change."""
+    pipeline, alone and together, each with its own slot reduction and with per-slot rows in the output dtype
+    ("sum_out"): at prefill sizes the M-blocks of an expert's last, mostly padding block, the operand loads and
+    the slot reduction's traffic are what these change."""
     out = []
     tails = (0, base["BLOCK_M"] // 2) if base["BLOCK_M"] >= 32 else (0,)
-    for tma, tail, stages in itertools.product((False, True), tails, sorted({base["num_stages"], 4})):
-        cfg = normalize({**base, "tma": tma, "TAIL_M": tail, "num_stages": stages})
+    reduces = sorted({base["reduce"], "sum_out"})
+    for tma, tail, stages, red in itertools.product((False, True), tails, sorted({base["num_stages"], 4}), reduces):
+        cfg = normalize({**base, "tma": tma, "TAIL_M": tail, "num_stages": stages, "reduce": red})
         if cfg != base and cfg not in out:
             out.append(cfg)
     return out
@@ -264,8 +266,10 @@ def compact(cfg: Config) -> str:
     if cfg["path"] == "gemv":
         return (f"gemv N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} | "
                 f"N{cfg['BLOCK_N2']} K{cfg['BLOCK_K2']} w{cfg['num_warps2']} {cfg['reduce']}")  # fmt: skip
+    options = (f" tail{cfg['TAIL_M']}" if cfg["TAIL_M"] else "") + (" tma" if cfg["tma"] else "")
     return (f"tile M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} w{cfg['num_warps']} "
-            f"s{cfg['num_stages']} {cfg['reduce']}")  # fmt: skip
+            f"s{cfg['num_stages']} | N{cfg['BLOCK_N2']} K{cfg['BLOCK_K2']} w{cfg['num_warps2']} "
+            f"s{cfg['num_stages2']} {cfg['reduce']}{options}")  # fmt: skip
 
 
 def write_table(E: int, H: int, I: int, dtype: torch.dtype, best: dict[int, Config], out_dir: Path) -> Path:  # noqa: E741

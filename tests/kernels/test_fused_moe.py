@@ -28,6 +28,8 @@ GEMV_ATOMIC = {**GEMV_SUM, "reduce": "atomic"}
 GEMV_FUSED = {**GEMV_SUM, "BLOCK_N2": 16, "BLOCK_K2": 16, "reduce": "fused"}
 TILE_ATOMIC = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "reduce": "atomic"}
 TILE_SUM = {**TILE_ATOMIC, "BLOCK_N2": 64, "BLOCK_K2": 16, "GROUP_M": 1, "reduce": "sum"}
+# Per-slot rows in the output dtype, then the fp32 sum.
+TILE_SUM_OUT = {**TILE_SUM, "reduce": "sum_out"}
 # 32-row blocks; a block of at most 16 token-slots (an expert's last) runs as a 16-row tile in both GEMMs.
 TILE_TAIL = {**TILE_ATOMIC, "BLOCK_M": 32, "TAIL_M": 16}
 # Weight tiles by tensor descriptors; GEMM 2's N-tile (32) does not divide the tests' odd H, nor K-tiles their I.
@@ -38,6 +40,7 @@ CONFIGS = {
     "gemv-fused": GEMV_FUSED,
     "tile-atomic": TILE_ATOMIC,
     "tile-sum": TILE_SUM,
+    "tile-sum-out": TILE_SUM_OUT,
     "tile-tail": TILE_TAIL,
     "tile-tma": TILE_TMA,
 }
@@ -94,8 +97,8 @@ def test_fused_moe_matches_reference(seed, T, E, H, I, k, config, dtype) -> None
     check(seed, hidden, w13, w2, weights, ids, CONFIGS[config])
 
 
-@pytest.mark.parametrize("config", ["gemv-atomic", "tile-sum"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", ["gemv-atomic", "tile-sum", "tile-sum-out"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_other_slot_reduction(seed, config, dtype) -> None:
     T, E, H, I, k = 3, 13, 48, 64, 8  # noqa: E741
     w13, w2 = make_weights(E, H, I, dtype)
@@ -120,6 +123,8 @@ def test_fused_slot_reduction_needs_gemv_path() -> None:
     assert tile_configs.normalize(GEMV_FUSED)["reduce"] == "fused"
     with pytest.raises(ValueError, match="gemv"):
         tile_configs.normalize({**TILE_ATOMIC, "reduce": "fused"})
+    with pytest.raises(ValueError, match="tile"):
+        tile_configs.normalize({**GEMV_SUM, "reduce": "sum_out"})
 
 
 @pytest.mark.parametrize("config", ["gemv-sum", "tile-atomic"])

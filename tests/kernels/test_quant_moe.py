@@ -34,7 +34,8 @@ else:
     TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "atomic"}
     GEMV_DOT = {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "sum"}
 CONFIGS = {"gemv": GEMV, "tile": TILE, "gemv_dot": GEMV_DOT, "gemv-atomic": {**GEMV, "reduce": "atomic"},
-           "tile-sum": {**TILE, "reduce": "sum"}, "gemv_dot-atomic": {**GEMV_DOT, "reduce": "atomic"}}  # fmt: skip
+           "tile-sum": {**TILE, "reduce": "sum"}, "gemv_dot-atomic": {**GEMV_DOT, "reduce": "atomic"},
+           "tile-sum_out": {**TILE, "reduce": "sum_out"}}  # fmt: skip
 
 # Error allowed relative to the largest reference magnitude: the reference rounds the dequantised weights and
 # every GEMM output to the activation dtype; the kernels keep float32 longer.
@@ -94,7 +95,8 @@ def test_mixed_types_gate_up_down(seed, path) -> None:
 @pytest.mark.parametrize(
     "dtype,config",
     [(torch.float32, "gemv"), (torch.float32, "tile"), (torch.float32, "gemv_dot"),
-     (torch.float16, "gemv-atomic"), (torch.float16, "tile-sum"), (torch.float16, "gemv_dot-atomic")],
+     (torch.float16, "gemv-atomic"), (torch.float16, "tile-sum"), (torch.float16, "gemv_dot-atomic"),
+     (torch.bfloat16, "tile-sum_out")],
 )  # fmt: skip
 def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
     T, E, H, I, k = 1, 3, 512, 256, 1  # noqa: E741

@@ -7,9 +7,9 @@ Two paths, picked by the tile config:
         TAIL_M runs a block of at most TAIL_M token-slots (an expert's last) as a TAIL_M-row tile; tma brings the
         stacked weights' tiles in through tensor descriptors (the gathered activation rows stay on pointer loads).
 The k slots of a token are summed either by fp32 atomic adds into [T, H], or by writing [T*k, H] and summing
-("sum": a second kernel on the tile path; on the gemv path the last of a token's k programs on an N-tile sums
-them, found by a ticket counter), or (gemv path, reduce "fused") inside GEMM2 itself: one program per (token,
-N-tile) walks the token's k slots.
+("sum": fp32 rows; "sum_out", tile path only: rows in the output dtype; a second kernel on the tile path; on the
+gemv path the last of a token's k programs on an N-tile sums them, found by a ticket counter), or (gemv path,
+reduce "fused") inside GEMM2 itself: one program per (token, N-tile) walks the token's k slots.
 Nothing reads back to the host: grids come from worst-case sizes and surplus programs exit early, so a decode
 step can be captured in a CUDA graph.
 """
@@ -215,7 +215,7 @@ def _gemm2_tile_kernel(
     w_ptr,  # [E, H, I]
     table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
     topk_w_ptr,  # [T*k]
-    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32 or in the output dtype ("sum_out")
     sorted_ids_ptr,  # [P]
     block_expert_ptr,  # [P / BLOCK_M]
     num_padded_ptr,  # [1]
@@ -314,7 +314,7 @@ def _gemm2_rows(
         tl.atomic_add(out_ptr + token[:, None] * stride_ot + offs_n[None, :], acc, mask=mask, sem="relaxed")
     else:
         slot = tl.where(row_ok, pair, 0).to(tl.int64)
-        tl.store(out_ptr + slot[:, None] * stride_ot + offs_n[None, :], acc, mask=mask)
+        tl.store(out_ptr + slot[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -499,18 +499,18 @@ def _gemm2_gemv_fused_kernel(
 
 @triton.jit
 def _store_slot_sum(src_ptr, out_ptr, token, offs_h, top_k, H, stride_src, BLOCK_SLOT: tl.constexpr):
-    """out[token, offs_h] = sum over the token's k slot rows of src [T*k, H] fp32, in out's dtype. The rows are
+    """out[token, offs_h] = fp32 sum over the token's k slot rows of src [T*k, H], in out's dtype. The rows are
     read through L2 (.cg): other programs of the same launch may have written them."""
     slots = tl.arange(0, BLOCK_SLOT)  # [BLOCK_SLOT]
     mask = (slots[:, None] < top_k) & (offs_h[None, :] < H)
     rows = (token * top_k + slots[:, None]) * stride_src + offs_h[None, :]  # [BLOCK_SLOT, BLOCK_H]
-    vals = tl.load(src_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    vals = tl.load(src_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.store(out_ptr + token * H + offs_h, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=offs_h < H)
 
 
 @triton.jit
 def _sum_slots_kernel(
-    src_ptr,  # [T*k, H] fp32
+    src_ptr,  # [T*k, H] fp32 or out's dtype
     out_ptr,  # [T, H]
     top_k,
     H,
@@ -531,7 +531,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _finish(acc: torch.Tensor, T: int, k: int, H: int, atomic: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """[T, H] in out_dtype from the fp32 atomic output [T, H] or the per-slot output [T*k, H]."""
+    """[T, H] in out_dtype from the fp32 atomic output [T, H] or the per-slot rows [T*k, H] (summed in fp32)."""
     if atomic:
         return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     out = torch.empty(T, H, dtype=out_dtype, device=acc.device)  # [T, H]
@@ -544,11 +544,13 @@ def _finish(acc: torch.Tensor, T: int, k: int, H: int, atomic: bool, out_dtype: 
     return out
 
 
-def _new_acc(T: int, k: int, H: int, atomic: bool, device: torch.device) -> torch.Tensor:
-    """fp32 buffer GEMM2 writes into: zeroed [T, H] for atomic adds, else uninitialised [T*k, H]."""
-    if atomic:
+def _new_acc(T: int, k: int, H: int, reduce: str, device: torch.device, out_dtype: torch.dtype) -> torch.Tensor:
+    """The buffer GEMM2 writes into: zeroed fp32 [T, H] for atomic adds, else uninitialised per-slot rows [T*k, H],
+    fp32 ("sum") or in the output dtype ("sum_out": half the bytes to write and to sum)."""
+    if reduce == "atomic":
         return torch.zeros(T, H, dtype=torch.float32, device=device)  # [T, H]
-    return torch.empty(T * k, H, dtype=torch.float32, device=device)  # [T*k, H]
+    dtype = out_dtype if reduce == "sum_out" else torch.float32
+    return torch.empty(T * k, H, dtype=dtype, device=device)  # [T*k, H]
 
 
 @dataclass(frozen=True)
@@ -612,7 +614,7 @@ def _fused_moe_gemv(
             **launch_options(pdl),
         )  # fmt: skip
         return out
-    acc = _new_acc(T, k, H, atomic, hidden.device)
+    acc = _new_acc(T, k, H, cfg["reduce"], hidden.device, out_dtype)
     n_tiles = triton.cdiv(H, bn2)
     if atomic:
         out = tickets = acc  # dummies, never touched
@@ -678,7 +680,7 @@ def _fused_moe_tile(
         w_desc=_weight_descriptor(w13, bn1, bk1) if tma else None, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    acc = _new_acc(T, k, H, atomic, hidden.device)
+    acc = _new_acc(T, k, H, cfg["reduce"], hidden.device, out_dtype)
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
         inter, *w2.args(inter), topk_weights.reshape(-1), acc, align.sorted_ids, align.block_expert,
         align.num_padded, pairs, k, H, I, num_pid_m,

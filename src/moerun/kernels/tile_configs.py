@@ -10,8 +10,10 @@ A config is a dict with keys:
               (the last, partly filled block of an expert's run) runs as a TAIL_M-row tile in both GEMMs
   tma         tile path: the weight tiles of both GEMMs come by the tensor memory accelerator (tensor descriptors;
               stacked weights on a Hopper-class GPU or in the interpreter, else ignored)
-  reduce      "atomic" (fp32 atomic adds into [T, H]), "sum" (write [T*k, H] fp32, then sum the k slots) or, on
-              the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and sums the k slots in registers)
+  reduce      "atomic" (fp32 atomic adds into [T, H]), "sum" (write [T*k, H] fp32, then sum the k slots), on the
+              tile path "sum_out" (as "sum", the rows rounded to the output dtype: half the bytes to write and to
+              read back in 16-bit models) or, on the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and
+              sums the k slots in registers)
 Tables are keyed by M, the number of tokens; k is the model's experts per token.
 """
 
@@ -30,7 +32,7 @@ from moerun.kernels.interpreter import interpreting
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PATHS = ("gemv", "tile")
-REDUCTIONS = ("atomic", "sum", "fused")
+REDUCTIONS = ("atomic", "sum", "sum_out", "fused")
 
 Config = dict[str, Any]
 
@@ -85,6 +87,8 @@ def normalize(cfg: Config) -> Config:
         raise ValueError(f"TAIL_M must be 0 or a power of two >= 16 below BLOCK_M on the tile path, got {out}")
     if out["tma"] and out["path"] != "tile":
         raise ValueError(f"tma needs the tile path, got {out}")
+    if out["reduce"] == "sum_out" and out["path"] != "tile":
+        raise ValueError(f"slot reduction 'sum_out' needs the tile path, got path {out['path']!r}")
     if out["reduce"] == "fused" and out["path"] != "gemv":
         raise ValueError(f"slot reduction 'fused' needs the gemv path, got path {out['path']!r}")
     return out

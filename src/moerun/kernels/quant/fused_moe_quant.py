@@ -268,7 +268,7 @@ def _gemm1_tile_kernel(
 def _gemm2_tile_kernel(
     inter_ptr,  # [P, I] (PER_SLOT: [T*k, I])
     topk_w_ptr,  # [T*k]
-    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32
+    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32 or in the output dtype ("sum_out")
     sorted_ids_ptr,  # [P]
     block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
     wc, wh, ws, wd,
@@ -334,7 +334,7 @@ def _gemm2_tile_kernel(
         tl.atomic_add(out_ptr + token[None, :] * stride_ot + offs_n[:, None], acc, mask=mask, sem="relaxed")
     else:
         slot = tl.where(row_ok, pair, 0).to(tl.int64)
-        tl.store(out_ptr + slot[None, :] * stride_ot + offs_n[:, None], acc, mask=mask)
+        tl.store(out_ptr + slot[None, :] * stride_ot + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -384,7 +384,7 @@ def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         PAIRS=p1, UNROLL=u1, EVEN_K=gw.k_pad == H,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    acc = _new_acc(T, k, H, atomic, x.device)
+    acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
     bn2 = cfg["BLOCK_N2"]
     p2, u2 = gemv_steps(cfg["BLOCK_K2"], w2.kq)
     _gemm2_gemv_kernel[(slots, triton.cdiv(H, bn2))](
@@ -428,7 +428,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, **dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    acc = _new_acc(T, k, H, atomic, x.device)
+    acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
     bn2 = cfg["BLOCK_N2"]
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
         inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(), tables[2] if tables else ids,

@@ -131,6 +131,10 @@ def default_config(m: int, k: int, dtype: torch.dtype, interpret: bool | None = 
     else:
         cfg = {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                "num_warps": 8, "num_stages": 3}  # fmt: skip
+    if cfg["path"] == "tile":
+        # Per-slot rows summed in a fixed order: the same inputs give the same bits (atomic adds land in whatever
+        # order the programs run).
+        cfg["reduce"] = "sum_out"
     if dtype == torch.float32:
         # Twice the bytes per element: halve the K-tile and the pipeline depth to stay within shared memory.
         cfg["BLOCK_K"] = max(16, cfg["BLOCK_K"] // 2)

@@ -139,6 +139,9 @@ POOL: dict[str, Config] = {
     "t64x128": _dot("tile", 64, 128, 128, 8, 8, 3),
     "t128x64": _dot("tile", 128, 64, 128, 8, 8, 3, 128),
     "t128x128": _dot("tile", 128, 128, 128, 8, 8, 3),
+    # per-slot rows in the output dtype, summed after (no atomics): what the bf16 tables take at M >= 1024
+    "t64x128so": _dot("tile", 64, 128, 128, 8, 8, 3, red="sum_out"),
+    "t128x128so": _dot("tile", 128, 128, 128, 8, 8, 3, red="sum_out"),
     "deq": {"path": "dequant"},  # the layer decoded to bf16, then the bf16 fused MoE with its own tables
 }
 
@@ -163,7 +166,7 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
         return ["t16x64", "t16x128", "t32x128"]
     if m <= 512:
         return ["t32x128", "t64x128", "deq"]
-    return ["t64x128", "t128x64", "t128x128", "deq"]
+    return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq"]
 
 
 # ---------------------------------------------------------------------------------------------- workload

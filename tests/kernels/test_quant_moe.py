@@ -146,6 +146,7 @@ def test_empty_batch_and_shape_errors() -> None:
 def test_default_configs() -> None:
     assert default_moe_config(1, 8, interpret=False)["path"].startswith("gemv")
     assert default_moe_config(4096, 8, interpret=False)["path"] == "tile"
+    assert default_moe_config(4096, 8, interpret=False)["reduce"] == "sum_out"  # a fixed summation order
     assert default_moe_config(1, 2, interpret=True)["path"] == "gemv"
 
 

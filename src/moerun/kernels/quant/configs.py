@@ -104,6 +104,8 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
     else:
         cfg = {"path": "tile", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
                "num_warps": 8, "num_stages": 3, "BLOCK_N2": 128}  # fmt: skip
+    if cfg["path"] == "tile":
+        cfg["reduce"] = "sum_out"  # a fixed summation order, as the bf16 defaults (tile_configs.default_config)
     return normalize_config(cfg)
 
 

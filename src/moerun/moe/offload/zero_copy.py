@@ -121,7 +121,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         # [2, L, E] cumulative: pairs routed to each expert (``counts``), forward passes that routed any (``steps``)
         self.tallies = torch.zeros(2, L, E, dtype=torch.int64, device=device)
         self.counts, self.steps = self.tallies[0], self.tallies[1]
-        self.used = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] 1: routed in this forward pass
+        self.pass_start = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] counts when this pass began
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
         self.host_tallies = (pinned_empty(2 * L * E * 8, self._registry).view(torch.int64).view(2, L, E)
@@ -221,10 +221,9 @@ class ZeroCopyOffload(OffloadManagerBase):
                       topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
         ids = topk_ids.reshape(-1).long()  # [T*k]
+        if layer == 0:  # a new forward pass: the pair counts it starts from
+            self.pass_start.copy_(self.counts)
         self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
-        if layer == 0:  # a new forward pass: no expert routed in it yet
-            self.used.zero_()
-        self.used[layer].index_fill_(0, ids, 1)
         step = self._staged_tables(layer, topk_ids) if self.staging is not None else None  # [P, E, W]
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
@@ -239,7 +238,7 @@ class ZeroCopyOffload(OffloadManagerBase):
                                    regions=(*pointers.regions, self.staging))
             out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend)
         if layer == self.num_layers - 1:
-            self.steps.add_(self.used)
+            self.steps.add_(self.counts > self.pass_start)  # the experts this pass routed any pair to
             if self.host_tallies is not None:
                 self.host_tallies.copy_(self.tallies, non_blocking=True)
         return out

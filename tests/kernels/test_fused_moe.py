@@ -231,6 +231,23 @@ def test_config_table_lookup(tmp_path, monkeypatch) -> None:
     assert tile_configs.nearest_bucket(list(table), 4096) == 64
 
 
+def test_user_config_dir_comes_first(tmp_path, monkeypatch) -> None:
+    shipped, user = tmp_path / "shipped", tmp_path / "user"
+    shipped.mkdir(), user.mkdir()
+    monkeypatch.setattr(tile_configs, "CONFIG_DIR", shipped)
+    name = tile_configs.config_file_name(13, 64, 32, torch.bfloat16, "Fake_GPU")
+    (shipped / name).write_text(json.dumps({"1": GEMV_SUM}))
+    (user / name).write_text(json.dumps({"1": GEMV_FUSED}))
+    tile_configs.load_table.cache_clear()
+    try:
+        assert tile_configs.load_table(13, 64, 32, torch.bfloat16, "Fake_GPU")[1]["reduce"] == "sum"
+        assert tile_configs.load_table(13, 64, 32, torch.bfloat16, "Fake_GPU", str(user))[1]["reduce"] == "fused"
+        # a user folder without the shape's table falls back to the shipped one
+        assert tile_configs.load_table(13, 64, 32, torch.bfloat16, "Fake_GPU", str(tmp_path))[1]["reduce"] == "sum"
+    finally:
+        tile_configs.load_table.cache_clear()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA only: real Qwen3-30B-A3B expert shape with the shipped/default configs, and CUDA-graph capture.
 

@@ -14,7 +14,9 @@ A config is a dict with keys:
               tile path "sum_out" (as "sum", the rows rounded to the output dtype: half the bytes to write and to
               read back in 16-bit models) or, on the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and
               sums the k slots in registers)
-Tables are keyed by M, the number of tokens; k is the model's experts per token.
+Tables are keyed by M, the number of tokens; k is the model's experts per token. A folder named by the environment
+variable MOERUN_MOE_CONFIG_DIR is searched for a shape's table before the shipped ones (tables of one's own tuning,
+``benchmarks/tune_moe.py --out-dir``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +58,14 @@ def config_file_name(E: int, H: int, I: int, dtype: torch.dtype, device: str) ->
 
 
 @functools.cache
-def load_table(E: int, H: int, I: int, dtype: torch.dtype, device: str) -> dict[int, Config] | None:  # noqa: E741
-    """Tuned {M: config} table for the shape, or None when no file was shipped."""
-    path = CONFIG_DIR / config_file_name(E, H, I, dtype, device)
+def load_table(
+    E: int, H: int, I: int, dtype: torch.dtype, device: str, user_dir: str | None = None  # noqa: E741
+) -> dict[int, Config] | None:
+    """Tuned {M: config} table for the shape from user_dir, else the shipped one; None when neither has it."""
+    name = config_file_name(E, H, I, dtype, device)
+    path = Path(user_dir) / name if user_dir else None
+    if path is None or not path.is_file():
+        path = CONFIG_DIR / name
     if not path.is_file():
         return None
     with path.open() as f:
@@ -156,7 +164,7 @@ def get_config(
     """Tuned config of the nearest M bucket for this shape and device, else the default for m."""
     # Tuned tables hold GPU-sized tiles, far too slow for the interpreter, which keeps its small defaults.
     if not interpreting():
-        table = load_table(E, H, I, dtype, device or _current_device_name())
+        table = load_table(E, H, I, dtype, device or _current_device_name(), os.environ.get("MOERUN_MOE_CONFIG_DIR"))
         if table:
             return dict(table[nearest_bucket(list(table), m)])
     return default_config(m, k, dtype)

@@ -68,7 +68,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
-    from moerun.kernels.router_fused import route_fused_int8_triton, route_fused_triton
+    from moerun.kernels.router_fused import SINGLE_TOKEN_CONFIG, route_fused_int8_triton, route_fused_triton
     from moerun.kernels.stage_misses import stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
@@ -131,6 +131,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
         "route": lambda: route_triton(torch.randn(8, E), k, True),
         "route_fused": lambda: route_fused_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k, True),
+        "route_fused, one token (one-warp programs)": lambda: route_fused_triton(
+            x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k, True, SINGLE_TOKEN_CONFIG),
+        "route_fused_int8, one token (one-warp programs)": lambda: route_fused_int8_triton(
+            x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k, True, H, SINGLE_TOKEN_CONFIG),
         "route_fused_int8": lambda: route_fused_int8_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k,
                                                             True, H),
         "fused_moe, decode": lambda: fused_moe_triton(x1, w13, w2, w1, ids1),

@@ -12,7 +12,7 @@ from helpers import capture_cuda_graph
 pytest.importorskip("triton")
 
 from moerun.config import ModelConfig  # noqa: E402
-from moerun.kernels.router_fused import FusedRouteConfig, route_fused_triton  # noqa: E402
+from moerun.kernels.router_fused import DEFAULT_CONFIG, FusedRouteConfig, route_fused_triton  # noqa: E402
 from moerun.kernels.tickets import ticket_counters  # noqa: E402
 from moerun.layers.norm import RMSNorm  # noqa: E402
 from moerun.moe import block as block_module  # noqa: E402
@@ -98,6 +98,18 @@ def test_route_fused_matches_reference(seed, T, H, E, k, split, block_rows, reno
     out = route_fused_triton(x, residual, norm_weight, EPS, gate, k, renormalize, cfg)
     check_norm(seed, out, x, residual, norm_weight)
     check_routing(seed, out[2], out[3], out[0], gate, k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_single_token_config(seed, dtype) -> None:
+    # a one-warp program per router row (the GPU default for one token), Qwen3's E and k
+    from moerun.kernels.router_fused import SINGLE_TOKEN_CONFIG, default_config
+
+    assert default_config(2) == DEFAULT_CONFIG
+    x, residual, norm_weight, gate = make_inputs(1, 256, 128, dtype, True)
+    out = route_fused_triton(x, residual, norm_weight, EPS, gate, 8, True, SINGLE_TOKEN_CONFIG)
+    check_norm(seed, out, x, residual, norm_weight)
+    check_routing(seed, out[2], out[3], out[0], gate, 8, True)
 
 
 @pytest.mark.parametrize("split", [1, 4])
@@ -248,7 +260,7 @@ def test_cuda_graph_capture_and_replay(seed, split) -> None:
 
 
 @pytest.mark.parametrize("H", [40, 512])
-@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("split", [1, 4, 16])
 def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> None:
     from moerun.kernels.quant.int8_dot import quantize_x
     from moerun.kernels.quant.repack import padded_k

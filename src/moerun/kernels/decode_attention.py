@@ -2,7 +2,8 @@
 
 A program of the grid B x n_kv x num_splits runs an online softmax of all the query heads that share one kv
 head over one chunk of positions (ceil(seq_len / num_splits) rounded up to BLOCK_N, and in the single launch
-to at least MIN_CHUNK; seq_len is read on the device).
+to at least MIN_CHUNK, at least 1 / MAX_LIVE of the sequence, and the whole sequence up to ONE_CHUNK positions;
+seq_len is read on the device).
 The chunks are then merged by their log-sum-exps, in one of two ways (SINGLE_LAUNCH picks the default):
   single launch  the splits that hold positions ("live" ones: every program of a (sequence, kv head) derives
                  the same count from seq_len) write partials and take a ticket from a counter per (sequence,
@@ -40,17 +41,28 @@ MIN_DOT = 16
 LOG2E = 1.4426950408889634
 # The default merge: True for the single launch, False for the partial + combine kernels (kept to compare).
 SINGLE_LAUNCH = True
-# Single launch: the fewest positions per split (rounded up to BLOCK_N). Short contexts then run as one
-# program per (sequence, kv head) with no merge; long ones merge fewer, longer chunks.
-MIN_CHUNK = 256
+# Single launch, by default: a sequence of at most ONE_CHUNK positions runs as one program per (sequence, kv head)
+# with no merge; a longer one splits into chunks of at least MIN_CHUNK positions (rounded up to BLOCK_N) and at
+# least 1 / MAX_LIVE of its length, so that long ones merge fewer, longer chunks. On an H200, batch 1, Qwen3-30B
+# heads, 48 layers in a graph (benchmarks/RESULTS.md): 5.1 us a layer at 160 positions in one chunk (2 chunks of
+# 128: 6.3); at 512, 7.0 us in chunks of 128 against 8.4 in chunks of 256; at 4096, chunks of 256 beat 128.
+ONE_CHUNK = 256
+MIN_CHUNK = 128
+MAX_LIVE = 16
 
 
 @triton.jit
-def _chunk_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+def _chunk_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                  ONE_CHUNK: tl.constexpr = 0, MAX_LIVE: tl.constexpr = 0):  # fmt: skip
     """(start, end, live splits) of one split's positions. Chunks follow the sequence's own length, so a short
     sequence in a long cache still spreads over the splits, in chunks of at least MIN_CHUNK (a multiple of
-    BLOCK_N) positions; splits from `live` on hold no position."""
+    BLOCK_N) positions and, with MAX_LIVE, at most MAX_LIVE of them; a sequence of at most ONE_CHUNK positions is
+    one chunk. Splits from `live` on hold no position."""
     chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    if MAX_LIVE > 0:
+        chunk = tl.maximum(chunk, tl.cdiv(tl.cdiv(seq_len, MAX_LIVE), BLOCK_N) * BLOCK_N)
+    if ONE_CHUNK > 0:
+        chunk = tl.where(seq_len <= ONE_CHUNK, tl.maximum(chunk, ONE_CHUNK), chunk)
     start = split * chunk
     return start, tl.minimum(start + chunk, seq_len), tl.cdiv(seq_len, chunk)
 
@@ -298,6 +310,8 @@ def _decode_attention_kernel(
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_CHUNK: tl.constexpr,  # positions per split at least: fewer partials to merge at short contexts
+    ONE_CHUNK: tl.constexpr,  # 0, or a sequence of at most this many positions is one chunk
+    MAX_LIVE: tl.constexpr,  # 0, or the most chunks a sequence splits into (chunks no shorter than MIN_CHUNK)
     BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -329,7 +343,7 @@ def _decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(seq_len_ptr + b).to(tl.int32), max_len)
-    start, end, live = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, MIN_CHUNK)
+    start, end, live = _chunk_bounds(seq_len, split, num_splits, BLOCK_N, MIN_CHUNK, ONE_CHUNK, MAX_LIVE)
     d = tl.arange(0, D)  # [D]
     if QK:
         pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -414,8 +428,9 @@ def decode_attention_triton(
 
     D must be a power of two >= 16 (tl.dot tiles). seq_lens[b] >= 1 (0 gives zeros; larger than L reads L).
     single_launch picks the merge by the last split (True) or the separate combine kernel (False); None takes
-    the module's SINGLE_LAUNCH. min_chunk (single launch only, default MIN_CHUNK) is the fewest positions a
-    split takes, rounded up to block_n: a sequence of up to min_chunk positions needs no merge at all.
+    the module's SINGLE_LAUNCH. min_chunk (single launch only) is the fewest positions a split takes, rounded up
+    to block_n: a sequence of up to min_chunk positions needs no merge at all. None: the module's rule (ONE_CHUNK,
+    MIN_CHUNK, MAX_LIVE).
     """
     return _decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, block_n, single_launch,
                              min_chunk, None)[0]  # fmt: skip
@@ -510,8 +525,10 @@ def _decode_attention(
     lse_part = torch.empty(B, n_q, num_splits, dtype=torch.float32, device=q.device)  # [B, n_q, splits]
     args = (q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part)
     if single:
-        min_chunk = triton.cdiv(MIN_CHUNK if min_chunk is None else min_chunk, block_n) * block_n
-        _launch_single(*args, out, scale, num_splits, block_n, max(block_n, min_chunk), rows, qk)
+        # an explicit min_chunk is the whole rule: chunks of at least that many positions
+        rule = (ONE_CHUNK, MIN_CHUNK, MAX_LIVE) if min_chunk is None else (0, min_chunk, 0)
+        chunk = max(block_n, triton.cdiv(rule[1], block_n) * block_n)
+        _launch_single(*args, out, scale, num_splits, block_n, chunk, rule[0], rule[2], rows, qk)
     else:
         _launch_partial(*args, scale, num_splits, block_n)
         _launch_combine(o_part, lse_part, out, num_splits)
@@ -555,6 +572,8 @@ def _launch_single(
     num_splits: int,
     block_n: int,
     min_chunk: int,
+    one_chunk: int,
+    max_live: int,
     rows: Int8Rows | None = None,
     qk: NewTokenQK | None = None,
 ) -> None:
@@ -570,7 +589,7 @@ def _launch_single(
     _decode_attention_kernel[(B, n_kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part, tickets, out,
         *_common_args(q, k_cache, v_cache, scale, num_splits),
-        N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, BLOCK_S=block_s,
+        N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, ONE_CHUNK=one_chunk, MAX_LIVE=max_live, BLOCK_S=block_s,
         **{**_common_meta(q, k_cache, block_n), **(qk.kernel_args() if qk is not None else {})},
         PDL=pdl, **launch_options(pdl), **(rows.store_args() if rows is not None else {}),
     )  # fmt: skip

@@ -526,9 +526,9 @@ def _decode_attention(
     args = (q, k_cache, v_cache, slot_ids, seq_lens, o_part, lse_part)
     if single:
         # an explicit min_chunk is the whole rule: chunks of at least that many positions
-        rule = (ONE_CHUNK, MIN_CHUNK, MAX_LIVE) if min_chunk is None else (0, min_chunk, 0)
-        chunk = max(block_n, triton.cdiv(rule[1], block_n) * block_n)
-        _launch_single(*args, out, scale, num_splits, block_n, chunk, rule[0], rule[2], rows, qk)
+        one_chunk, max_live = (ONE_CHUNK, MAX_LIVE) if min_chunk is None else (0, 0)
+        chunk = max(block_n, triton.cdiv(MIN_CHUNK if min_chunk is None else min_chunk, block_n) * block_n)
+        _launch_single(*args, out, scale, num_splits, block_n, chunk, one_chunk, max_live, rows, qk)
     else:
         _launch_partial(*args, scale, num_splits, block_n)
         _launch_combine(o_part, lse_part, out, num_splits)

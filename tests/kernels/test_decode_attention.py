@@ -114,18 +114,10 @@ def test_min_chunk(seed: int, min_chunk: int) -> None:
 
 
 def test_default_chunk_rule(seed: int) -> None:
-    # default block_n (64 here) and chunks: 200 positions in one chunk (<= ONE_CHUNK), 700 in chunks of
+    # default block_n (64 here), splits and chunks: 200 positions in one chunk (<= ONE_CHUNK), 700 in chunks of
     # MIN_CHUNK = 128, 2600 in 14 chunks of 192 (>= 1/16 of the sequence), 2 padding rows of one position
-    k_cache, v_cache = make_cache(6, 2600, 1, 16, torch.float32)
-    B = 5
-    q = (torch.randn(B, 2, 16) * 2).to(DEVICE)
-    slot_ids = torch.tensor([0, 1, 2, 5, 5], device=DEVICE)
-    lens = torch.tensor([200, 700, 2600, 1, 1], device=DEVICE)
-    ref = decode_attention_reference(q, k_cache, v_cache, slot_ids, lens, 0.25)
-    for call in range(2):
-        out = decode_attention_triton(q, k_cache, v_cache, slot_ids, lens, 0.25)
-        torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32], msg=lambda m: f"seed={seed} call {call}: {m}")
-    assert not ticket_counters(DEVICE, B, "decode_attention").any(), "tickets must be back at 0"
+    check([200, 700, 2600], n_q=2, n_kv=1, D=16, L=2600, dtype=torch.float32, seed=seed, num_splits=None,
+          pad_rows=2)
 
 
 def test_empty_sequence_gives_zeros(seed: int, single_launch: bool) -> None:

@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default="8,16,24", help="GPU memory budgets in GiB")
     p.add_argument("--modes", default="zero_copy,copy", help="offload modes of the bf16 rows, in order")
     p.add_argument("--admit-mb", type=float, help="zero-copy: MiB admitted into the cache per step (default: auto)")
+    p.add_argument("--admit-on-device", default="auto",
+                   help="zero-copy: stage missed experts straight into cache slots: auto (where staging applies), on, "
+                        "off, or several in order, e.g. on,off (a row each)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="launch each decode step before the previous one's tokens are read (off with offloading)")
     p.add_argument("--batch-sizes", default="1,8")
@@ -63,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the skewed routing trace")
     p.add_argument("--locality", type=float, default=0.5, help="probability a token keeps the previous experts")
     p.add_argument("--quick", action="store_true", help="fewer steps and no variant rows (about half the time)")
+    p.add_argument("--no-variants", action="store_true",
+                   help="no policy / CPU-compute variant rows (as --quick, with all --steps timed)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each row's timed steps, print the GPU time per kernel of a few more steps")
     p.add_argument("--no-gguf", action="store_true", help="skip the Q4_K_M-shaped variant")
     p.add_argument("--only-gguf", action="store_true", help="run only the Q4_K_M-shaped rows (no bf16 model)")
     p.add_argument("--gguf-modes", default="copy", help="offload modes of the Q4_K_M rows, in order (copy,zero_copy)")
@@ -74,6 +81,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.steps = min(args.steps, 6)
     return args
+
+
+def _on_device(args: argparse.Namespace) -> list[bool | None]:
+    """The OffloadConfig.admit_on_device values of --admit-on-device, in order."""
+    choices = {"auto": None, "on": True, "off": False}
+    names = [n.strip() for n in args.admit_on_device.split(",") if n.strip()]
+    if not names or any(n not in choices for n in names):
+        raise SystemExit(f"--admit-on-device: expected a list of {sorted(choices)}, got {args.admit_on_device!r}")
+    return [choices[n] for n in names]
 
 
 def _floats(text: str) -> list[float]:
@@ -150,7 +166,7 @@ def measure_decode(llm: LLM, B: int, args: argparse.Namespace) -> dict[str, Any]
     """tok/s of whole engine steps at batch B plus the offloading statistics of the timed steps."""
     engine, rng = llm.engine, random.Random(B)
     manager = llm.model.expert_offload
-    params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=args.steps + 12, temperature=0, ignore_eos=True, detokenize=False)
     seqs = [engine.add_request([rng.randrange(llm.model_config.vocab_size) for _ in range(args.prompt_len)], params)
             for _ in range(B)]
     while any(s.num_computed < len(s.prompt_ids) for s in seqs):
@@ -168,6 +184,11 @@ def measure_decode(llm: LLM, B: int, args: argparse.Namespace) -> dict[str, Any]
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     stats = llm.stats()
+    if args.profile and dev.type == "cuda":
+        from moerun.bench.profile import format_profile, kernel_table
+
+        print(format_profile(kernel_table(engine.step, top=12), f"batch-{B} engine step, GPU time per kernel"),
+              flush=True)
     for s in seqs:
         if not s.is_finished:
             engine.abort(s)
@@ -199,6 +220,8 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
                      "copy_stall_ms_per_token": s["copy_stall_ms_per_token"],
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
                      "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),
+                     "admit_on_device": s.get("admit_on_device", False),
+                     "admissions_on_device_per_token": s.get("admissions_on_device", 0) / max(s["tokens"], 1),
                      "misses_cpu": s["misses_cpu"], "misses_copied": s["misses_copied"],
                      "cost_model": s.get("cost_model"), "staging_rows": s.get("staging_rows"),
                      "peak_gib": torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else None})
@@ -263,20 +286,24 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-HEADER = (f"{'variant':<24} {'mode':<9} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} {'pf':>2} "
+HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} "
+          f"{'pf':>2} "
           f"{'cpu':<6} {'B':>2} {'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} "
-          f"{'peak':>6}")
+          f"{'peak':>6} {'x floor':>7}")
 
 
 def _row_line(r: dict[str, Any]) -> str:
-    return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {_fmt(r.get('budget_gib'), '6.1f')} "
+    floor, rate = r.get("copy_floor_tok_s"), r.get("tok_s")
+    return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {('y' if r.get('admit_on_device') else 'n'):>3} "
+            f"{_fmt(r.get('budget_gib'), '6.1f')} "
             f"{r.get('slots_per_layer', 0):>5} "
             f"{r.get('routing', '-'):<7} {r.get('policy', '-'):<10} {('y' if r.get('prefetch') else 'n'):>2} "
             f"{r.get('cpu_compute', '-'):<6} {r['batch']:>2} {_fmt(r.get('tok_s'), '8.2f')} "
             f"{_fmt(100 * r['hit_rate'] if r.get('hit_rate') is not None else None, '6.1f')} "
             f"{_fmt(r['bytes_copied_per_token'] / 2**20 if r.get('bytes_copied_per_token') is not None else None, '8.1f')} "
             f"{_fmt(r.get('copy_floor_tok_s'), '8.1f')} {_fmt(r.get('copy_stall_ms_per_token'), '6.2f')} "
-            f"{_fmt(r.get('prefetch_accuracy'), '6.2f')} {_fmt(r.get('peak_gib'), '6.1f')}")
+            f"{_fmt(r.get('prefetch_accuracy'), '6.2f')} {_fmt(r.get('peak_gib'), '6.1f')} "
+            f"{_fmt(floor / rate if floor and rate else None, '7.2f')}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -381,12 +408,13 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
         pl = placement(budget, fp, lru)
         base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
         for mode in modes:
-            cfg = replace(lru, mode=mode)
-            rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
-                             pinned_bps)
-            rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False), "skewed",
-                             tokenizer, args, base, pinned_bps)
-    if not args.quick:
+            for on_device in _on_device(args) if mode == "zero_copy" else [None]:
+                cfg = replace(lru, mode=mode, admit_on_device=on_device)
+                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
+                                 pinned_bps)
+                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False),
+                                 "skewed", tokenizer, args, base, pinned_bps)
+    if not (args.quick or args.no_variants):
         mid = budgets[len(budgets) // 2]
         pl = placement(mid, fp, lru)
         variants = [("bf16 no prefetch", replace(lru, prefetch=False), "random"),
@@ -445,10 +473,12 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
         stage = OffloadConfig().stage_rows(mc.num_experts_per_tok) * max(qfp.expert_bytes)
         budget = (fp.non_expert_bytes + kv + ws + stage + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
-            cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit)
-            slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
-            rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
-        if n_cpu == n_moe // 2 and not args.quick:
+            for on_device in _on_device(args) if mode == "zero_copy" and n_cpu < n_moe else [None]:
+                cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit,
+                                    admit_on_device=on_device)
+                slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
+                rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
+        if n_cpu == n_moe // 2 and not (args.quick or args.no_variants):
             cfg = OffloadConfig(policy="lru", prefetch=True, mode="copy", cpu_compute="auto")
             slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
             one = argparse.Namespace(**{**vars(args), "batch_sizes": "1"})

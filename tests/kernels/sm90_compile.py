@@ -69,7 +69,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
     from moerun.kernels.router_fused import SINGLE_TOKEN_CONFIG, route_fused_int8_triton, route_fused_triton
-    from moerun.kernels.stage_misses import stage_misses_triton
+    from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
     bf16 = torch.bfloat16
@@ -166,6 +166,11 @@ def _cases() -> dict[str, Callable[[], None]]:
         "stage missed experts": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table)),
+        "stage missed experts into cache slots": lambda: stage_misses_triton(
+            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
+            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), Admission(
+                torch.zeros(P, 4, W, dtype=torch.int64), table, torch.full((4,), -1), torch.arange(4),
+                *(torch.zeros(E, dtype=torch.int64) for _ in range(3)))),
     }
 
 

@@ -66,3 +66,89 @@ def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
                     assert torch.equal(view, host[e][a]), f"seed={seed}: expert {e} array {a} not staged"
                 else:
                     assert int(got[p, e, w]) == int(table[p, e, w]), f"seed={seed}: entry {(p, e, w)} moved"
+
+
+@pytest.mark.parametrize("pairs,rows,spares", [(1, 8, 2), (8, 8, 4), (16, 2, 3), (8, 0, 8), (70, 4, 5)])
+def test_admission_into_spare_slots(seed, pairs, rows, spares) -> None:
+    # the kernel against stage_misses_reference: spare slots taken first (skipping slots whose expert any pair of
+    # this pass routes to), then the rows; the layer's table, flags, occupants and host-pass counts rewritten alike
+    from moerun.kernels.stage_misses import Admission, stage_misses_reference
+
+    g = torch.Generator().manual_seed(seed)
+    P, E, W, S = 2, 12 if pairs < 64 else 40, 2, 6
+    word_dtype = torch.int64
+    sizes = torch.randint(1, 200, (P * W,), generator=g)
+    sizes[1] = 0  # an absent array: no bytes, its entries still follow the expert
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)[:-1]])
+    host = [[torch.randint(-2**30, 2**30, (int(sizes[a]),), generator=g, dtype=word_dtype).to(DEVICE)
+             for a in range(P * W)] for _ in range(E)]  # fmt: skip
+    slots = [[torch.zeros(int(sizes[a]), dtype=word_dtype, device=DEVICE) for a in range(P * W)] for _ in range(S)]
+
+    def addresses(arrays, a):
+        return arrays[a].data_ptr() if sizes[a] > 0 else 0
+
+    host_table = torch.tensor([[[addresses(host[e], p * W + w) for w in range(W)] for e in range(E)]
+                               for p in range(P)])  # [P, E, W]
+    slot_table = torch.tensor([[[addresses(slots[s], p * W + w) for w in range(W)] for s in range(S)]
+                               for p in range(P)])  # [P, S, W]
+    occupant = torch.full((S,), -1, dtype=torch.int64)
+    occupant[: S - 1] = torch.randperm(E, generator=g)[: S - 1]  # one free slot
+    is_host = torch.ones(E, dtype=torch.int32)
+    table = host_table.clone()
+    for s, e in enumerate(occupant.tolist()):
+        if e >= 0:
+            is_host[e] = 0
+            table[:, e] = slot_table[:, s]
+            for a in range(P * W):
+                slots[s][a].copy_(host[e][a])
+    ids = torch.randint(0, E, (pairs,), generator=g, dtype=torch.int32)
+    if pairs > 2:
+        ids[2] = ids[0]
+    counts = torch.randint(0, 5, (E,), generator=g)
+    start = counts.clone()
+    counts.index_add_(0, ids.long(), torch.ones(pairs, dtype=torch.int64))  # this pass's routing, every pair
+    spare = torch.randperm(S, generator=g)[:spares] if spares <= S else torch.randperm(S, generator=g)
+    spare = torch.cat([spare, torch.full((max(spares - S, 0),), -1)])  # padding past the slots
+    host_passes = torch.randint(0, 3, (E,), generator=g)
+
+    def admission(on):
+        return Admission(slot_table.to(on), host_table.to(on), occupant.clone().to(on), spare.to(on),
+                         counts.to(on), start.to(on), host_passes.clone().to(on))
+
+    want_admit, want_table, want_host = admission("cpu"), table.clone(), is_host.clone()
+    plan = stage_misses_reference(want_table, want_host, ids, rows, want_admit)
+    got_admit, got_table, got_host = admission(DEVICE), table.clone().to(DEVICE), is_host.clone().to(DEVICE)
+    staging = torch.zeros(rows, int(sizes.sum()), dtype=word_dtype, device=DEVICE)
+    out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
+    stage_misses_triton(got_table, got_host, ids.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE), int(sizes.max()),
+                        staging, out, got_admit)
+    assert torch.equal(got_table.cpu(), want_table) and torch.equal(got_host.cpu(), want_host)
+    assert torch.equal(got_admit.occupant.cpu(), want_admit.occupant)
+    assert torch.equal(got_admit.host_passes.cpu(), want_admit.host_passes)
+    routed = set(ids.tolist())
+    free = [s for s in spare.tolist() if s >= 0 and int(occupant[s]) not in routed]  # slots that may be given up
+    missed = len({e for e in ids.tolist()[:SCAN_PAIRS] if is_host[e]})
+    assert sum(kind == "slot" for kind, _ in plan.values()) == min(len(free), missed)
+    for s, e in enumerate(want_admit.occupant.tolist()):  # nothing this pass routes to was given up
+        assert e in routed or e == occupant[s] or e < 0
+    step = out.cpu()
+    for e in range(E):
+        staged = [where for (n, ex), where in plan.items() if ex == e]
+        for a in range(P * W):
+            p, w = divmod(a, W)
+            if not staged:
+                assert int(step[p, e, w]) == int(table[p, e, w]), f"seed={seed}: entry {(p, e, w)} moved"
+                continue
+            kind, index = staged[0]
+            if sizes[a] == 0:
+                expected = int(table[p, e, w]) if kind == "row" else int(slot_table[p, index, w])
+                assert int(step[p, e, w]) == expected
+                continue
+            if kind == "slot":
+                view = slots[index][a]
+                assert int(step[p, e, w]) == view.data_ptr()
+            else:
+                start_word = int(offsets[a])
+                view = staging[index, start_word : start_word + int(sizes[a])]
+                assert int(step[p, e, w]) == view.data_ptr()
+            assert torch.equal(view, host[e][a]), f"seed={seed}: expert {e} array {a} not staged"

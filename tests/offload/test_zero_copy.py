@@ -98,6 +98,32 @@ def test_triton_kernels_in_the_interpreter(hf_model, stage):
     manager.check()
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_admission_on_device(hf_model, device):
+    # the default where staging applies: missed experts are staged straight into the slots the policy values least,
+    # so the cache changes inside the step (in CUDA graphs on the GPU) and no admission reads host memory again
+    opts = dict(OPTS, moe_backend="triton", device=device)
+    params = SamplingParams(max_tokens=5 if device == "cpu" else 24, temperature=0, ignore_eos=True)
+    ids = prompts(4)[:2] if device == "cpu" else prompts()
+    expected = [o.token_ids for o in LLM(str(hf_model), **opts).generate(ids, params)]
+    llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 2), offload=OffloadConfig(mode="zero_copy"), **opts)
+    manager = llm.model.expert_offload
+    assert manager.device_admission and manager.spares.shape == (manager.num_layers, 2)
+    assert bool(llm.engine.runner.graphs) == (device == "cuda")
+    assert [o.token_ids for o in llm.generate(ids, params)] == expected
+    s = llm.stats()
+    assert s["admit_on_device"] and s["admissions"] == s["bytes_admitted"] == 0
+    assert s["admissions_on_device"] > 0 and s["evictions"] == s["admissions_on_device"]  # slots start full
+    assert s["hits"] + s["misses"] == s["lookups"] and s["misses"] == s["misses_host"] > 0 and s["hits"] > 0
+    assert s["bytes_read_host"] == s["misses"] * manager.store.expert_bytes(0) == s["bytes_copied"]
+    manager.check()
+    with pytest.raises(ValueError, match="needs staging"):
+        LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 2), **opts,
+            offload=OffloadConfig(mode="zero_copy", admit_on_device=True, stage_experts=0))
+    with pytest.raises(ValueError, match="takes no admit_bytes_per_step"):
+        OffloadConfig(admit_on_device=True, admit_bytes_per_step=0)
+
+
 # ---- table / slot accounting over random routing ----
 L, E, H, I = 3, 8, 8, 4  # noqa: E741
 
@@ -228,18 +254,21 @@ def test_reset_stats_drops_the_passes_before_it():
 
 # ---- quantized experts (the fused quantized kernels through address tables; Triton's interpreter on CPU) ----
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_quantized_experts_read_in_place(gguf_model, device):
+@pytest.mark.parametrize("admit", [CHURN, None], ids=["admitted between steps", "admitted on the device"])
+def test_quantized_experts_read_in_place(gguf_model, device, admit):
     # on CUDA 'auto' picks zero-copy for experts the fused quantized kernels read; on the CPU it is asked for
     mode = "auto" if device == "cuda" else "zero_copy"
     opts, few, expected = triton_run(LLM, gguf_model, device, OPTS)
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
-              offload=OffloadConfig(mode=mode, admit_bytes_per_step=CHURN))
+              offload=OffloadConfig(mode=mode, admit_bytes_per_step=admit))
     manager = llm.model.expert_offload
     assert isinstance(manager, ZeroCopyOffload) and manager.packed and manager.staging is not None
     assert manager.table.shape[1:] == (2, 8, 4)  # gate|up and down parts, 8 experts, 4 arrays each
+    assert manager.device_admission == (admit is None)
     assert [o.token_ids for o in llm.generate(few, SHORT)] == expected
     s = llm.stats()
-    assert s["mode"] == "zero_copy" and s["misses_host"] == s["misses"] > 0 and s["admissions"] > 0
+    admitted = s["admissions_on_device"] if admit is None else s["admissions"]
+    assert s["mode"] == "zero_copy" and s["misses_host"] == s["misses"] > 0 and admitted > 0
     assert s["hits"] + s["misses"] == s["lookups"] > 0
     manager.check()
 
@@ -332,3 +361,40 @@ def test_experts_missed_twice_are_admitted_beyond_the_quarter_budget():
     assert manager.stats.admissions == 4 * L
     assert (manager.slots.slot_of[:, 4:] >= 0).all()
     manager.check()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")
+@settings(max_examples=6, deadline=None)
+@given(policy=st.sampled_from(POLICIES), k=st.integers(1, 3), slots=st.integers(1, E), seed=st.integers(0, 2**16),
+       steps=st.lists(st.tuples(st.integers(1, 4), st.booleans()), min_size=1, max_size=4))
+def test_admission_on_device_accounting(policy, k, slots, seed, steps):
+    # the staging launch admits into slots on the device: outputs stay exact, the host's view follows the device's
+    # occupants after each boundary (also when one boundary takes two passes), and the misses counted are the
+    # routed experts whose entries pointed at host memory when their layer ran
+    store = toy_store(seed)
+    manager = ZeroCopyOffload(store, slots, torch.device("cpu"), k, OffloadConfig(mode="zero_copy", policy=policy),
+                              backend="triton")
+    assert manager.device_admission
+    rng = np.random.default_rng(seed)
+    manager.between_steps(1)
+    lookups = misses = 0
+    for T, together in steps:
+        for _ in range(2 if together else 1):
+            for layer in range(L):
+                ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+                routed = np.unique(ids)
+                lookups += len(routed)
+                cached = routed[manager.is_host[layer, routed].numpy() == 0]
+                misses += len(routed) - len(cached)
+                topk_ids = torch.from_numpy(ids.astype(np.int32))
+                topk_weights = torch.from_numpy(rng.random((T, k)).astype(np.float32))
+                x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+                out = manager.forward_layer(layer, x, topk_weights, topk_ids)
+                w13, w2 = store.weights(layer)
+                torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, topk_weights, topk_ids))
+                assert not manager.is_host[layer, cached].any()  # an expert the pass routes to is never given up
+        manager.between_steps(T)
+        manager.check()
+    s = manager.stats_dict()
+    assert (s["lookups"], s["misses"]) == (lookups, misses)
+    assert s["admissions"] == 0 and s["admissions_on_device"] >= s["evictions"]

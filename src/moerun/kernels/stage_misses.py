@@ -1,19 +1,30 @@
-"""Missed experts staged in device memory before the fused MoE of a zero-copy layer reads them.
+"""Missed experts staged in device memory before the fused MoE of a zero-copy layer reads them; optionally
+admitted into the cache on the way (the staging copy lands in a cache slot).
 
 A fused MoE kernel reading an expert in place from pinned host memory over PCIe gets about 29 GB/s on an H200;
 a kernel that only copies reaches about 51 GB/s, as fast as the copy engine (benchmarks/RESULTS.md). So for a
-layer whose routed experts are not all cached, one launch copies each missed expert's arrays from host memory
-into a row of a device staging area and writes the step's address table: the layer's table with those experts'
-entries pointing at their staging row. The fused MoE then reads the step's table. Graph-safe: the routing, the
-residency flags and the addresses are read on the device.
+layer whose routed experts are not all cached, two launches:
 
-Grid (pairs scanned, arrays, chunks). A program copies one chunk of one array of the expert routed to its pair
-when that pair is the expert's first and the expert is read from host memory; the staging row is the number of
-such pairs before it. Missed experts beyond the staging rows, or first routed after the scanned pairs, stay
-where the table points (read in place: correct, slower).
+1. plan (one program): picks the missed experts to stage, those of the first SCAN_PAIRS pairs in order of their
+   first pair, and where each goes; writes the step's address table (the layer's table with those experts'
+   entries pointing where they go) and a (source, destination) address pair per array of each staged expert.
+   With admission (``admit``): the layer's spare slots (cache slots the host ranked least valued, between
+   steps) are taken first, skipping a slot whose expert this pass routes to (any pair, from the routing counts);
+   an expert staged into a slot is admitted there. The plan then also rewrites the layer's own table, residency
+   flags and slot occupants (the evicted expert points back at its host copy), and counts the passes that read
+   each expert from host memory (the routing counts against the pass's start). The remaining misses take the
+   staging rows.
+2. copy: grid (pairs scanned, arrays, chunks); each program copies one chunk of one planned array.
+
+The fused MoE then reads the step's table. Graph-safe: routing, flags, occupants and addresses are read on the
+device. Missed experts beyond the slots and rows, or first routed after the scanned pairs, stay where the table
+points (read in place: correct, slower). An admitted expert replaces the host copy only in this layer's table: the
+host learns the new occupants from the device after the step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,71 +35,227 @@ BLOCK_WORDS = 1024  # words per load instruction group
 SCAN_PAIRS = 64  # pairs looked at (a batch of 8 tokens at top-8); the experts of later pairs are not staged
 
 
+@dataclass
+class Admission:
+    """A layer's device state for staging into cache slots (all on the device, int64).
+
+    slot_table [P, S, W]: the slots' array addresses; host_table [P, E, W]: the host copies' addresses; occupant
+    [S]: the expert in each slot (-1: free), rewritten; spares [R_S]: slots in the order they are given up (-1:
+    none); counts / pass_start [E]: pairs routed to each expert so far and when this pass began; host_passes [E]:
+    passes that read the expert from host memory, incremented."""
+
+    slot_table: torch.Tensor
+    host_table: torch.Tensor
+    occupant: torch.Tensor
+    spares: torch.Tensor
+    counts: torch.Tensor
+    pass_start: torch.Tensor
+    host_passes: torch.Tensor
+
+
 @triton.jit
-def _stage_misses_kernel(
-    table_ptr,  # [P * E * W] int64: the layer's addresses (expert e's array w of part p at (p * E + e) * W + w)
+def _plan_kernel(
+    table_ptr,  # [P * E * W] int64: the layer's addresses (expert e's array a = p * W + w at (p * E + e) * W + w)
+    host_ptr,  # [P * E * W] int64: the experts' host addresses (ADMIT) or a dummy
+    slot_ptr,  # [P * S * W] int64: the slots' addresses (ADMIT) or a dummy
     is_host_ptr,  # [E] int32: 1 where the expert's entries point at host memory
+    occupant_ptr,  # [S] int64 (ADMIT)
+    spare_ptr,  # [R_S] int64 (ADMIT)
+    counts_ptr,  # [E] int64 (ADMIT)
+    start_ptr,  # [E] int64 (ADMIT)
+    host_passes_ptr,  # [E] int64 (ADMIT)
     ids_ptr,  # [>= N] int32 or int64: the expert of each (token, slot) pair
     sizes_ptr,  # [P * W] int64: words of each array of one expert (0: no such array)
     offsets_ptr,  # [P * W] int64: word offset of each array inside a staging row
-    staging_ptr,  # [R, ROW_WORDS] words (int64 or int32)
-    out_ptr,  # [P * E * W] int64: the step's table, already a copy of the layer's; staged entries rewritten
+    staging_ptr,  # [R, ROW_WORDS] words
+    out_ptr,  # [P * E * W] int64: the step's table, written whole
+    src_ptr,  # [SCAN, P * W] int64: source address of each planned copy
+    dst_ptr,  # [SCAN, P * W] int64: its destination, 0 where the pair copies nothing
     N,  # pairs scanned
     E,
+    S,
     R,  # staging rows
+    R_S,  # spare slots
     ROW_WORDS,
+    TABLE,  # P * E * W
+    A,  # P * W
     W: tl.constexpr,
     WORD: tl.constexpr,  # bytes of a word
+    ADMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,  # >= N, a power of two
+    BLOCK_A: tl.constexpr,  # >= A
+    BLOCK_S: tl.constexpr,  # >= R_S
+    BLOCK_E: tl.constexpr,  # >= E
+    BLOCK_T: tl.constexpr,  # table entries copied a step
+):
+    for t0 in range(0, TABLE, BLOCK_T):  # the step's table starts as the layer's
+        t = t0 + tl.arange(0, BLOCK_T)
+        tl.store(out_ptr + t, tl.load(table_ptr + t, mask=t < TABLE), mask=t < TABLE)
+    scan = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    valid = scan < N
+    ids = tl.load(ids_ptr + scan, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
+    repeats = (ids[:, None] == ids[None, :]) & (scan[None, :] < scan[:, None]) & valid[None, :]
+    first = tl.sum(repeats.to(tl.int32), axis=1) == 0  # [BLOCK_N] the expert's first pair
+    host = tl.load(is_host_ptr + ids, mask=valid, other=0) != 0  # [BLOCK_N]
+    staged = first & host & valid  # [BLOCK_N]
+    rank = tl.sum(((scan[None, :] < scan[:, None]) & staged[None, :]).to(tl.int32), axis=1)  # [BLOCK_N]
+    a = tl.arange(0, BLOCK_A)  # [BLOCK_A] arrays
+    a_ok = a < A
+    p, w = a // W, a % W
+    size = tl.load(sizes_ptr + a, mask=a_ok, other=0)  # [BLOCK_A]
+    # source: the host copy, which the table holds for every missed expert
+    src = tl.load(table_ptr + (p[None, :] * E + ids[:, None]) * W + w[None, :],
+                  mask=staged[:, None] & a_ok[None, :], other=0)  # [BLOCK_N, BLOCK_A]
+    if ADMIT:
+        j = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        spare = tl.load(spare_ptr + j, mask=j < R_S, other=-1)  # [BLOCK_S] slots
+        occ = tl.load(occupant_ptr + spare, mask=spare >= 0, other=-1)  # [BLOCK_S] their experts
+        routed_now = (tl.load(counts_ptr + occ, mask=occ >= 0, other=0)
+                      > tl.load(start_ptr + occ, mask=occ >= 0, other=0))  # [BLOCK_S]: routed by this pass
+        usable = (spare >= 0) & ~routed_now  # [BLOCK_S]
+        urank = tl.sum(((j[None, :] < j[:, None]) & usable[None, :]).to(tl.int32), axis=1)  # [BLOCK_S]
+        n_usable = tl.sum(usable.to(tl.int32), axis=0)
+        match = (rank[:, None] == urank[None, :]) & usable[None, :] & staged[:, None]  # [BLOCK_N, BLOCK_S]
+        to_slot = tl.sum(match.to(tl.int32), axis=1) > 0  # [BLOCK_N]
+        slot = tl.sum(tl.where(match, spare[None, :], 0), axis=1)  # [BLOCK_N]
+        evicted = tl.sum(tl.where(match, occ[None, :], 0), axis=1)  # [BLOCK_N] (-1: a free slot)
+        row = rank - n_usable
+        slot_dst = tl.load(slot_ptr + (p[None, :] * S + slot[:, None]) * W + w[None, :],
+                           mask=to_slot[:, None] & a_ok[None, :], other=0)  # [BLOCK_N, BLOCK_A]
+    else:
+        to_slot = scan < 0
+        row = rank
+        slot_dst = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.int64)
+    to_row = staged & ~to_slot & (row < R)  # [BLOCK_N]
+    offset = tl.load(offsets_ptr + a, mask=a_ok, other=0)  # [BLOCK_A]
+    row_dst = staging_ptr.to(tl.int64) + (row.to(tl.int64)[:, None] * ROW_WORDS + offset[None, :]) * WORD
+    dst = tl.where(to_slot[:, None], slot_dst, tl.where(to_row[:, None], row_dst, 0))  # [BLOCK_N, BLOCK_A]
+    copies = (to_slot | to_row)[:, None] & a_ok[None, :] & (size > 0)[None, :]
+    plan = scan[:, None] * A + a[None, :]
+    tl.store(src_ptr + plan, src, mask=valid[:, None] & a_ok[None, :])
+    tl.store(dst_ptr + plan, tl.where(copies, dst, 0), mask=valid[:, None] & a_ok[None, :])
+    entry = (p[None, :] * E + ids[:, None]) * W + w[None, :]  # [BLOCK_N, BLOCK_A]
+    tl.debug_barrier()  # every thread copied the table to out before entries of it are rewritten
+    tl.store(out_ptr + entry, dst, mask=copies)
+    if ADMIT:
+        # the pass's reads from host memory, counted before the flags change: experts routed now, not cached
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        now = tl.load(counts_ptr + e, mask=e_ok, other=0) > tl.load(start_ptr + e, mask=e_ok, other=0)
+        was_host = tl.load(is_host_ptr + e, mask=e_ok, other=0) != 0
+        tl.debug_barrier()  # every flag and entry above is read before any is rewritten
+        passes = tl.load(host_passes_ptr + e, mask=e_ok, other=0)
+        tl.store(host_passes_ptr + e, passes + (now & was_host).to(tl.int64), mask=e_ok)
+        # the admitted experts point at their slots (every array), the evicted ones back at their host copies
+        tl.store(table_ptr + entry, slot_dst, mask=to_slot[:, None] & a_ok[None, :])
+        gone = to_slot & (evicted >= 0)
+        old = (p[None, :] * E + tl.maximum(evicted, 0)[:, None]) * W + w[None, :]
+        tl.store(table_ptr + old, tl.load(host_ptr + old, mask=gone[:, None] & a_ok[None, :]),
+                 mask=gone[:, None] & a_ok[None, :])
+        tl.store(is_host_ptr + ids, tl.zeros([BLOCK_N], dtype=tl.int32), mask=to_slot)
+        tl.store(is_host_ptr + tl.maximum(evicted, 0), tl.full([BLOCK_N], 1, dtype=tl.int32), mask=gone)
+        tl.store(occupant_ptr + slot, ids, mask=to_slot)
+
+
+@triton.jit
+def _copy_kernel(
+    src_ptr,  # [SCAN, A] int64 addresses
+    dst_ptr,  # [SCAN, A] int64 addresses, 0: nothing to copy
+    sizes_ptr,  # [A] int64 words
+    base_ptr,  # any word pointer: addresses are turned into word offsets from it
+    A,
+    WORD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)  # the pair
+    pair = tl.program_id(0)
     a = tl.program_id(1)
     c = tl.program_id(2)
-    scan = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    ids = tl.load(ids_ptr + scan, mask=scan < N, other=-1).to(tl.int64)  # [BLOCK_N]
-    # a pair stages its expert when it is the expert's first pair and the expert is read from host memory
-    repeats = (ids[:, None] == ids[None, :]) & (scan[None, :] < scan[:, None])  # [BLOCK_N, BLOCK_N]
-    first = tl.sum(repeats.to(tl.int32), axis=1) == 0  # [BLOCK_N]
-    host = tl.load(is_host_ptr + ids, mask=scan < N, other=0) != 0  # [BLOCK_N]
-    staged = first & host & (scan < N)  # [BLOCK_N]
-    rank = tl.sum((staged & (scan < row)).to(tl.int32), axis=0)  # this pair's staging row
-    mine = tl.sum((staged & (scan == row)).to(tl.int32), axis=0) > 0
+    dst = tl.load(dst_ptr + pair * A + a)
     size = tl.load(sizes_ptr + a)
-    if mine & (rank < R) & (size > 0):
-        e = tl.load(ids_ptr + row).to(tl.int64)
-        entry = (a // W * E + e) * W + a % W
-        src_words = (tl.load(table_ptr + entry) - staging_ptr.to(tl.int64)) // WORD  # from staging_ptr, in words
-        dst_words = rank.to(tl.int64) * ROW_WORDS + tl.load(offsets_ptr + a)
+    if (dst != 0) & (c * CHUNK < size):
+        base = base_ptr.to(tl.int64)
+        src_words = (tl.load(src_ptr + pair * A + a) - base) // WORD
+        dst_words = (dst - base) // WORD
         offs = tl.arange(0, BLOCK)  # [BLOCK]
         for i in tl.static_range(0, CHUNK, BLOCK):
             o = c * CHUNK + i + offs  # [BLOCK] words of the array
             ok = o < size
-            v = tl.load(staging_ptr + src_words + o, mask=ok, cache_modifier=".cg")
-            tl.store(staging_ptr + dst_words + o, v, mask=ok)
-        if c == 0:
-            tl.store(out_ptr + entry, staging_ptr.to(tl.int64) + dst_words * WORD)
+            v = tl.load(base_ptr + src_words + o, mask=ok, cache_modifier=".cg")
+            tl.store(base_ptr + dst_words + o, v, mask=ok)
 
 
 def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
-                        offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor
-                        ) -> torch.Tensor:
-    """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the first R distinct missed
-    experts among the first SCAN_PAIRS pairs of ``ids`` [N] copied into the R rows of ``staging`` [R, row words]
-    (in order of their first pair) and pointed at.
+                        offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor,
+                        admit: Admission | None = None) -> torch.Tensor:
+    """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the missed experts of the first
+    SCAN_PAIRS pairs of ``ids`` [N] (in order of their first pair) copied to the device and pointed at: into the
+    spare slots of ``admit`` first (then admitted: ``table``, ``is_host`` and the occupants rewritten), then into
+    the R rows of ``staging`` [R, row words].
 
     is_host [E] int32 (1: the table points at host memory), sizes / offsets [P * W] int64 in words of staging's
-    element type, max_words the largest size; every address in the table a multiple of that word. Returns out."""
+    element type, max_words the largest size; every address a multiple of that word. Returns out."""
     P, E, W = table.shape
     word = staging.element_size()
-    out.copy_(table)
     n = min(ids.numel(), SCAN_PAIRS)
-    if n == 0 or staging.shape[0] == 0:
+    spares = 0 if admit is None else admit.spares.numel()
+    if n == 0 or staging.shape[0] + spares == 0:
+        out.copy_(table)
         return out
-    chunks = triton.cdiv(max_words, CHUNK_WORDS)
-    _stage_misses_kernel[(n, P * W, chunks)](
-        table, is_host, ids, sizes, offsets, staging, out, n, E, staging.shape[0], staging.shape[1], W=W, WORD=word,
-        BLOCK_N=triton.next_power_of_2(n), CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4,
+    A = P * W
+    src = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
+    dst = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
+    if admit is None:
+        S, host_table, slot_table, occupant, spare, counts, start, host_passes = (0, table, table, table, table,
+                                                                                   table, table, table)
+    else:
+        S = admit.occupant.numel()
+        host_table, slot_table, occupant, spare = admit.host_table, admit.slot_table, admit.occupant, admit.spares
+        counts, start, host_passes = admit.counts, admit.pass_start, admit.host_passes
+    _plan_kernel[(1,)](
+        table, host_table, slot_table, is_host, occupant, spare, counts, start, host_passes, ids, sizes, offsets,
+        staging, out, src, dst, n, E, S, staging.shape[0], spares, staging.shape[1], P * E * W, A, W=W, WORD=word,
+        ADMIT=admit is not None, BLOCK_N=triton.next_power_of_2(n), BLOCK_A=triton.next_power_of_2(A),
+        BLOCK_S=triton.next_power_of_2(max(spares, 1)), BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024,
+        num_warps=4,
     )  # fmt: skip
+    chunks = triton.cdiv(max_words, CHUNK_WORDS)
+    _copy_kernel[(n, A, chunks)](src, dst, sizes, staging, A, WORD=word, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS,
+                                 num_warps=4)
     return out
+
+
+def stage_misses_reference(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, rows: int,
+                           admit: Admission | None = None) -> dict[tuple[int, int], tuple[str, int]]:
+    """The plan of ``stage_misses_triton`` in plain torch, applying the same admission to ``table``, ``is_host``
+    and ``admit`` (its occupants and host-pass counts) in place: {(pair, expert): ('slot' | 'row', index)} of the
+    staged experts. The caller checks the step's table and the bytes against it."""
+    P, E, W = table.shape
+    plan: dict[tuple[int, int], tuple[str, int]] = {}
+    staged: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    for n, e in enumerate(ids.tolist()[:SCAN_PAIRS]):
+        if e not in seen and bool(is_host[e]):
+            staged.append((n, e))
+        seen.add(e)
+    usable: list[tuple[int, int]] = []
+    if admit is not None:
+        routed = admit.counts > admit.pass_start  # [E]
+        admit.host_passes += (routed & (is_host != 0)).to(admit.host_passes.dtype)
+        for s in admit.spares.tolist():
+            occ = int(admit.occupant[s]) if s >= 0 else -1
+            if s >= 0 and not (occ >= 0 and bool(routed[occ])):
+                usable.append((s, occ))
+    for rank, (n, e) in enumerate(staged):
+        if rank < len(usable):
+            s, occ = usable[rank]
+            plan[(n, e)] = ("slot", s)
+            table[:, e] = admit.slot_table[:, s]
+            is_host[e] = 0
+            if occ >= 0:
+                table[:, occ] = admit.host_table[:, occ]
+                is_host[occ] = 1
+            admit.occupant[s] = e
+        elif rank - len(usable) < rows:
+            plan[(n, e)] = ("row", rank - len(usable))
+    return plan

@@ -28,6 +28,10 @@ class OffloadConfig:
     stage_experts: zero_copy mode on the Triton backend: a layer's missed experts are first copied by one kernel
         into this many device staging rows (None: top-k; 0: never), then read from there; kernels reading host
         memory in place get about half the rate of a copy. Missed experts beyond the rows are read in place.
+    admit_on_device: zero_copy mode with staging: a layer's missed experts are staged straight into the cache slots
+        the policy values least (skipping those the pass routes to), so every staged miss is admitted on the device
+        by the copy that stages it and no admission reads host memory a second time; the host only ranks the slots
+        between steps. None: on where staging applies, the cache has slots and no admit_bytes_per_step is given.
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
     prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
     prefetch_depth: how many following MoE layers to prefetch for.
@@ -62,6 +66,7 @@ class OffloadConfig:
     mode: str = "auto"
     admit_bytes_per_step: int | None = None
     stage_experts: int | None = None
+    admit_on_device: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +78,8 @@ class OffloadConfig:
         if self.mode == "zero_copy" and self.pin == "staged":
             raise ValueError("offload mode 'zero_copy' reads experts from pinned host memory: it needs pin='all' "
                              "or 'auto', not 'staged'")
+        if self.admit_on_device and self.admit_bytes_per_step is not None:
+            raise ValueError("admit_on_device admits every staged miss: it takes no admit_bytes_per_step")
         if self.stage_experts is not None and self.stage_experts < 0:
             raise ValueError(f"stage_experts must be >= 0, got {self.stage_experts}")
         if self.policy not in POLICIES:

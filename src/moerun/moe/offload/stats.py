@@ -29,6 +29,7 @@ class OffloadStats:
     bytes_copied_prefetch: int = 0
     bytes_read_host: int = 0  # zero-copy mode: bytes of missed experts the kernels read over PCIe (once a pass)
     admissions: int = 0  # zero-copy mode: experts copied into slots between steps
+    admissions_on_device: int = 0  # zero-copy mode: missed experts staged straight into slots (no bytes of their own)
     bytes_admitted: int = 0
     evictions: int = 0
     prefetch_issued: int = 0
@@ -74,7 +75,7 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"misses read from host memory {stats['misses_host']}",
             f"  over PCIe {stats['bytes_copied'] / gib:.2f} GiB {moved}: read by the kernels "
             f"{stats['bytes_read_host'] / gib:.2f} GiB, admitted into slots {stats['bytes_admitted'] / gib:.2f} GiB "
-            f"({stats['admissions']} experts)",
+            f"({stats['admissions']} experts), staged into slots {stats['admissions_on_device']} experts",
         ])
     return "\n".join([
         f"{head}, prefetch {stats['prefetch']}, cpu compute {stats['cpu_compute']}",

@@ -12,12 +12,20 @@ pass's first top-k missed experts (``is_host`` [L, E] says which entries point a
 hands the fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the
 rate of the fused kernels reading in place.
 
+Admission on the device (``OffloadConfig.admit_on_device``, on by default where staging applies): the staging
+launch puts missed experts into the layer's spare slots, the slots the policy values least (ranked by the host
+between steps; a slot whose expert the pass routes to is skipped), and rewrites the layer's table, residency flags
+and slot occupants (``occupant`` [L, S]) itself; it also counts the passes that read each expert from host memory
+(``host_passes`` [L, E]). So a missed expert crosses PCIe once, where an admission between steps reads it a second
+time. The host takes the occupants with the routing counts after each step and updates its view and the policy;
+it admits nothing itself.
+
 Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
 over their repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the table holds
 one row of W = 4 array addresses (codes, high, sub, scale) per packed part, and the fused quantized kernels read
 through them (kernels/quant/fused_moe_quant.py, ``tables=``; the Triton backend, the interpreter on CPU).
 
-The cache changes only between steps (``between_steps``, called by the runner before each forward pass):
+Otherwise the cache changes only between steps (``between_steps``, called by the runner before each forward pass):
 1. the routing counts of the steps finished since the last call give the statistics (per step: hits = routed
    experts whose entry points at a slot; misses = read from host; under async scheduling one call often takes two
    steps, and an expert routed in both counts twice) and feed the eviction policy (pairs); when the last step has
@@ -39,6 +47,7 @@ import numpy as np
 import torch
 
 from moerun.device import to_device
+from moerun.kernels.stage_misses import Admission
 from moerun.kernels.quant.repack import expert_addresses
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
@@ -118,16 +127,28 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.pointers = [self._layer_pointers(layer, parts[layer], pool[layer]) for layer in range(L)]
         self.is_host = torch.ones(L, E, dtype=torch.int32, device=device)  # [L, E] 1: the table points at host memory
         self._make_staging()
-        # [2, L, E] cumulative: pairs routed to each expert (``counts``), forward passes that routed any (``steps``)
-        self.tallies = torch.zeros(2, L, E, dtype=torch.int64, device=device)
-        self.counts, self.steps = self.tallies[0], self.tallies[1]
+        self.device_admission = self._device_admission()
+        # what each step leaves for the host, one buffer: [3, L, E] cumulative tallies, pairs routed to each expert
+        # (``counts``), forward passes that routed any (``steps``), passes that read it from host memory
+        # (``host_passes``, counted by the staging launch with admission on the device), then the occupant of
+        # each slot (``occupant`` [L, S], -1 free; kept by that launch, with admission on the device only)
+        self.record = torch.zeros(3 * L * E + L * S, dtype=torch.int64, device=device)
+        self.tallies = self.record[: 3 * L * E].view(3, L, E)
+        self.counts, self.steps, self.host_passes = self.tallies
+        self.occupant = self.record[3 * L * E :].view(L, S)
         self.pass_start = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] counts when this pass began
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
-        self.host_tallies = (pinned_empty(2 * L * E * 8, self._registry).view(torch.int64).view(2, L, E)
-                             if device.type == "cuda" else None)  # [2, L, E] the tallies after the latest step
+        self.host_record = (pinned_empty(self.record.numel() * 8, self._registry).view(torch.int64)
+                            if device.type == "cuda" else None)  # the record after the latest step
         weakref.finalize(self, _unregister_all, self._registry)
-        self.seen = np.zeros((2, L, E), dtype=np.int64)  # [2, L, E] tallies already taken into the statistics
+        self.seen = np.zeros((3, L, E), dtype=np.int64)  # [3, L, E] tallies already taken into the statistics
+        if self.device_admission:
+            spares = min(S, self.staging.shape[0])
+            self.spares = torch.full((L, spares), -1, dtype=torch.int64, device=device)  # [L, R_S] slots to give up
+            self.spares_host = np.full((L, spares), -1, dtype=np.int64)  # as last written
+            self.host_table = torch.from_numpy(self.host_addr).to(device)  # [L, P, E, W]
+            self.slot_table = torch.from_numpy(self.slot_addr).to(device)  # [L, P, S, W]
         self._mark: torch.cuda.Event | None = None  # recorded at the previous between_steps (CUDA)
         self.pending: list[tuple[torch.cuda.Event | None, Plan]] = []  # copies in flight, oldest first
         self.carried: np.ndarray | None = None  # routing counted by stats_dict, not yet used for admissions
@@ -177,13 +198,28 @@ class ZeroCopyOffload(OffloadManagerBase):
         self.stage_max_words = [int(m) // word for m in sizes.max(axis=1)]
         self.step_table = torch.empty_like(self.table[0])  # [P, E, W] the staged layer's addresses
 
+    def _device_admission(self) -> bool:
+        """Whether missed experts are staged straight into slots (OffloadConfig.admit_on_device)."""
+        applies = self.staging is not None and self.slots_per_layer > 0
+        wanted = self.config.admit_on_device
+        if wanted is None:
+            return applies and self.config.admit_bytes_per_step is None
+        if wanted and not applies:
+            raise ValueError("admit_on_device stages missed experts into cache slots: it needs staging (the Triton "
+                             "backend, stage_experts > 0) and at least one slot per layer")
+        return wanted
+
     def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's table for this pass, its missed experts staged on the device ([P, E, W])."""
         from moerun.kernels.stage_misses import stage_misses_triton
 
+        admit = None
+        if self.device_admission:
+            admit = Admission(self.slot_table[layer], self.host_table[layer], self.occupant[layer],
+                              self.spares[layer], self.counts[layer], self.pass_start[layer], self.host_passes[layer])
         return stage_misses_triton(self.table[layer], self.is_host[layer], topk_ids.reshape(-1),
                                    self.stage_sizes[layer], self.stage_offsets[layer], self.stage_max_words[layer],
-                                   self.staging, self.step_table)
+                                   self.staging, self.step_table, admit)
 
     @staticmethod
     def _packed_arrays(store: HostExpertStore, S: int, device: torch.device,
@@ -213,6 +249,7 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.policy.inserted(layer, e)
         self.slots.settle(layers, slots)
         self._write_tables(layers, slots)
+        self.occupant.copy_(torch.from_numpy(self.slots.expert_in))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -239,8 +276,8 @@ class ZeroCopyOffload(OffloadManagerBase):
             out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend)
         if layer == self.num_layers - 1:
             self.steps.add_(self.counts > self.pass_start)  # the experts this pass routed any pair to
-            if self.host_tallies is not None:
-                self.host_tallies.copy_(self.tallies, non_blocking=True)
+            if self.host_record is not None:
+                self.host_record.copy_(self.record, non_blocking=True)
         return out
 
     # ---- between forward passes (host) ----
@@ -249,16 +286,20 @@ class ZeroCopyOffload(OffloadManagerBase):
         if not self.started:  # routing recorded while warming up or capturing graphs is not a step's
             self.started = True
             self._take_routing(wait=True)
+            if self.device_admission:  # but what those passes admitted on the device is in the slots now
+                self._take_occupants(self.occupant.cpu().numpy())
         taken = self._take_routing(wait=False)
         routed = None
         if taken is not None:
-            routed, steps = taken
-            self._record(routed, steps)
+            routed = self._absorb(taken)
         if self.carried is not None:
             routed = self.carried if routed is None else routed + self.carried
             self.carried = None
         self.stats.forward_passes += 1
         self.stats.tokens += tokens
+        if self.device_admission:
+            self._choose_spares()
+            return
         switched = self._settle()
         plan = self._plan(routed) if routed is not None else None
         if plan is not None and len(plan):
@@ -271,16 +312,17 @@ class ZeroCopyOffload(OffloadManagerBase):
         if plan is not None and len(plan):
             self._copy(plan)
 
-    def _take_routing(self, wait: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """(pairs routed to each expert [L, E], forward passes that routed to it [L, E]) since the last call, or
-        None when no step finished since then.
+    def _take_routing(self, wait: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(pairs routed to each expert [L, E], forward passes that routed to it [L, E], passes that read it from
+        host memory [L, E] (admission on the device), slot occupants [L, S]) since the last call (the occupants: as
+        the latest finished step left them), or None when no step finished since then.
 
         With async scheduling a step is always in flight when this runs; the mark recorded at the previous call
         tells whether the steps queued before it have finished. The pinned tallies are cumulative, so a copy from
         a later step landing meanwhile only moves its steps to this call from the next one.
         """
-        if self.host_tallies is None:
-            now = self.tallies.numpy().copy()
+        if self.host_record is None:
+            record = self.record.numpy().copy()
         else:
             mark = torch.cuda.Event()
             mark.record()
@@ -289,26 +331,73 @@ class ZeroCopyOffload(OffloadManagerBase):
                 mark.synchronize()
             elif not (mark.query() or (previous is not None and previous.query())):
                 return None
-            now = self.host_tallies.numpy().copy()
+            record = self.host_record.numpy().copy()
+        L, E, S = self.num_layers, self.num_experts, self.slots_per_layer
+        now = record[: 3 * L * E].reshape(3, L, E)
         taken, self.seen = now - self.seen, now
-        return taken[0], taken[1]
+        return taken[0], taken[1], taken[2], record[3 * L * E :].reshape(L, S)
 
-    def _record(self, routed: np.ndarray, steps: np.ndarray) -> None:
+    def _absorb(self, taken: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+        """Statistics and policy from ``_take_routing``'s result (and the slots' new occupants, with admission on
+        the device); returns the pairs routed [L, E]."""
+        routed, steps, host_passes, occupant = taken
+        self._record(routed, steps, host_passes if self.device_admission else None)
+        if self.device_admission:
+            self._take_occupants(occupant)
+        return routed
+
+    def _record(self, routed: np.ndarray, steps: np.ndarray, host_passes: np.ndarray | None = None) -> None:
         """Hits, misses and bytes read from host of the forward passes counted in ``steps`` [L, E]: an expert routed
-        in n passes is n lookups, and n misses when it is not resident (each pass reads it from host memory). The
-        policy sees the pairs ``routed`` [L, E]."""
+        in n passes is n lookups, and n misses when it is not resident (each pass reads it from host memory), or
+        ``host_passes`` [L, E] misses where the device counted them (it admits experts within a step). The policy
+        sees the pairs ``routed`` [L, E]."""
         st = self.stats
-        ready = self.slots.ready  # [L, E]
-        missed = np.where(ready, 0, steps)  # [L, E] passes in which the kernels read the expert from host memory
+        # [L, E] passes in which the kernels read the expert from host memory
+        missed = np.where(self.slots.ready, 0, steps) if host_passes is None else host_passes
         misses = int(missed.sum())
         st.lookups += int(steps.sum())
-        st.hits += int(steps[ready].sum())
+        st.hits += int(steps.sum()) - misses
         st.misses += misses
         st.misses_host += misses
         nbytes = int((missed.sum(axis=1) * np.asarray(self.expert_bytes, dtype=np.int64)).sum())
         st.bytes_read_host += nbytes
         st.bytes_copied += nbytes
         self.policy.touch_all(routed)
+
+    def _take_occupants(self, occupant: np.ndarray) -> None:
+        """The slots' occupants [L, S] as the device left them (admission on the device): the host view and the
+        policy follow; an expert that moved counts as evicted from one slot and admitted into another."""
+        old = self.slots.expert_in
+        layers, slots = np.nonzero(occupant != old)
+        if len(layers) == 0:
+            return
+        gone, new = old[layers, slots], occupant[layers, slots]
+        evicted = gone >= 0
+        for layer, e in zip(layers[evicted].tolist(), gone[evicted].tolist()):
+            self.slots.slot_of[layer, e] = -1
+            self.slots.ready[layer, e] = False
+            self.policy.evicted(layer, e)
+        self.slots.expert_in[layers, slots] = new
+        self.slots.slot_of[layers, new] = slots
+        self.slots.ready[layers, new] = True
+        for layer, e in zip(layers.tolist(), new.tolist()):
+            self.policy.inserted(layer, e)
+        self.stats.evictions += int(evicted.sum())
+        self.stats.admissions_on_device += len(layers)
+
+    def _choose_spares(self) -> None:
+        """Ranks each layer's slots for the next step's admissions on the device: free ones first, then by the
+        policy's value and recency of their experts, least first; written to the device when they changed."""
+        occupant = self.slots.expert_in  # [L, S]
+        held = occupant >= 0
+        e = np.maximum(occupant, 0)
+        rows = np.arange(self.num_layers)[:, None]
+        value = np.where(held, self.policy.values()[rows, e], -np.inf)  # [L, S]
+        recency = np.where(held, self.policy.last_use[rows, e], -1)  # [L, S]
+        spares = np.lexsort((recency, value))[:, : self.spares_host.shape[1]]  # [L, R_S]
+        if not np.array_equal(spares, self.spares_host):
+            self.spares_host = spares
+            self.spares.copy_(to_device(spares, self.device))
 
     def _settle(self) -> tuple[np.ndarray, np.ndarray]:
         """(layers, experts) of the admissions whose copies completed: resident from now on."""
@@ -393,12 +482,11 @@ class ZeroCopyOffload(OffloadManagerBase):
         """Counters and rates (stats.py) of the steps so far (waits for the last one) and the configuration."""
         taken = self._take_routing(wait=True) if self.started else None
         if taken is not None:
-            routed, steps = taken
-            self._record(routed, steps)
+            routed = self._absorb(taken)
             self.carried = routed if self.carried is None else self.carried + routed
         d = self.stats.as_dict()
         d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=True,
-                 admit_bytes_per_step=self.config.admit_bytes_per_step,
+                 admit_bytes_per_step=self.config.admit_bytes_per_step, admit_on_device=self.device_admission,
                  copies_in_flight=sum(len(plan) for _, plan in self.pending),
                  staging_rows=0 if self.staging is None else int(self.staging.shape[0]))
         return d
@@ -406,7 +494,9 @@ class ZeroCopyOffload(OffloadManagerBase):
     def reset_stats(self) -> None:
         """Zeroes the counters; routing recorded so far is not counted."""
         if self.started:
-            self._take_routing(wait=True)
+            taken = self._take_routing(wait=True)
+            if taken is not None and self.device_admission:
+                self._take_occupants(taken[3])
         self.carried = None
         self.stats.reset()
 
@@ -428,3 +518,5 @@ class ZeroCopyOffload(OffloadManagerBase):
         assert (self.table.cpu().numpy() == expected).all(), \
             "a table entry points at neither its slot nor its host copy"
         assert (self.is_host.cpu().numpy() == ~ready).all(), "the device residency flags disagree with the slots"
+        if self.device_admission:
+            assert (self.occupant.cpu().numpy() == self.slots.expert_in).all(), "the device occupants disagree"

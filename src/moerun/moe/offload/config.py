@@ -22,9 +22,10 @@ class OffloadConfig:
         the whole step is device work captured in CUDA graphs; the cache is updated between steps from the
         routing the step recorded. 'auto': zero_copy on CUDA with the CPU compute off, for dense experts and for
         quantized ones that the fused quantized kernels read (Triton backend), else copy.
-    admit_bytes_per_step: zero_copy mode: bytes of experts copied into slots between two steps at most (None: a
-        quarter of what the step read from host memory, at least one expert, plus the experts read from host memory
-        at two step boundaries in a row; 0: the cache never changes).
+    admit_bytes_per_step: zero_copy mode, admissions between steps (admit_on_device off): bytes of experts copied
+        into slots between two steps at most (None: a quarter of what the step read from host memory, at least one
+        expert, plus the experts read from host memory at two step boundaries in a row; 0: the cache never
+        changes).
     stage_experts: zero_copy mode on the Triton backend: a layer's missed experts are first copied by one kernel
         into this many device staging rows (None: top-k; 0: never), then read from there; kernels reading host
         memory in place get about half the rate of a copy. Missed experts beyond the rows are read in place.

@@ -374,14 +374,16 @@ class ZeroCopyOffload(OffloadManagerBase):
         gone, new = old[layers, slots], occupant[layers, slots]
         evicted = gone >= 0
         for layer, e in zip(layers[evicted].tolist(), gone[evicted].tolist()):
-            self.slots.slot_of[layer, e] = -1
-            self.slots.ready[layer, e] = False
             self.policy.evicted(layer, e)
-        self.slots.expert_in[layers, slots] = new
-        self.slots.slot_of[layers, new] = slots
-        self.slots.ready[layers, new] = True
         for layer, e in zip(layers.tolist(), new.tolist()):
             self.policy.inserted(layer, e)
+        # the views rebuilt whole from the occupants (no leftovers, whatever the order of the moves)
+        res = self.slots
+        res.expert_in[:] = occupant
+        res.slot_of[:] = -1
+        held_l, held_s = np.nonzero(occupant >= 0)
+        res.slot_of[held_l, occupant[held_l, held_s]] = held_s
+        res.ready[:] = res.slot_of >= 0
         self.stats.evictions += int(evicted.sum())
         self.stats.admissions_on_device += len(layers)
 

@@ -47,7 +47,6 @@ import numpy as np
 import torch
 
 from moerun.device import to_device
-from moerun.kernels.stage_misses import Admission
 from moerun.kernels.quant.repack import expert_addresses
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
@@ -211,7 +210,7 @@ class ZeroCopyOffload(OffloadManagerBase):
 
     def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's table for this pass, its missed experts staged on the device ([P, E, W])."""
-        from moerun.kernels.stage_misses import stage_misses_triton
+        from moerun.kernels.stage_misses import Admission, stage_misses_triton  # Triton: an optional dependency
 
         admit = None
         if self.device_admission:

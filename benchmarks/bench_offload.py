@@ -80,16 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.steps = min(args.steps, 6)
-    return args
-
-
-def _on_device(args: argparse.Namespace) -> list[bool | None]:
-    """The OffloadConfig.admit_on_device values of --admit-on-device, in order."""
     choices = {"auto": None, "on": True, "off": False}
     names = [n.strip() for n in args.admit_on_device.split(",") if n.strip()]
     if not names or any(n not in choices for n in names):
-        raise SystemExit(f"--admit-on-device: expected a list of {sorted(choices)}, got {args.admit_on_device!r}")
-    return [choices[n] for n in names]
+        p.error(f"--admit-on-device: expected a list of {sorted(choices)}, got {args.admit_on_device!r}")
+    args.admit_on_device = [choices[n] for n in names]  # OffloadConfig.admit_on_device values, in order
+    return args
 
 
 def _floats(text: str) -> list[float]:
@@ -408,7 +404,7 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
         pl = placement(budget, fp, lru)
         base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
         for mode in modes:
-            for on_device in _on_device(args) if mode == "zero_copy" else [None]:
+            for on_device in args.admit_on_device if mode == "zero_copy" else [None]:
                 cfg = replace(lru, mode=mode, admit_on_device=on_device)
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
                                  pinned_bps)
@@ -473,7 +469,7 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
         stage = OffloadConfig().stage_rows(mc.num_experts_per_tok) * max(qfp.expert_bytes)
         budget = (fp.non_expert_bytes + kv + ws + stage + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
-            for on_device in _on_device(args) if mode == "zero_copy" and n_cpu < n_moe else [None]:
+            for on_device in args.admit_on_device if mode == "zero_copy" and n_cpu < n_moe else [None]:
                 cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit,
                                     admit_on_device=on_device)
                 slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)

@@ -8,6 +8,8 @@ exactly one of ready or loading.
 ``plan`` works on whole [L, E] arrays at once (numpy), so a step boundary costs little host time even when many
 layers admit experts: each layer's missed experts, best first by the policy's values, take the free slots, then
 replace the layer's resident experts the policy values least, as long as the policy values the newcomer more.
+With admission on the device, ``ranked_slots`` orders each layer's slots for the device to give up and
+``follow`` takes the occupants the device left.
 """
 
 from __future__ import annotations
@@ -98,6 +100,30 @@ class Residency:
         self.slot_of[plan.layers, plan.experts] = plan.slots
         self.expert_in[plan.layers, plan.slots] = plan.experts
         self.loading[plan.layers, plan.experts] = True
+
+    def follow(self, occupant: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Takes the occupant of every slot [L, S] (-1: free) from the device, which admits experts itself (no copy
+        loading): the views are rebuilt whole, whatever order the experts moved in. Returns (layers, previous
+        occupants, new occupants) of the slots that changed."""
+        layers, slots = np.nonzero(occupant != self.expert_in)
+        gone, new = self.expert_in[layers, slots], occupant[layers, slots]
+        self.expert_in[:] = occupant
+        self.slot_of[:] = -1
+        held_l, held_s = np.nonzero(occupant >= 0)
+        self.slot_of[held_l, occupant[held_l, held_s]] = held_s
+        self.ready[:] = self.slot_of >= 0
+        self.loading[:] = False
+        return layers, gone, new
+
+    def ranked_slots(self, value: np.ndarray, recency: np.ndarray, n: int) -> np.ndarray:
+        """Each layer's first ``n`` slots to give up [L, n]: free ones, then by their experts' value and recency
+        ([L, E], higher = keep), least first (the order ``plan`` takes victims in)."""
+        held = self.expert_in >= 0  # [L, S]
+        e = np.maximum(self.expert_in, 0)
+        rows = np.arange(self.num_layers)[:, None]
+        v = np.where(held, value[rows, e], -np.inf)  # [L, S]
+        r = np.where(held, recency[rows, e], -1)  # [L, S]
+        return np.lexsort((r, v))[:, :n]
 
     def settle(self, layers: np.ndarray, experts: np.ndarray) -> None:
         """The copies of these experts completed: they are resident from now on."""

@@ -366,36 +366,18 @@ class ZeroCopyOffload(OffloadManagerBase):
     def _take_occupants(self, occupant: np.ndarray) -> None:
         """The slots' occupants [L, S] as the device left them (admission on the device): the host view and the
         policy follow; an expert that moved counts as evicted from one slot and admitted into another."""
-        old = self.slots.expert_in
-        layers, slots = np.nonzero(occupant != old)
-        if len(layers) == 0:
-            return
-        gone, new = old[layers, slots], occupant[layers, slots]
+        layers, gone, new = self.slots.follow(occupant)
         evicted = gone >= 0
         for layer, e in zip(layers[evicted].tolist(), gone[evicted].tolist()):
             self.policy.evicted(layer, e)
         for layer, e in zip(layers.tolist(), new.tolist()):
             self.policy.inserted(layer, e)
-        # the views rebuilt whole from the occupants (no leftovers, whatever the order of the moves)
-        res = self.slots
-        res.expert_in[:] = occupant
-        res.slot_of[:] = -1
-        held_l, held_s = np.nonzero(occupant >= 0)
-        res.slot_of[held_l, occupant[held_l, held_s]] = held_s
-        res.ready[:] = res.slot_of >= 0
         self.stats.evictions += int(evicted.sum())
         self.stats.admissions_on_device += len(layers)
 
     def _choose_spares(self) -> None:
-        """Ranks each layer's slots for the next step's admissions on the device: free ones first, then by the
-        policy's value and recency of their experts, least first; written to the device when they changed."""
-        occupant = self.slots.expert_in  # [L, S]
-        held = occupant >= 0
-        e = np.maximum(occupant, 0)
-        rows = np.arange(self.num_layers)[:, None]
-        value = np.where(held, self.policy.values()[rows, e], -np.inf)  # [L, S]
-        recency = np.where(held, self.policy.last_use[rows, e], -1)  # [L, S]
-        spares = np.lexsort((recency, value))[:, : self.spares_host.shape[1]]  # [L, R_S]
+        """The next step's spare slots (the policy's least valued first), written to the device when they changed."""
+        spares = self.slots.ranked_slots(self.policy.values(), self.policy.last_use, self.spares_host.shape[1])
         if not np.array_equal(spares, self.spares_host):
             self.spares_host = spares
             self.spares.copy_(to_device(spares, self.device))

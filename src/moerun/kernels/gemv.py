@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -98,16 +99,20 @@ def table_path(device: str, config_dir: Path = CONFIG_DIR) -> Path:
 
 
 @functools.cache
-def load_table(device: str) -> dict[str, dict[int, GemvConfig]]:
-    """The device's tuned table ({} when none was shipped)."""
-    path = table_path(device)
-    if not path.is_file():
-        return {}
-    raw = json.loads(path.read_text())
-    try:
-        return {key: {int(t): GemvConfig.from_dict(cfg) for t, cfg in by_t.items()} for key, by_t in raw.items()}
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+def load_table(device: str, user_dir: str | None = None) -> dict[str, dict[int, GemvConfig]]:
+    """The device's tuned table ({} when none was shipped); with user_dir, the shapes its table holds replace the
+    shipped entries (the environment variable MOERUN_GEMV_CONFIG_DIR, as MOERUN_MOE_CONFIG_DIR for fused MoE)."""
+    table: dict[str, dict[int, GemvConfig]] = {}
+    for path in (table_path(device), table_path(device, Path(user_dir)) if user_dir else None):
+        if path is None or not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        try:
+            table.update({key: {int(t): GemvConfig.from_dict(cfg) for t, cfg in by_t.items()}
+                          for key, by_t in raw.items()})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+    return table
 
 
 def default_config(
@@ -142,19 +147,21 @@ def get_config(N: int, K: int, T: int, dtype: torch.dtype, device: torch.device 
     A larger bucket's config is safe for fewer tokens (same tiles, fewer rows); a smaller one's might not be.
     """
     if not interpreting() and device is not None and device.type == "cuda":
-        return _cuda_config(N, K, T, dtype, device.index or 0, pdl_enabled(device))
+        return _cuda_config(N, K, T, dtype, device.index or 0, pdl_enabled(device),
+                            os.environ.get("MOERUN_GEMV_CONFIG_DIR"))
     return default_config(N, K, T, dtype)
 
 
 @functools.cache
-def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int, pdl: bool) -> GemvConfig:
+def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int, pdl: bool,
+                 user_dir: str | None = None) -> GemvConfig:
     """get_config on CUDA device index, memoised: Linear.forward asks on every call.
 
     With PDL a single-token GEMV stays on Triton where cuBLAS won the tuning (by a few percent at most on an
     H200), with the fastest Triton tiles the tuner recorded: a cuBLAS launch would end the chain of
     early-starting kernels of the decode step.
     """
-    tuned = tuned_for(load_table(_device_name(index)).get(table_key(N, K, dtype), {}), T)
+    tuned = tuned_for(load_table(_device_name(index), user_dir).get(table_key(N, K, dtype), {}), T)
     return choose(tuned, default_config(N, K, T, dtype, sms=_sm_count(index)), T, pdl)
 
 

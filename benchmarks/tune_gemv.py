@@ -5,10 +5,15 @@ against a float32 reference, then times it: a CUDA graph runs the op over enough
 overflow L2 (as a decode step streams each weight once), replayed through triton.testing.do_bench, divided by
 the copies. cuBLAS (F.linear, after the Triton rms_norm for the fused-norm shapes) is timed the same way; where
 it wins, the entry says backend "torch" and the ops keep using it. The winners are merged into
-src/moerun/kernels/configs/gemv_<device>.json; a log of every candidate goes to --log-dir.
+src/moerun/kernels/configs/gemv_<device>.json; a log of every candidate goes to --log-dir. A chain of copies of
+one op is not a decode step, where the op follows other kernels: a config can win the chain and lose the step.
+--finalists N writes each case's N fastest configs to folders that bench_decode_variants.py compares in whole
+steps (MOERUN_GEMV_CONFIG_DIR), and prints that command.
 
     python benchmarks/tune_gemv.py --shape qwen3-30b-a3b --shape qwen3-235b-a22b --quick
     python benchmarks/tune_gemv.py --N 5120 --K 2048 --norm --t 1 2        # one shape, full search
+    python benchmarks/tune_gemv.py --shape qwen3-30b-a3b --only qkv --t 1 --quick --finalists 3
+                                     # and the 3 fastest to try in whole decode steps, one folder each
 """
 
 from __future__ import annotations
@@ -135,8 +140,10 @@ def per_op_us(op: Callable[[int], Any], copies: int, args: argparse.Namespace) -
     return 1e3 * median_ms(replay, args.warmup_ms, args.rep_ms) / copies
 
 
-def tune_case(name: str, N: int, K: int, norm: bool, T: int, dtype: torch.dtype, args, log: list) -> GemvConfig | None:
-    """The fastest correct config for one case (backend 'torch' when cuBLAS is faster); prints one line."""
+def tune_case(name: str, N: int, K: int, norm: bool, T: int, dtype: torch.dtype, args, log: list,
+              ranked: list[GemvConfig] | None = None) -> GemvConfig | None:
+    """The fastest correct config for one case (backend 'torch' when cuBLAS is faster); prints one line. ``ranked``,
+    when given, receives every correct Triton config, fastest first."""
     case = make_case(N, K, T, dtype, norm)
     ref = case.reference()
     scale = ref.abs().max().item()
@@ -164,6 +171,8 @@ def tune_case(name: str, N: int, K: int, norm: bool, T: int, dtype: torch.dtype,
         print(f"{name:>8} {T:>3}  all candidates failed")
         return None
     best_us, best = min(timed, key=lambda r: r[0])
+    if ranked is not None:
+        ranked.extend(cfg for _, cfg in sorted(timed, key=lambda r: r[0]))
     default_tiles = replace(default_config(N, K, T, dtype, interpret=False), backend="triton")
     default_us = next((us for us, cfg in timed if cfg == default_tiles), math.nan)
     tb_s = N * K * dtype.itemsize / (best_us * 1e-6) / 1e12
@@ -187,6 +196,23 @@ def write_table(entries: dict[str, dict[int, GemvConfig]], out_dir: Path) -> Pat
     return path
 
 
+def write_finalists(finalists: dict[tuple[str, str, int], list[GemvConfig]], out_dir: Path) -> list[str]:
+    """Each case's fastest configs, one table of one entry per folder (out_dir/<shape>-t<T>-<rank>), to try in
+    whole decode steps through MOERUN_GEMV_CONFIG_DIR; returns the bench_decode_variants variants of T = 1.
+
+    The tuner times each op in a chain of copies of itself; in a decode step it follows other kernels, and a
+    config that wins the chain can lose the step (benchmarks/RESULTS.md, 2026-12-04), so the step decides."""
+    variants = []
+    for (name, key, T), configs in finalists.items():
+        for rank, cfg in enumerate(configs, 1):
+            folder = out_dir / f"{name}-t{T}-{rank}"
+            folder.mkdir(parents=True, exist_ok=True)
+            table_path(device_name(), folder).write_text(json.dumps({key: {str(T): cfg.to_dict()}}, indent=1) + "\n")
+            if T == 1:
+                variants.append(f"--variant {folder.name}:MOERUN_GEMV_CONFIG_DIR={folder}")
+    return variants
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", action="append", choices=sorted(MODEL_SHAPES), help="model preset (repeatable)")
@@ -197,6 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--t", type=int, nargs="+", default=[1, 2, 4, 8], help="token counts to tune")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--quick", action="store_true", help="reduced search space")
+    p.add_argument("--finalists", type=int, default=0,
+                   help="also write each case's N fastest configs, one folder each, to try in whole decode steps "
+                        "(benchmarks/bench_decode_variants.py, MOERUN_GEMV_CONFIG_DIR)")
+    p.add_argument("--finalists-dir", default="gemv_finalists", help="where --finalists writes its folders")
     p.add_argument("--no-torch", dest="allow_torch", action="store_false",
                    help="always record the best Triton config, even where cuBLAS is faster")
     add_tuner_arguments(p, str(CONFIG_DIR))
@@ -221,15 +251,23 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     entries: dict[str, dict[int, GemvConfig]] = {}
     log: list[dict] = []
+    finalists: dict[tuple[str, str, int], list[GemvConfig]] = {}
     for name, N, K, norm in shapes:
         for T in args.t:
-            best = tune_case(name.split(":")[-1], N, K, norm, T, dtype, args, log)
+            ranked: list[GemvConfig] = []
+            best = tune_case(name.split(":")[-1], N, K, norm, T, dtype, args, log, ranked)
             if best is not None:
                 entries.setdefault(table_key(N, K, dtype), {})[T] = best
+                finalists[(name.split(":")[-1], table_key(N, K, dtype), T)] = ranked[:args.finalists]
     log_path = Path(args.log_dir) / f"tune_gemv_{device_name()}.jsonl"
     log_path.write_text("".join(json.dumps(row) + "\n" for row in log))
     if entries:
         print(f"wrote {write_table(entries, Path(args.out_dir))}")
+    if args.finalists:
+        variants = write_finalists(finalists, Path(args.finalists_dir))
+        if variants:
+            print("try them in whole batch-1 steps:\n  python benchmarks/bench_decode_variants.py --variant base "
+                  + " ".join(variants) + " --variant base_again")
     print(f"tuning took {time.perf_counter() - start:.0f} s")
 
 

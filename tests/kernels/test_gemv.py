@@ -198,6 +198,25 @@ def test_user_table_replaces_shipped_entries(tmp_path) -> None:
     assert load_table("no-such-device", str(tmp_path)) == {}
 
 
+def test_tuner_finalists_are_tables_the_op_reads(tmp_path) -> None:
+    """benchmarks/tune_gemv.py --finalists: one folder a config, each a table MOERUN_GEMV_CONFIG_DIR reads."""
+    import runpy
+    from pathlib import Path
+
+    from moerun.kernels.tile_configs import device_name
+
+    script = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "tune_gemv.py"))
+    key = table_key(5120, 2048, torch.bfloat16)
+    configs = [GemvConfig(block_n=2, block_k=2048), GemvConfig(block_n=4, block_k=1024, num_warps=8)]
+    variants = script["write_finalists"]({("qkv", key, 1): configs, ("qkv", key, 2): configs[:1]}, tmp_path)
+    assert len(variants) == 2  # batch-1 steps only: the T = 2 folder is written, not offered
+    for rank, cfg in enumerate(configs, 1):
+        folder = tmp_path / f"qkv-t1-{rank}"
+        assert f"--variant qkv-t1-{rank}:MOERUN_GEMV_CONFIG_DIR={folder}" in variants
+        assert load_table(device_name(), str(folder))[key] == {1: cfg}
+    assert load_table(device_name(), str(tmp_path / "qkv-t2-1"))[key] == {2: configs[0]}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_cuda_graph_replay(seed: int, split_k: int) -> None:

@@ -7,8 +7,8 @@ the copies. cuBLAS (F.linear, after the Triton rms_norm for the fused-norm shape
 it wins, the entry says backend "torch" and the ops keep using it. The winners are merged into
 src/moerun/kernels/configs/gemv_<device>.json; a log of every candidate goes to --log-dir. A chain of copies of
 one op is not a decode step, where the op follows other kernels: a config can win the chain and lose the step.
---finalists N writes each case's N fastest configs to folders that bench_decode_variants.py compares in whole
-steps (MOERUN_GEMV_CONFIG_DIR), and prints that command.
+--finalists N writes each case's N fastest configs (and the one shipped before) to folders that
+bench_decode_variants.py compares in whole steps (MOERUN_GEMV_CONFIG_DIR), and prints that command.
 
     python benchmarks/tune_gemv.py --shape qwen3-30b-a3b --shape qwen3-235b-a22b --quick
     python benchmarks/tune_gemv.py --N 5120 --K 2048 --norm --t 1 2        # one shape, full search
@@ -196,16 +196,17 @@ def write_table(entries: dict[str, dict[int, GemvConfig]], out_dir: Path) -> Pat
     return path
 
 
-def write_finalists(finalists: dict[tuple[str, str, int], list[GemvConfig]], out_dir: Path) -> list[str]:
-    """Each case's fastest configs, one table of one entry per folder (out_dir/<shape>-t<T>-<rank>), to try in
-    whole decode steps through MOERUN_GEMV_CONFIG_DIR; returns the bench_decode_variants variants of T = 1.
+def write_finalists(finalists: dict[tuple[str, str, int], list[tuple[str, GemvConfig]]], out_dir: Path) -> list[str]:
+    """Each case's labelled configs (its fastest by rank, and the one shipped before this run), one table of one
+    entry per folder (out_dir/<shape>-t<T>-<label>), to try in whole decode steps through MOERUN_GEMV_CONFIG_DIR;
+    returns the bench_decode_variants variants of T = 1.
 
     The tuner times each op in a chain of copies of itself; in a decode step it follows other kernels, and a
     config that wins the chain can lose the step (benchmarks/RESULTS.md, 2026-12-04), so the step decides."""
     variants = []
     for (name, key, T), configs in finalists.items():
-        for rank, cfg in enumerate(configs, 1):
-            folder = out_dir / f"{name}-t{T}-{rank}"
+        for label, cfg in configs:
+            folder = out_dir / f"{name}-t{T}-{label}"
             folder.mkdir(parents=True, exist_ok=True)
             table_path(device_name(), folder).write_text(json.dumps({key: {str(T): cfg.to_dict()}}, indent=1) + "\n")
             if T == 1:
@@ -251,14 +252,20 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     entries: dict[str, dict[int, GemvConfig]] = {}
     log: list[dict] = []
-    finalists: dict[tuple[str, str, int], list[GemvConfig]] = {}
+    finalists: dict[tuple[str, str, int], list[tuple[str, GemvConfig]]] = {}
+    shipped = load_table(device_name())  # as it was before this run merges its winners into --out-dir
     for name, N, K, norm in shapes:
         for T in args.t:
             ranked: list[GemvConfig] = []
             best = tune_case(name.split(":")[-1], N, K, norm, T, dtype, args, log, ranked)
             if best is not None:
-                entries.setdefault(table_key(N, K, dtype), {})[T] = best
-                finalists[(name.split(":")[-1], table_key(N, K, dtype), T)] = ranked[:args.finalists]
+                key = table_key(N, K, dtype)
+                entries.setdefault(key, {})[T] = best
+                labelled = [(str(rank), cfg) for rank, cfg in enumerate(ranked[:args.finalists], 1)]
+                before = shipped.get(key, {}).get(T)
+                if before is not None:
+                    labelled.append(("shipped", before))
+                finalists[(name.split(":")[-1], key, T)] = labelled
     log_path = Path(args.log_dir) / f"tune_gemv_{device_name()}.jsonl"
     log_path.write_text("".join(json.dumps(row) + "\n" for row in log))
     if entries:

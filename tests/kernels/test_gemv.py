@@ -207,14 +207,14 @@ def test_tuner_finalists_are_tables_the_op_reads(tmp_path) -> None:
 
     script = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "tune_gemv.py"))
     key = table_key(5120, 2048, torch.bfloat16)
-    configs = [GemvConfig(block_n=2, block_k=2048), GemvConfig(block_n=4, block_k=1024, num_warps=8)]
+    configs = [("1", GemvConfig(block_n=2, block_k=2048)), ("shipped", GemvConfig(block_n=4, block_k=1024))]
     variants = script["write_finalists"]({("qkv", key, 1): configs, ("qkv", key, 2): configs[:1]}, tmp_path)
     assert len(variants) == 2  # batch-1 steps only: the T = 2 folder is written, not offered
-    for rank, cfg in enumerate(configs, 1):
-        folder = tmp_path / f"qkv-t1-{rank}"
-        assert f"--variant qkv-t1-{rank}:MOERUN_GEMV_CONFIG_DIR={folder}" in variants
+    for label, cfg in configs:
+        folder = tmp_path / f"qkv-t1-{label}"
+        assert f"--variant qkv-t1-{label}:MOERUN_GEMV_CONFIG_DIR={folder}" in variants
         assert load_table(device_name(), str(folder))[key] == {1: cfg}
-    assert load_table(device_name(), str(tmp_path / "qkv-t2-1"))[key] == {2: configs[0]}
+    assert load_table(device_name(), str(tmp_path / "qkv-t2-1"))[key] == {2: configs[0][1]}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

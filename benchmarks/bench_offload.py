@@ -283,8 +283,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} "
-          f"{'pf':>2} "
-          f"{'cpu':<6} {'B':>2} {'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} "
+          f"{'pf':>2} {'cpu':<6} {'B':>2} {'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} "
           f"{'peak':>6} {'x floor':>7}")
 
 

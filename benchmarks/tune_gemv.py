@@ -255,17 +255,17 @@ def main(argv: list[str] | None = None) -> None:
     finalists: dict[tuple[str, str, int], list[tuple[str, GemvConfig]]] = {}
     shipped = load_table(device_name())  # as it was before this run merges its winners into --out-dir
     for name, N, K, norm in shapes:
+        short, key = name.split(":")[-1], table_key(N, K, dtype)
         for T in args.t:
             ranked: list[GemvConfig] = []
-            best = tune_case(name.split(":")[-1], N, K, norm, T, dtype, args, log, ranked)
+            best = tune_case(short, N, K, norm, T, dtype, args, log, ranked)
             if best is not None:
-                key = table_key(N, K, dtype)
                 entries.setdefault(key, {})[T] = best
                 labelled = [(str(rank), cfg) for rank, cfg in enumerate(ranked[:args.finalists], 1)]
                 before = shipped.get(key, {}).get(T)
                 if before is not None:
                     labelled.append(("shipped", before))
-                finalists[(name.split(":")[-1], key, T)] = labelled
+                finalists[(short, key, T)] = labelled
     log_path = Path(args.log_dir) / f"tune_gemv_{device_name()}.jsonl"
     log_path.write_text("".join(json.dumps(row) + "\n" for row in log))
     if entries:

@@ -103,9 +103,8 @@ def load_table(device: str, user_dir: str | None = None) -> dict[str, dict[int, 
     """The device's tuned table ({} when none was shipped); with user_dir, the shapes its table holds replace the
     shipped entries (the environment variable MOERUN_GEMV_CONFIG_DIR, as MOERUN_MOE_CONFIG_DIR for fused MoE)."""
     table: dict[str, dict[int, GemvConfig]] = {}
-    for path in (table_path(device), table_path(device, Path(user_dir)) if user_dir else None):
-        if path is None or not path.is_file():
-            continue
+    paths = [table_path(device)] + ([table_path(device, Path(user_dir))] if user_dir else [])
+    for path in filter(Path.is_file, paths):
         raw = json.loads(path.read_text())
         try:
             table.update({key: {int(t): GemvConfig.from_dict(cfg) for t, cfg in by_t.items()}

@@ -94,6 +94,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     P, W, R = 2, 1, k  # staging of missed experts: dense w13 | w2, one array each, top-k rows
     table = torch.zeros(P, E, W, dtype=torch.int64)
     words = torch.full((P * W,), 64, dtype=torch.int64)
+    admission = Admission(torch.zeros(P, 4, W, dtype=torch.int64), table, torch.full((4,), -1), torch.arange(4),
+                          *(torch.zeros(E, dtype=torch.int64) for _ in range(3)))
     q5 = [pack(random_quantized(QuantType.Q5_K, (E, I, H), "cpu")) for _ in range(2)]
     q8_down = pack(random_quantized(QuantType.Q8_0, (E, H, I), "cpu"))
     q4_0 = pack(random_quantized(QuantType.Q4_0, (64, H), "cpu"))
@@ -166,11 +168,15 @@ def _cases() -> dict[str, Callable[[], None]]:
         "stage missed experts": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table)),
+        "stage missed experts, pairs counted": lambda: stage_misses_triton(
+            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
+            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), counts=torch.zeros(E, dtype=torch.int64)),
         "stage missed experts into cache slots": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
-            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), Admission(
-                torch.zeros(P, 4, W, dtype=torch.int64), table, torch.full((4,), -1), torch.arange(4),
-                *(torch.zeros(E, dtype=torch.int64) for _ in range(3)))),
+            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), admission),
+        "stage missed experts into cache slots, pairs counted": lambda: stage_misses_triton(
+            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
+            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), admission, admission.counts),
     }
 
 

@@ -29,8 +29,9 @@ def _expected(table, is_host, ids, rows):
 
 
 @pytest.mark.parametrize("word_dtype", [torch.int64, torch.int32], ids=["8-byte words", "4-byte words"])
-@pytest.mark.parametrize("pairs,rows", [(1, 8), (8, 8), (16, 8), (5, 3), (70, 4)])
+@pytest.mark.parametrize("pairs,rows", [(1, 8), (8, 8), (16, 8), (5, 3), (70, 4), (1500, 2), (6, 0)])
 def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
+    # also the pass's routing counts, added by the kernel for every pair (beyond the scanned ones too)
     P, E, W = 2, 7 if pairs < 64 else 40, 2
     word = torch.empty((), dtype=word_dtype).element_size()
     sizes = torch.randint(1, 300, (P * W,))  # words; array (1, 1) absent
@@ -50,8 +51,11 @@ def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
         ids[2] = ids[0]  # a repeated expert shares the first pair's row
     staging = torch.zeros(rows, int(sizes.sum()), dtype=word_dtype, device=DEVICE)
     out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
+    counts = torch.randint(0, 5, (E,))
+    got_counts = counts.clone().to(DEVICE)
     stage_misses_triton(table.to(DEVICE), is_host.to(DEVICE), ids.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE),
-                        int(sizes.max()), staging, out)
+                        int(sizes.max()), staging, out, counts=got_counts)
+    assert torch.equal(got_counts.cpu(), counts + torch.bincount(ids.long(), minlength=E))
     want = _expected(table, is_host.tolist(), ids, rows)
     got = out.cpu()
     for p in range(P):
@@ -68,10 +72,12 @@ def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
                     assert int(got[p, e, w]) == int(table[p, e, w]), f"seed={seed}: entry {(p, e, w)} moved"
 
 
+@pytest.mark.parametrize("counted", ["by the kernel", "before"])
 @pytest.mark.parametrize("pairs,rows,spares", [(1, 8, 2), (8, 8, 4), (16, 2, 3), (8, 0, 8), (70, 4, 5)])
-def test_admission_into_spare_slots(seed, pairs, rows, spares) -> None:
+def test_admission_into_spare_slots(seed, pairs, rows, spares, counted) -> None:
     # the kernel against stage_misses_reference: spare slots taken first (skipping slots whose expert any pair of
-    # this pass routes to), then the rows; the layer's table, flags, occupants and host-pass counts rewritten alike
+    # this pass routes to), then the rows; the layer's table, flags, occupants and host-pass counts rewritten alike;
+    # the pass's pairs counted by the kernel itself, or by the caller before it runs
     from moerun.kernels.stage_misses import Admission, stage_misses_reference
 
     g = torch.Generator().manual_seed(seed)
@@ -106,22 +112,27 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares) -> None:
         ids[2] = ids[0]
     counts = torch.randint(0, 5, (E,), generator=g)
     start = counts.clone()
-    counts.index_add_(0, ids.long(), torch.ones(pairs, dtype=torch.int64))  # this pass's routing, every pair
+    if counted == "before":  # this pass's routing, every pair
+        counts.index_add_(0, ids.long(), torch.ones(pairs, dtype=torch.int64))
     spare = torch.randperm(S, generator=g)[:spares] if spares <= S else torch.randperm(S, generator=g)
     spare = torch.cat([spare, torch.full((max(spares - S, 0),), -1)])  # padding past the slots
     host_passes = torch.randint(0, 3, (E,), generator=g)
 
     def admission(on):
         return Admission(slot_table.to(on), host_table.to(on), occupant.clone().to(on), spare.to(on),
-                         counts.to(on), start.to(on), host_passes.clone().to(on))
+                         counts.clone().to(on), start.to(on), host_passes.clone().to(on))
 
     want_admit, want_table, want_host = admission("cpu"), table.clone(), is_host.clone()
-    plan = stage_misses_reference(want_table, want_host, ids, rows, want_admit)
+    by_kernel = counted == "by the kernel"
+    plan = stage_misses_reference(want_table, want_host, ids, rows, want_admit,
+                                  want_admit.counts if by_kernel else None)
     got_admit, got_table, got_host = admission(DEVICE), table.clone().to(DEVICE), is_host.clone().to(DEVICE)
     staging = torch.zeros(rows, int(sizes.sum()), dtype=word_dtype, device=DEVICE)
     out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
     stage_misses_triton(got_table, got_host, ids.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE), int(sizes.max()),
-                        staging, out, got_admit)
+                        staging, out, got_admit, got_admit.counts if by_kernel else None)
+    want_counts = start + torch.bincount(ids.long(), minlength=E)
+    assert torch.equal(want_admit.counts, want_counts) and torch.equal(got_admit.counts.cpu(), want_counts)
     assert torch.equal(got_table.cpu(), want_table) and torch.equal(got_host.cpu(), want_host)
     assert torch.equal(got_admit.occupant.cpu(), want_admit.occupant)
     assert torch.equal(got_admit.host_passes.cpu(), want_admit.host_passes)

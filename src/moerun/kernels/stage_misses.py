@@ -5,7 +5,8 @@ A fused MoE kernel reading an expert in place from pinned host memory over PCIe 
 a kernel that only copies reaches about 51 GB/s, as fast as the copy engine (benchmarks/RESULTS.md). So for a
 layer whose routed experts are not all cached, two launches:
 
-1. plan (one program): picks the missed experts to stage, those of the first SCAN_PAIRS pairs in order of their
+1. plan (one program): adds the pass's pairs to the layer's routing counts (when given, before anything reads
+   them), then picks the missed experts to stage, those of the first SCAN_PAIRS pairs in order of their
    first pair, and where each goes; writes the step's address table (the layer's table with those experts'
    entries pointing where they go) and a (source, destination) address pair per array of each staged expert.
    With admission (``admit``): the layer's spare slots (cache slots the host ranked least valued, between
@@ -61,7 +62,7 @@ def _plan_kernel(
     is_host_ptr,  # [E] int32: 1 where the expert's entries point at host memory
     occupant_ptr,  # [S] int64 (ADMIT)
     spare_ptr,  # [R_S] int64 (ADMIT)
-    counts_ptr,  # [E] int64 (ADMIT)
+    counts_ptr,  # [E] int64 (ADMIT or COUNT)
     start_ptr,  # [E] int64 (ADMIT)
     host_passes_ptr,  # [E] int64 (ADMIT)
     ids_ptr,  # [>= N] int32 or int64: the expert of each (token, slot) pair
@@ -72,6 +73,7 @@ def _plan_kernel(
     src_ptr,  # [SCAN, P * W] int64: source address of each planned copy
     dst_ptr,  # [SCAN, P * W] int64: its destination, 0 where the pair copies nothing
     N,  # pairs scanned
+    NT,  # pairs in all (COUNT)
     E,
     S,
     R,  # staging rows
@@ -82,12 +84,20 @@ def _plan_kernel(
     W: tl.constexpr,
     WORD: tl.constexpr,  # bytes of a word
     ADMIT: tl.constexpr,
+    COUNT: tl.constexpr,  # add one to counts[e] for each of the NT pairs first
     BLOCK_N: tl.constexpr,  # >= N, a power of two
     BLOCK_A: tl.constexpr,  # >= A
     BLOCK_S: tl.constexpr,  # >= R_S
     BLOCK_E: tl.constexpr,  # >= E
     BLOCK_T: tl.constexpr,  # table entries copied a step
+    BLOCK_C: tl.constexpr,  # pairs counted a step
 ):
+    if COUNT:
+        for c0 in range(0, NT, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            e_c = tl.load(ids_ptr + c, mask=c < NT, other=0).to(tl.int64)
+            tl.atomic_add(counts_ptr + e_c, tl.full([BLOCK_C], 1, dtype=tl.int64), mask=c < NT)
+        tl.debug_barrier()  # the counts read below include this pass's pairs
     for t0 in range(0, TABLE, BLOCK_T):  # the step's table starts as the layer's
         t = t0 + tl.arange(0, BLOCK_T)
         tl.store(out_ptr + t, tl.load(table_ptr + t, mask=t < TABLE), mask=t < TABLE)
@@ -110,7 +120,7 @@ def _plan_kernel(
         j = tl.arange(0, BLOCK_S)  # [BLOCK_S]
         spare = tl.load(spare_ptr + j, mask=j < R_S, other=-1)  # [BLOCK_S] slots
         occ = tl.load(occupant_ptr + spare, mask=spare >= 0, other=-1)  # [BLOCK_S] their experts
-        routed_now = (tl.load(counts_ptr + occ, mask=occ >= 0, other=0)
+        routed_now = (tl.load(counts_ptr + occ, mask=occ >= 0, other=0, cache_modifier=".cg")
                       > tl.load(start_ptr + occ, mask=occ >= 0, other=0))  # [BLOCK_S]: routed by this pass
         usable = (spare >= 0) & ~routed_now  # [BLOCK_S]
         urank = tl.sum(((j[None, :] < j[:, None]) & usable[None, :]).to(tl.int32), axis=1)  # [BLOCK_S]
@@ -141,7 +151,8 @@ def _plan_kernel(
         # the pass's reads from host memory, counted before the flags change: experts routed now, not cached
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
-        now = tl.load(counts_ptr + e, mask=e_ok, other=0) > tl.load(start_ptr + e, mask=e_ok, other=0)
+        now = (tl.load(counts_ptr + e, mask=e_ok, other=0, cache_modifier=".cg")
+               > tl.load(start_ptr + e, mask=e_ok, other=0))
         was_host = tl.load(is_host_ptr + e, mask=e_ok, other=0) != 0
         tl.debug_barrier()  # every flag and entry above is read before any is rewritten
         passes = tl.load(host_passes_ptr + e, mask=e_ok, other=0)
@@ -187,37 +198,44 @@ def _copy_kernel(
 
 def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
                         offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor,
-                        admit: Admission | None = None) -> torch.Tensor:
+                        admit: Admission | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the missed experts of the first
     SCAN_PAIRS pairs of ``ids`` [N] (in order of their first pair) copied to the device and pointed at: into the
     spare slots of ``admit`` first (then admitted: ``table``, ``is_host`` and the occupants rewritten), then into
     the R rows of ``staging`` [R, row words].
 
     is_host [E] int32 (1: the table points at host memory), sizes / offsets [P * W] int64 in words of staging's
-    element type, max_words the largest size; every address a multiple of that word. Returns out."""
+    element type, max_words the largest size; every address a multiple of that word. ``counts`` [E] int64, when
+    given, gets one added per pair of ids (all N) before the plan reads it; with ``admit`` it must be admit.counts,
+    which the caller has otherwise counted the pass into already. Returns out."""
     P, E, W = table.shape
+    if counts is not None and admit is not None and counts.data_ptr() != admit.counts.data_ptr():
+        raise ValueError("counts must be the admission's counts")
     word = staging.element_size()
     n = min(ids.numel(), SCAN_PAIRS)
     spares = 0 if admit is None else admit.spares.numel()
     if n == 0 or staging.shape[0] + spares == 0:
+        if counts is not None:
+            counts.index_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
         out.copy_(table)
         return out
     A = P * W
     src = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
     dst = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
     if admit is None:
-        S, host_table, slot_table, occupant, spare, counts, start, host_passes = (0, table, table, table, table,
-                                                                                   table, table, table)
+        S, host_table, slot_table, occupant, spare, start, host_passes = (0, table, table, table, table, table,
+                                                                          table)
     else:
         S = admit.occupant.numel()
         host_table, slot_table, occupant, spare = admit.host_table, admit.slot_table, admit.occupant, admit.spares
-        counts, start, host_passes = admit.counts, admit.pass_start, admit.host_passes
+        start, host_passes = admit.pass_start, admit.host_passes
+    counted = counts if counts is not None else admit.counts if admit is not None else table
     _plan_kernel[(1,)](
-        table, host_table, slot_table, is_host, occupant, spare, counts, start, host_passes, ids, sizes, offsets,
-        staging, out, src, dst, n, E, S, staging.shape[0], spares, staging.shape[1], P * E * W, A, W=W, WORD=word,
-        ADMIT=admit is not None, BLOCK_N=triton.next_power_of_2(n), BLOCK_A=triton.next_power_of_2(A),
-        BLOCK_S=triton.next_power_of_2(max(spares, 1)), BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024,
-        num_warps=4,
+        table, host_table, slot_table, is_host, occupant, spare, counted, start, host_passes, ids, sizes, offsets,
+        staging, out, src, dst, n, ids.numel(), E, S, staging.shape[0], spares, staging.shape[1], P * E * W, A, W=W,
+        WORD=word, ADMIT=admit is not None, COUNT=counts is not None, BLOCK_N=triton.next_power_of_2(n),
+        BLOCK_A=triton.next_power_of_2(A), BLOCK_S=triton.next_power_of_2(max(spares, 1)),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024, BLOCK_C=1024, num_warps=4,
     )  # fmt: skip
     chunks = triton.cdiv(max_words, CHUNK_WORDS)
     _copy_kernel[(n, A, chunks)](src, dst, sizes, staging, A, WORD=word, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS,
@@ -226,11 +244,14 @@ def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.T
 
 
 def stage_misses_reference(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, rows: int,
-                           admit: Admission | None = None) -> dict[tuple[int, int], tuple[str, int]]:
-    """The plan of ``stage_misses_triton`` in plain torch, applying the same admission to ``table``, ``is_host``
-    and ``admit`` (its occupants and host-pass counts) in place: {(pair, expert): ('slot' | 'row', index)} of the
-    staged experts. The caller checks the step's table and the bytes against it."""
+                           admit: Admission | None = None,
+                           counts: torch.Tensor | None = None) -> dict[tuple[int, int], tuple[str, int]]:
+    """The plan of ``stage_misses_triton`` in plain torch, applying the same counting to ``counts`` and admission
+    to ``table``, ``is_host`` and ``admit`` (its occupants and host-pass counts) in place: {(pair, expert): ('slot'
+    | 'row', index)} of the staged experts. The caller checks the step's table and the bytes against it."""
     P, E, W = table.shape
+    if counts is not None:
+        counts.index_add_(0, ids.long(), torch.ones(ids.numel(), dtype=counts.dtype, device=counts.device))
     plan: dict[tuple[int, int], tuple[str, int]] = {}
     staged: list[tuple[int, int]] = []
     seen: set[int] = set()

@@ -209,7 +209,8 @@ class ZeroCopyOffload(OffloadManagerBase):
         return wanted
 
     def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The layer's table for this pass, its missed experts staged on the device ([P, E, W])."""
+        """The layer's table for this pass, its missed experts staged on the device ([P, E, W]); the pass's pairs are
+        added to the layer's routing counts by the same launch."""
         from moerun.kernels.stage_misses import Admission, stage_misses_triton  # Triton: an optional dependency
 
         admit = None
@@ -218,7 +219,7 @@ class ZeroCopyOffload(OffloadManagerBase):
                               self.spares[layer], self.counts[layer], self.pass_start[layer], self.host_passes[layer])
         return stage_misses_triton(self.table[layer], self.is_host[layer], topk_ids.reshape(-1),
                                    self.stage_sizes[layer], self.stage_offsets[layer], self.stage_max_words[layer],
-                                   self.staging, self.step_table, admit)
+                                   self.staging, self.step_table, admit, counts=self.counts[layer])
 
     @staticmethod
     def _packed_arrays(store: HostExpertStore, S: int, device: torch.device,
@@ -256,11 +257,14 @@ class ZeroCopyOffload(OffloadManagerBase):
     def forward_layer(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
-        ids = topk_ids.reshape(-1).long()  # [T*k]
         if layer == 0:  # a new forward pass: the pair counts it starts from
             self.pass_start.copy_(self.counts)
-        self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
-        step = self._staged_tables(layer, topk_ids) if self.staging is not None else None  # [P, E, W]
+        step = None  # [P, E, W]
+        if self.staging is not None:
+            step = self._staged_tables(layer, topk_ids)  # its plan launch also counts the pairs
+        else:
+            ids = topk_ids.reshape(-1).long()  # [T*k]
+            self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
             tables = self.quant_tables[layer] if step is None else ([step[p] for p in range(step.shape[0] - 1)],

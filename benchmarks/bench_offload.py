@@ -11,8 +11,9 @@ quantized rows run in 'copy' mode, the only one for quantized experts.
 
 Skewed trace: each MoE layer ranks its experts by a random permutation and routes with Zipf(--zipf) popularity over
 that ranking; with probability --locality a token keeps the previous token's (same batch row's) expert set at that
-layer (temporal locality). The routers are replaced by this sampler, so router-lookahead prefetch cannot predict
-it and is off for those rows. The sampler keeps its state in device buffers, so graphed steps replay it.
+layer (temporal locality). The routers still run, but the experts they pick are swapped for the trace's (drawn on
+the host beforehand, read on the device at a step counter, so graphed steps replay it); router-lookahead prefetch
+cannot predict the trace and is off for those rows.
 
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
 copy mode, read by the kernels in zero-copy mode), at the pinned host-to-device bandwidth measured in the same run.
@@ -32,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from moerun.api import LLM
@@ -116,46 +118,63 @@ def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
     return out
 
 
-class SkewedRouter:
-    """Replaces a block's router: Zipf popularity over a random ranking of the experts, with temporal locality.
-    Sampling stays on the device with no host synchronisation, and the previous ids of each batch row live in a
-    static buffer, so a CUDA graph replays the sampler as it runs eagerly."""
+class SkewedTrace:
+    """Replaces the experts the routers pick with a skewed trace: at each MoE layer, Zipf popularity over a random
+    ranking of the experts, and with probability ``locality`` a batch row keeps its previous step's experts there.
 
-    def __init__(self, num_experts: int, k: int, zipf: float, locality: float, seed: int, device: torch.device,
-                 max_tokens: int):
-        g = torch.Generator().manual_seed(seed)
-        ranks = torch.randperm(num_experts, generator=g)
-        p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf
-        probs = torch.empty(num_experts, dtype=torch.float64)
-        probs[ranks] = p / p.sum()
-        self.log_probs, self.k, self.locality = probs.log().float().to(device), k, locality
-        self.prev = torch.full((max_tokens, k), -1, dtype=torch.int64, device=device)  # [rows, k], -1: none yet
+    The routers still run (their kernels are part of the step); a forward pre-hook on each block's experts swaps
+    the router's top-k ids for the trace's and keeps its weights. The trace is drawn on the host beforehand
+    ([steps, rows, k] a layer, cycled) and read at a device step counter, so a graphed step replays one gather a
+    layer. A batch of more rows than the trace has (a prefill) draws fresh ids on the device (no locality)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        T, E = x.shape[0], self.log_probs.shape[0]
-        u = torch.rand(T, E, device=x.device).clamp_(1e-12, 1.0 - 1e-7)
-        # Gumbel top-k: k experts without replacement, each draw by the Zipf probabilities
-        ids = torch.topk(self.log_probs - torch.log(-torch.log(u)), self.k, dim=-1).indices  # [T, k]
-        prev = self.prev[:T]
-        keep = (torch.rand(T, 1, device=x.device) < self.locality) & (prev[:, :1] >= 0)
-        ids = torch.where(keep, prev, ids)
-        prev.copy_(ids)
-        logits = torch.full((T, E), -4.0, dtype=x.dtype, device=x.device)
-        return logits.scatter_(1, ids, (4.0 + torch.rand(T, self.k, device=x.device)).to(x.dtype))  # [T, E]
+    def __init__(self, blocks: list, num_experts: int, k: int, zipf: float, locality: float, rows: int,
+                 device: torch.device, steps: int = 256, seed: int = 1000):
+        self.k, self.rows, self.steps = k, rows, steps
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # the decode step, mod steps
+        self.log_probs, self.traces, self.handles = [], [], []
+        rng = np.random.default_rng(seed)
+        ranked = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** zipf
+        for i, block in enumerate(blocks):
+            probs = np.empty(num_experts)
+            probs[rng.permutation(num_experts)] = ranked / ranked.sum()
+            trace = np.empty((steps, rows, k), dtype=np.int32)  # [steps, rows, k]
+            for t in range(steps):
+                # Gumbel top-k: k experts without replacement, each draw by the Zipf probabilities
+                fresh = np.argsort(np.log(probs) - np.log(-np.log(rng.random((rows, num_experts)))), axis=1)[:, -k:]
+                keep = (rng.random((rows, 1)) < locality) if t else np.zeros((rows, 1), dtype=bool)
+                trace[t] = np.where(keep, trace[t - 1], fresh)
+            self.log_probs.append(torch.from_numpy(np.log(probs)).float().to(device))
+            self.traces.append(torch.from_numpy(trace).to(device))
+            last = i == len(blocks) - 1
+            self.handles.append(block.experts.register_forward_pre_hook(
+                lambda module, args, i=i, last=last: self._swap(args, i, last)))
+
+    def _swap(self, args: tuple, layer: int, last: bool) -> tuple:
+        x, weights, ids = args[:3]  # x [T, H], weights / ids [T, k]
+        T = ids.shape[0]
+        if T > self.rows:
+            u = torch.rand(T, self.log_probs[layer].numel(), device=ids.device).clamp_(1e-12, 1.0 - 1e-7)
+            new = torch.topk(self.log_probs[layer] - torch.log(-torch.log(u)), self.k, dim=-1).indices  # [T, k]
+        else:
+            new = self.traces[layer].index_select(0, self.pos)[0, :T]  # [T, k]
+            if last:
+                self.pos.add_(1).remainder_(self.steps)
+        return (x, weights, new.to(ids.dtype), *args[3:])
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) -> None:
     mc = model.config
-    max_tokens = max(int(b) for b in args.batch_sizes.split(",")) * args.prompt_len
-    for i, b in enumerate(model.moe_blocks()):
-        b.__dict__.pop("router_logits", None)
-        b.__dict__.pop("_routes_fused", None)
-        if routing == "skewed":
-            b.__dict__["router_logits"] = SkewedRouter(mc.num_experts, mc.num_experts_per_tok, args.zipf,
-                                                       args.locality, 1000 + i, next(model.parameters()).device,
-                                                       max_tokens)
-            if hasattr(b, "_routes_fused"):  # a fused norm + router kernel would bypass the sampler
-                b.__dict__["_routes_fused"] = lambda x, norm: False
+    old = model.__dict__.pop("_skewed_trace", None)
+    if old is not None:
+        old.remove()
+    if routing == "skewed":
+        rows = max(int(b) for b in args.batch_sizes.split(","))
+        model.__dict__["_skewed_trace"] = SkewedTrace(model.moe_blocks(), mc.num_experts, mc.num_experts_per_tok,
+                                                      args.zipf, args.locality, rows, next(model.parameters()).device)
 
 
 def measure_decode(llm: LLM, B: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -102,16 +102,21 @@ def test_next_input_ids_mixes_pending_and_known_tokens():
     assert next_input_ids([4, 5], [-1, -1], None, torch.device("cpu")).tolist() == [4, 5]
 
 
-def test_default_is_off_only_behind_an_expert_cache() -> None:
-    # a device cache of experts learns each step's routing a step late under async scheduling; with no slots a
-    # layer (every expert staged or read from host memory) there is nothing to learn, so the default stays on
+def test_default_is_off_only_behind_an_expert_cache_the_host_fills() -> None:
+    # a device cache of experts whose admissions the host plans from each step's routing would plan them a step late
+    # under async scheduling; with no slots a layer (every expert staged or read from host memory) there is nothing
+    # to plan, and with admission on the device the host only ranks spare slots, so the default stays on there
     from types import SimpleNamespace
 
-    from moerun.engine.engine import caches_experts
+    from moerun.engine.engine import admits_between_steps
 
     model = torch.nn.Linear(1, 1)
-    assert not caches_experts(model)
+    assert not admits_between_steps(model)
     model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=0)
-    assert not caches_experts(model)
+    assert not admits_between_steps(model)
     model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=3)
-    assert caches_experts(model)
+    assert admits_between_steps(model)
+    model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=3, device_admission=False)
+    assert admits_between_steps(model)
+    model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=3, device_admission=True)
+    assert not admits_between_steps(model)

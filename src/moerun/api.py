@@ -36,8 +36,8 @@ class LLM:
     device None picks CUDA when present, else CPU; dtype None keeps the checkpoint's dtype on CUDA and uses
     float32 on CPU. async_scheduling: launch each decode step (without repetition penalties) before the previous
     step's tokens reach the host (the host's work per step then overlaps the GPU's); None turns it on where decode
-    runs in CUDA graphs and the experts are not offloaded behind a device cache (with one, the cache would learn
-    each step's routing a step late).
+    runs in CUDA graphs, unless the experts are offloaded behind a device cache that the host fills between steps
+    (it would plan each step's admissions a step late; zero-copy mode admits on the device by default).
 
     Expert offloading (moe/offload): gpu_memory_gb bounds what the model may use on the device; when the model does
     not fit (or expert_cache_gb is given) the experts stay in host memory and a device cache of expert slots serves

@@ -33,10 +33,12 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed)
         self.eos_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + mc.eos_token_ids))
         # async scheduling: on by default where decode runs in CUDA graphs (the host work then overlaps the GPU),
-        # except with offloaded experts behind a device cache, which then learns each step's routing one step later
-        # (with no slots there is nothing to learn: a Q4_K_M at --n-cpu-moe 48's memory ran 35.4 -> 36.8 tok/s)
+        # except with offloaded experts behind a device cache whose admissions the host plans between steps: it
+        # would plan them a step late. With no slots there is nothing to plan (a Q4_K_M at --n-cpu-moe 48's memory
+        # ran 35.4 -> 36.8 tok/s); with admission on the device the host only ranks the spare slots (bf16 at 8 GiB:
+        # 124 -> 135 tok/s random, 38.1 -> 39.3 skewed; benchmarks/RESULTS.md)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else bool(self.runner.graphs) and not caches_experts(model))
+                                 else bool(self.runner.graphs) and not admits_between_steps(model))
         self._pending: PendingTokens | None = None
         pinned = self.device.type == "cuda"
         self._host_ids = [torch.zeros(num_slots, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -184,7 +186,9 @@ class Engine:
             self.cache.release(slot)
 
 
-def caches_experts(model: torch.nn.Module) -> bool:
-    """Whether the model's experts are offloaded behind a device cache of at least one slot a layer."""
+def admits_between_steps(model: torch.nn.Module) -> bool:
+    """Whether the model's experts are offloaded behind a device cache (at least one slot a layer) whose admissions
+    the host plans between steps from the routing it reads back (not admitted on the device inside the step)."""
     manager = model.__dict__.get("expert_offload")
-    return manager is not None and manager.slots_per_layer > 0
+    return (manager is not None and manager.slots_per_layer > 0
+            and not getattr(manager, "device_admission", False))

@@ -59,6 +59,7 @@ def _cases() -> dict[str, Callable[[], None]]:
         decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
     )
     from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.decode import dequantize_triton
@@ -111,6 +112,9 @@ def _cases() -> dict[str, Callable[[], None]]:
                                                                                 ids1.repeat(4, 1), fused_gemm2),
         "fused_moe through address tables (zero-copy)": lambda: fused_moe_indirect_triton(
             x1, *(torch.tensor([t.data_ptr() for t in rows]) for rows in dense_rows), I, bf16, w1, ids1, 16),
+        "fused_moe through address tables, staged pairs after the others": lambda: fused_moe_indirect_triton(
+            x1, *(torch.tensor([t.data_ptr() for t in rows]) for rows in dense_rows), I, bf16, w1, ids1, 16,
+            staged=StagedPairs(torch.zeros(ids1.numel(), dtype=torch.int32), lambda: None)),
         "decode attention, two launches": lambda: decode_attention_triton(q, k_cache, v_cache, slots, lens, 0.125,
                                                                           single_launch=False),
         "quant MoE, decode, Q5_K gate/up and Q8_0 down (gemv path)": lambda: fused_moe_quant(x1, q5, q8_down, w1, ids1),

@@ -70,6 +70,15 @@ def routing(T: int, E: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, t
     return weights.to(DEVICE), ids.to(DEVICE)
 
 
+def fp32_case(seed: int, T: int, E: int, H: int, I: int, k: int):  # noqa: E741
+    """(generator, layer, routing weights, ids, hidden, pointer tables) of a float32 layer."""
+    g = torch.Generator().manual_seed(seed)
+    layer = Layer(E, H, I, torch.float32, g)
+    weights, ids = routing(T, E, k, g)
+    hidden = torch.randn(T, H, generator=g).to(DEVICE)
+    return g, layer, weights, ids, hidden, layer.tables()
+
+
 def check_close(seed: int, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     tol = TOLERANCE[dtype]
     scale = ref.float().abs().max().item() + 1e-6
@@ -99,12 +108,8 @@ def test_indirect_kernel_matches_reference(seed, T, E, H, I, k, config, dtype) -
 
 @pytest.mark.parametrize("config", ["gemv-atomic", "gemv-fused", "tile-sum"])
 def test_other_slot_reductions(seed, config) -> None:
-    g = torch.Generator().manual_seed(seed)
-    T, E, H, I, k = 3, 6, 32, 32, 2  # noqa: E741
-    layer = Layer(E, H, I, torch.float32, g)
-    weights, ids = routing(T, E, k, g)
-    hidden = torch.randn(T, H, generator=g).to(DEVICE)
-    ptrs = layer.tables()
+    I = 32  # noqa: E741
+    _, layer, weights, ids, hidden, ptrs = fp32_case(seed, 3, 6, 32, I, 2)
     out = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align,
                                     CONFIGS[config])
     check_close(seed, out, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.float32, config)
@@ -128,12 +133,8 @@ def test_op_dispatch_and_hidden_in_another_dtype(seed, backend) -> None:
 
 def test_tables_can_change_between_calls(seed) -> None:
     # the same table tensors, re-pointed in place (as the expert cache does between decode steps)
-    g = torch.Generator().manual_seed(seed)
-    T, E, H, I, k = 1, 4, 32, 32, 2  # noqa: E741
-    layer = Layer(E, H, I, torch.float32, g)
-    weights, ids = routing(T, E, k, g)
-    hidden = torch.randn(T, H, generator=g).to(DEVICE)
-    ptrs = layer.tables()
+    I = 32  # noqa: E741
+    _, layer, weights, ids, hidden, ptrs = fp32_case(seed, 1, 4, 32, I, 2)
     before = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align, GEMV)
     check_close(seed, before, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.float32, "before")
     layer.slot = {}  # every expert back at its store row
@@ -152,3 +153,42 @@ def test_address_resolution_errors() -> None:
     with pytest.raises(ValueError, match="not aligned"):
         tensor_at(a.data_ptr() + 2, (2,), torch.float32, (a,))
     assert address_alignment(64, 4096) == 16 and address_alignment(64, 2244) == 4 and address_alignment(6) == 2
+
+
+@pytest.mark.parametrize("config", ["gemv", "gemv-fused", "tile"])
+def test_staged_pairs_computed_after_the_wait(seed, config) -> None:
+    # the pairs flagged as staged point at poisoned weights until wait() (standing in for the copy landing) points
+    # them at the real ones, and the other pairs' w13 at poison from then on: the gemv path computes the other pairs
+    # first, the flagged ones after the wait, and gives the same result, bit for bit, as one pass; the tile path
+    # waits first
+    from moerun.kernels.fused_moe import StagedPairs
+
+    T, E, H, I, k = 3, 8, 32, 48, 3  # noqa: E741
+    g, layer, weights, ids, hidden, ptrs = fp32_case(seed, T, E, H, I, k)
+    want = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align,
+                                     CONFIGS[config])
+    staged_experts = ids.reshape(-1)[torch.randperm(T * k, generator=g)[: T * k // 2].to(DEVICE)].unique()
+    flags = torch.isin(ids.reshape(-1), staged_experts).to(torch.int32)  # [T*k]
+    poison13 = torch.full((2 * I, H), float("nan"), device=DEVICE)
+    poison2 = torch.full((H, I), float("nan"), device=DEVICE)
+    w13, w2 = ptrs.w13.clone(), ptrs.w2.clone()
+    ptrs.w13[staged_experts] = poison13.data_ptr()
+    ptrs.w2[staged_experts] = poison2.data_ptr()
+    waits = []
+
+    def wait() -> None:
+        waits.append(True)
+        if config == "tile":  # it computes every pair after the wait
+            ptrs.w13.copy_(w13)
+        else:
+            ptrs.w13.fill_(poison13.data_ptr())
+            ptrs.w13[staged_experts] = w13[staged_experts]
+        ptrs.w2.copy_(w2)
+
+    got = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align,
+                                    CONFIGS[config], staged=StagedPairs(flags, wait))
+    assert len(waits) == 1
+    if config == "tile":  # fp32 atomics: the order of the slot sum may differ from run to run on a GPU
+        check_close(seed, got, want, torch.float32, config)
+    else:
+        assert torch.equal(got, want), f"seed={seed}"

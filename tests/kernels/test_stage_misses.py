@@ -53,10 +53,14 @@ def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
     out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
     counts = torch.randint(0, 5, (E,))
     got_counts = counts.clone().to(DEVICE)
+    flags = torch.full((pairs,), 7, dtype=torch.int32, device=DEVICE) if pairs <= SCAN_PAIRS else None
     stage_misses_triton(table.to(DEVICE), is_host.to(DEVICE), ids.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE),
-                        int(sizes.max()), staging, out, counts=got_counts)
+                        int(sizes.max()), staging, out, counts=got_counts, flags=flags)
     assert torch.equal(got_counts.cpu(), counts + torch.bincount(ids.long(), minlength=E))
     want = _expected(table, is_host.tolist(), ids, rows)
+    if flags is not None:  # the pairs whose expert is copied (by its first pair), which must wait for the copy
+        copied = {e for (_, e, _) in want}
+        assert flags.cpu().tolist() == [int(e in copied) for e in ids.tolist()], f"seed={seed}"
     got = out.cpu()
     for p in range(P):
         for e in range(E):
@@ -129,8 +133,12 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares, counted) -> None:
     got_admit, got_table, got_host = admission(DEVICE), table.clone().to(DEVICE), is_host.clone().to(DEVICE)
     staging = torch.zeros(rows, int(sizes.sum()), dtype=word_dtype, device=DEVICE)
     out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
+    flags = torch.full((pairs,), 7, dtype=torch.int32, device=DEVICE) if pairs <= SCAN_PAIRS else None
     stage_misses_triton(got_table, got_host, ids.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE), int(sizes.max()),
-                        staging, out, got_admit, got_admit.counts if by_kernel else None)
+                        staging, out, got_admit, got_admit.counts if by_kernel else None, flags)
+    if flags is not None:
+        copied = {e for (_, e) in plan}
+        assert flags.cpu().tolist() == [int(e in copied) for e in ids.tolist()], f"seed={seed}"
     want_counts = start + torch.bincount(ids.long(), minlength=E)
     assert torch.equal(want_admit.counts, want_counts) and torch.equal(got_admit.counts.cpu(), want_counts)
     assert torch.equal(got_table.cpu(), want_table) and torch.equal(got_host.cpu(), want_host)

@@ -80,14 +80,18 @@ def kernel_table(step: Callable[[], object], top: int, repeats: int = 3) -> dict
             step()
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
+    first, last = float("inf"), 0.0  # us: the first GPU op's start, the last one's end
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             entry = kernels.setdefault(evt.name, [0.0, 0])
             entry[0] += evt.device_time / 1e3 / repeats  # ms per step
             entry[1] += 1 / repeats
+            first, last = min(first, evt.time_range.start), max(last, evt.time_range.end)
     total = sum(v[0] for v in kernels.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    return {"gpu_kernel_ms_per_step": total, "kernels_per_step": int(round(sum(v[1] for v in kernels.values()))),
+    span = (last - first) / 1e3 / repeats if kernels else 0.0
+    return {"gpu_kernel_ms_per_step": total, "gpu_span_ms_per_step": span,
+            "kernels_per_step": int(round(sum(v[1] for v in kernels.values()))),
             "top_kernels": [{"name": n[:90], "ms": v[0], "calls": round(v[1]), "share": v[0] / total}
                             for n, v in ranked[:top]]}
 
@@ -99,7 +103,8 @@ def format_profile(p: dict, title: str = "batch-1 decode profile") -> str:
     if "graph_replay_ms" in p:
         lines.append(f"  graph replay (model + logits)       {p['graph_replay_ms']:.3f} ms")
     what = "forward" if "tokens" in p else "step"
-    lines.append(f"  eager {what}: {p['kernels_per_step']} kernels, {p['gpu_kernel_ms_per_step']:.3f} ms of GPU time")
+    lines.append(f"  eager {what}: {p['kernels_per_step']} kernels, {p['gpu_kernel_ms_per_step']:.3f} ms of GPU time"
+                 + (f" in a span of {p['gpu_span_ms_per_step']:.3f} ms" if p.get("gpu_span_ms_per_step") else ""))
     for k in p["top_kernels"]:
         lines.append(f"  {100 * k['share']:5.1f}%  {k['ms']:.3f} ms  x{k['calls']:<4} {k['name']}")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,16 @@ from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class StagedPairs:
+    """Token-slot pairs whose experts are still being copied onto the device (zero-copy staging on another stream):
+    ``flags`` [T*k] int32, 1 for such a pair; ``wait()`` makes the current stream wait for the copy. The pairs on
+    the device are computed first, the flagged ones after the wait."""
+
+    flags: torch.Tensor
+    wait: Callable[[], None]
 
 
 @triton.jit
@@ -324,6 +335,7 @@ def _gemm1_gemv_kernel(
     table_ptr,  # [E] int64 address of each expert's weights (INDIRECT)
     ids_ptr,  # [T*k]
     inter_ptr,  # [T*k, I]
+    part_ptr,  # [T*k] int32 (PART): 1 where the pair's expert is still being staged
     top_k,
     H,
     I,  # noqa: E741
@@ -339,10 +351,25 @@ def _gemm1_gemv_kernel(
     INDIRECT: tl.constexpr,
     ALIGN: tl.constexpr,
     PDL: tl.constexpr = 0,
+    PART: tl.constexpr = 0,  # 0 every pair; 1 the pairs whose flag is 0; 2 those whose flag is 1
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
     slot = tl.program_id(0)
+    if PART == 0:
+        _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,
+                         stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT, ALIGN)
+    else:
+        if (tl.load(part_ptr + slot) != 0) == (PART == 2):
+            _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,
+                             stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT, ALIGN)
+
+
+@triton.jit
+def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,  # noqa: E741
+                     stride_we, stride_wn, stride_wh, stride_it, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr):
+    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot``."""
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // top_k).to(tl.int64)
@@ -586,8 +613,10 @@ def _fused_moe_gemv(
     topk_ids: torch.Tensor,
     cfg: Config,
     out_dtype: torch.dtype,
+    staged: StagedPairs | None = None,
 ) -> torch.Tensor:
-    """gemv path: one program per (token-slot, N-tile), no sorting; GEMM2 per (token, N-tile) when reduce is fused."""
+    """gemv path: one program per (token-slot, N-tile), no sorting; GEMM2 per (token, N-tile) when reduce is fused.
+    With ``staged``, GEMM 1 runs in two launches around ``staged.wait()``."""
     T, H = hidden.shape
     k = topk_ids.shape[1]
     pairs = T * k
@@ -596,13 +625,17 @@ def _fused_moe_gemv(
     inter = torch.empty(pairs, I, dtype=hidden.dtype, device=hidden.device)  # [T*k, I] in the weights' dtype
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
     pdl = pdl_mode(hidden.device, T)
-    _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
-        hidden, *w13.args(hidden), ids, inter, k, H, I,
-        hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
-        BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=pdl,
-        **launch_options(pdl),
-    )  # fmt: skip
+    # with staged pairs: those on the device first, then (once their copy is done) the staged ones
+    for part in (0,) if staged is None else (1, 2):
+        if part == 2:
+            staged.wait()
+        _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
+            hidden, *w13.args(hidden), ids, inter, staged.flags if staged is not None else ids, k, H, I,
+            hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
+            BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=pdl, PART=part,
+            **launch_options(pdl),
+        )  # fmt: skip
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     if cfg["reduce"] == "fused":
         out = torch.empty(T, H, dtype=out_dtype, device=hidden.device)  # [T, H]
@@ -702,10 +735,15 @@ def run_fused_moe(
     topk_ids: torch.Tensor,
     cfg: Config,
     out_dtype: torch.dtype,
+    staged: StagedPairs | None = None,
 ) -> torch.Tensor:
-    """Runs the path the config names; x [T, H] already in the weights' dtype, ids int32 and contiguous."""
-    run = _fused_moe_gemv if cfg["path"] == "gemv" else _fused_moe_tile
-    return run(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype)
+    """Runs the path the config names; x [T, H] already in the weights' dtype, ids int32 and contiguous. With
+    ``staged`` (the gemv path only overlaps it; the tile path waits first), see StagedPairs."""
+    if cfg["path"] == "gemv":
+        return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged)
+    if staged is not None:
+        staged.wait()
+    return _fused_moe_tile(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype)
 
 
 def fused_moe_triton(

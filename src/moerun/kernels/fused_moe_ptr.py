@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moerun.kernels.fused_moe import ExpertWeights, run_fused_moe
+from moerun.kernels.fused_moe import ExpertWeights, StagedPairs, run_fused_moe
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -29,12 +29,14 @@ def fused_moe_indirect_triton(
     topk_ids: torch.Tensor,
     align: int,
     config: Config | None = None,
+    staged: StagedPairs | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer through address tables: hidden [T, H], w13_table / w2_table [E] int64 (expert e's
     w13 [2I, H] / w2 [H, I], contiguous, of ``dtype``), routing [T, k] -> [T, H] in hidden's dtype.
 
     ``align``: bytes (a power of two <= 16) that every address is a multiple of. Nothing is read back to the
-    host, so the call can be captured in a CUDA graph; the tables may change between replays.
+    host, so the call can be captured in a CUDA graph; the tables may change between replays. ``staged``: pairs
+    whose experts another stream is still copying (fused_moe.StagedPairs), computed after the others.
     """
     T, H = hidden.shape
     E = w13_table.shape[0]
@@ -50,6 +52,8 @@ def fused_moe_indirect_triton(
     if align not in (1, 2, 4, 8, 16):
         raise ValueError(f"align must be a power of two <= 16, got {align}")
     if T == 0:
+        if staged is not None:
+            staged.wait()
         return torch.empty(0, H, dtype=hidden.dtype, device=hidden.device)
     # The kernels take the weights' element type from the activations: hidden is cast to the weights' dtype.
     x = hidden if hidden.dtype == dtype else hidden.to(dtype)
@@ -59,4 +63,4 @@ def fused_moe_indirect_triton(
     cfg = normalize(config) if config is not None else get_config(E, H, I, k, dtype, T)
     w13 = ExpertWeights.addresses(w13_table.contiguous(), H, align)
     w2 = ExpertWeights.addresses(w2_table.contiguous(), I, align)
-    return run_fused_moe(x, w13, w2, I, weights, ids, cfg, hidden.dtype)
+    return run_fused_moe(x, w13, w2, I, weights, ids, cfg, hidden.dtype, staged)

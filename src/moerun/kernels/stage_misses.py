@@ -15,7 +15,9 @@ layer whose routed experts are not all cached, two launches:
    flags and slot occupants (the evicted expert points back at its host copy), and counts the passes that read
    each expert from host memory (the routing counts against the pass's start). The remaining misses take the
    staging rows.
-2. copy: grid (pairs scanned, arrays, chunks); each program copies one chunk of one planned array.
+2. copy: grid (pairs scanned, arrays, chunks); each program copies one chunk of one planned array. The two are
+   separate functions too, so that the copy may run on another stream while the experts already on the device are
+   computed (the plan flags the pairs that must wait for it).
 
 The fused MoE then reads the step's table. Graph-safe: routing, flags, occupants and addresses are read on the
 device. Missed experts beyond the slots and rows, or first routed after the scanned pairs, stay where the table
@@ -72,6 +74,7 @@ def _plan_kernel(
     out_ptr,  # [P * E * W] int64: the step's table, written whole
     src_ptr,  # [SCAN, P * W] int64: source address of each planned copy
     dst_ptr,  # [SCAN, P * W] int64: its destination, 0 where the pair copies nothing
+    flags_ptr,  # [N] int32 (FLAGS): 1 where the pair's expert is copied by this pass
     N,  # pairs scanned
     NT,  # pairs in all (COUNT)
     E,
@@ -85,6 +88,7 @@ def _plan_kernel(
     WORD: tl.constexpr,  # bytes of a word
     ADMIT: tl.constexpr,
     COUNT: tl.constexpr,  # add one to counts[e] for each of the NT pairs first
+    FLAGS: tl.constexpr,  # write flags (N == NT: every pair scanned)
     BLOCK_N: tl.constexpr,  # >= N, a power of two
     BLOCK_A: tl.constexpr,  # >= A
     BLOCK_S: tl.constexpr,  # >= R_S
@@ -144,6 +148,10 @@ def _plan_kernel(
     plan = scan[:, None] * A + a[None, :]
     tl.store(src_ptr + plan, src, mask=valid[:, None] & a_ok[None, :])
     tl.store(dst_ptr + plan, tl.where(copies, dst, 0), mask=valid[:, None] & a_ok[None, :])
+    if FLAGS:  # a pair waits for the copy if its expert's first pair copies it
+        copied = to_slot | to_row  # [BLOCK_N]
+        same = (ids[:, None] == ids[None, :]) & copied[None, :] & valid[None, :]  # [BLOCK_N, BLOCK_N]
+        tl.store(flags_ptr + scan, (tl.sum(same.to(tl.int32), axis=1) > 0).to(tl.int32), mask=valid)
     entry = (p[None, :] * E + ids[:, None]) * W + w[None, :]  # [BLOCK_N, BLOCK_A]
     tl.debug_barrier()  # every thread copied the table to out before entries of it are rewritten
     tl.store(out_ptr + entry, dst, mask=copies)
@@ -196,32 +204,47 @@ def _copy_kernel(
             tl.store(base_ptr + dst_words + o, v, mask=ok)
 
 
-def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
-                        offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor,
-                        admit: Admission | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the missed experts of the first
-    SCAN_PAIRS pairs of ``ids`` [N] (in order of their first pair) copied to the device and pointed at: into the
-    spare slots of ``admit`` first (then admitted: ``table``, ``is_host`` and the occupants rewritten), then into
-    the R rows of ``staging`` [R, row words].
+@dataclass
+class StagePlan:
+    """What the plan launch left for the copy launch: n pairs scanned, the (source, destination) address of each of
+    their arrays ([n, A] int64 each; destination 0: nothing to copy)."""
 
-    is_host [E] int32 (1: the table points at host memory), sizes / offsets [P * W] int64 in words of staging's
-    element type, max_words the largest size; every address a multiple of that word. ``counts`` [E] int64, when
-    given, gets one added per pair of ids (all N) before the plan reads it; with ``admit`` it must be admit.counts,
-    which the caller has otherwise counted the pass into already. Returns out."""
+    n: int
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
+                       offsets: torch.Tensor, staging: torch.Tensor, out: torch.Tensor, admit: Admission | None = None,
+                       counts: torch.Tensor | None = None, flags: torch.Tensor | None = None,
+                       buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> StagePlan | None:
+    """The plan launch of ``stage_misses_triton`` (same arguments): writes ``out`` and applies the admission and
+    the counting; returns what the copy launch needs, or None when nothing can be staged (``out`` is then the
+    table). ``flags`` [N] int32, when given (N <= SCAN_PAIRS), gets 1 for each pair whose expert this pass copies
+    (it must wait for the copy) and 0 for the others. ``buffers``: two int64 tensors of at least SCAN_PAIRS * P * W
+    entries for the addresses (kept by a caller whose copy runs on another stream), else allocated here."""
     P, E, W = table.shape
     if counts is not None and admit is not None and counts.data_ptr() != admit.counts.data_ptr():
         raise ValueError("counts must be the admission's counts")
+    if flags is not None and (ids.numel() > SCAN_PAIRS or flags.numel() != ids.numel()):
+        raise ValueError(f"flags need one entry per pair and at most {SCAN_PAIRS} pairs, got {flags.numel()} for "
+                         f"{ids.numel()}")
     word = staging.element_size()
     n = min(ids.numel(), SCAN_PAIRS)
     spares = 0 if admit is None else admit.spares.numel()
     if n == 0 or staging.shape[0] + spares == 0:
         if counts is not None:
             counts.index_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+        if flags is not None:
+            flags.zero_()
         out.copy_(table)
-        return out
+        return None
     A = P * W
-    src = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
-    dst = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
+    if buffers is None:
+        src = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
+        dst = torch.empty(n, A, dtype=torch.int64, device=table.device)  # [n, A]
+    else:
+        src, dst = (b[: n * A].view(n, A) for b in buffers)
     if admit is None:
         S, host_table, slot_table, occupant, spare, start, host_passes = (0, table, table, table, table, table,
                                                                           table)
@@ -232,14 +255,40 @@ def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.T
     counted = counts if counts is not None else admit.counts if admit is not None else table
     _plan_kernel[(1,)](
         table, host_table, slot_table, is_host, occupant, spare, counted, start, host_passes, ids, sizes, offsets,
-        staging, out, src, dst, n, ids.numel(), E, S, staging.shape[0], spares, staging.shape[1], P * E * W, A, W=W,
-        WORD=word, ADMIT=admit is not None, COUNT=counts is not None, BLOCK_N=triton.next_power_of_2(n),
-        BLOCK_A=triton.next_power_of_2(A), BLOCK_S=triton.next_power_of_2(max(spares, 1)),
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024, BLOCK_C=1024, num_warps=4,
+        staging, out, src, dst, flags if flags is not None else is_host, n, ids.numel(), E, S, staging.shape[0],
+        spares, staging.shape[1], P * E * W, A, W=W, WORD=word, ADMIT=admit is not None, COUNT=counts is not None,
+        FLAGS=flags is not None, BLOCK_N=triton.next_power_of_2(n), BLOCK_A=triton.next_power_of_2(A),
+        BLOCK_S=triton.next_power_of_2(max(spares, 1)), BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024,
+        BLOCK_C=1024, num_warps=4,
     )  # fmt: skip
+    return StagePlan(n, src, dst)
+
+
+def copy_misses_triton(plan: StagePlan, sizes: torch.Tensor, max_words: int, staging: torch.Tensor) -> None:
+    """The copy launch of ``stage_misses_triton``: moves the planned arrays' bytes (on the current stream)."""
+    n, A = plan.src.shape
     chunks = triton.cdiv(max_words, CHUNK_WORDS)
-    _copy_kernel[(n, A, chunks)](src, dst, sizes, staging, A, WORD=word, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS,
-                                 num_warps=4)
+    _copy_kernel[(n, A, chunks)](plan.src, plan.dst, sizes, staging, A, WORD=staging.element_size(),
+                                 CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4)
+
+
+def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
+                        offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor,
+                        admit: Admission | None = None, counts: torch.Tensor | None = None,
+                        flags: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the missed experts of the first
+    SCAN_PAIRS pairs of ``ids`` [N] (in order of their first pair) copied to the device and pointed at: into the
+    spare slots of ``admit`` first (then admitted: ``table``, ``is_host`` and the occupants rewritten), then into
+    the R rows of ``staging`` [R, row words].
+
+    is_host [E] int32 (1: the table points at host memory), sizes / offsets [P * W] int64 in words of staging's
+    element type, max_words the largest size; every address a multiple of that word. ``counts`` [E] int64, when
+    given, gets one added per pair of ids (all N) before the plan reads it; with ``admit`` it must be admit.counts,
+    which the caller has otherwise counted the pass into already. ``flags``: see ``plan_misses_triton``. Returns
+    out."""
+    plan = plan_misses_triton(table, is_host, ids, sizes, offsets, staging, out, admit, counts, flags)
+    if plan is not None:
+        copy_misses_triton(plan, sizes, max_words, staging)
     return out
 
 

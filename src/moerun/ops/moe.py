@@ -91,6 +91,7 @@ def fused_moe(
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # the pointer tables are defined with the expert offloading that builds them
+    from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.quant.int8_dot import Int8Rows
     from moerun.moe.offload.pointers import ExpertPointers
 
@@ -101,19 +102,23 @@ def fused_moe_indirect(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     backend: str | None = None,
+    staged: "StagedPairs | None" = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer found through address tables (moe/offload/pointers.py): hidden [T, H],
     routing [T, k] -> [T, H] in hidden's dtype.
 
     Expert e's w13 [2I, H] and w2 [H, I] start at ``pointers.w13[e]`` / ``pointers.w2[e]``: a device slot or a
     pinned host copy that the Triton kernels read in place (zero-copy); the torch reference resolves the addresses
-    within ``pointers.regions``. Dense weights only.
+    within ``pointers.regions``. Dense weights only. ``staged`` (Triton): pairs whose experts another stream is
+    still copying onto the device, computed once it is done (kernels/fused_moe.StagedPairs).
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         from moerun.moe.offload.pointers import fused_moe_indirect_reference
 
+        if staged is not None:
+            staged.wait()
         return fused_moe_indirect_reference(hidden, pointers, topk_weights, topk_ids)
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
 
     return fused_moe_indirect_triton(hidden, pointers.w13, pointers.w2, pointers.intermediate_size, pointers.dtype,
-                                     topk_weights, topk_ids, pointers.align)
+                                     topk_weights, topk_ids, pointers.align, staged=staged)

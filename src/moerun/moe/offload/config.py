@@ -43,6 +43,8 @@ class OffloadConfig:
     cpu_compute: 'off'; 'auto' computes a missed expert on the CPU when the cost model says it beats the copy;
         'always' computes every missed expert on the CPU (llama.cpp's --n-cpu-moe, Fiddler).
     overlap: compute the resident experts of a layer while its missed ones are being copied (None: on CUDA only).
+        Copy mode: a pass over the cached experts; zero-copy mode with staging (dense experts): GEMM 1 of the pairs
+        on the device while a side stream stages the rest.
     pin: host memory of the experts: 'all' pinned (fastest copies), 'staged' through a ring of pinned buffers
         (for models larger than what may be pinned), 'auto' pins all unless they exceed half the host's memory.
     staging_buffers: size of the staging ring, in experts.

@@ -10,7 +10,9 @@ any (``steps`` [L, E]; each pass reads a missed expert from host memory again), 
 the step) to a pinned host buffer after the last layer. Staging (kernels/stage_misses.py): one launch copies the
 pass's first top-k missed experts (``is_host`` [L, E] says which entries point at host memory) into device rows and
 hands the fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the
-rate of the fused kernels reading in place.
+rate of the fused kernels reading in place. With ``overlap`` (dense experts; on CUDA by default) that copy runs on a
+side stream while GEMM 1 computes the pairs whose experts are already on the device; the pairs the plan flagged wait
+for it (kernels/fused_moe.StagedPairs).
 
 Admission on the device (``OffloadConfig.admit_on_device``, on by default where staging applies): the staging
 launch puts missed experts into the layer's spare slots, the slots the policy values least (ranked by the host
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -61,6 +64,10 @@ from moerun.moe.offload.transfer import Copier
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
 from moerun.ops.quant import fused_moe_quantized
+
+if TYPE_CHECKING:  # Triton: an optional dependency
+    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.stage_misses import Admission
 
 
 def reads_quantized_in_place(store: HostExpertStore, device: torch.device, backend: str | None) -> bool:
@@ -127,6 +134,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         self.is_host = torch.ones(L, E, dtype=torch.int32, device=device)  # [L, E] 1: the table points at host memory
         self._make_staging()
         self.device_admission = self._device_admission()
+        self._make_overlap()
         # what each step leaves for the host, one buffer: [3, L, E] cumulative tallies, pairs routed to each expert
         # (``counts``), forward passes that routed any (``steps``), passes that read it from host memory
         # (``host_passes``, counted by the staging launch with admission on the device), then the occupant of
@@ -197,6 +205,24 @@ class ZeroCopyOffload(OffloadManagerBase):
         self.stage_max_words = [int(m) // word for m in sizes.max(axis=1)]
         self.step_table = torch.empty_like(self.table[0])  # [P, E, W] the staged layer's addresses
 
+    def _make_overlap(self) -> None:
+        """With staging of dense experts (OffloadConfig.overlap, None: on CUDA), a layer's copy runs on a side
+        stream while GEMM 1 computes the pairs whose experts are already on the device (at most SCAN_PAIRS pairs: a
+        decode batch; larger passes wait for the copy). Where there is no CUDA the copy runs first, in order."""
+        wanted = self.config.overlap if self.config.overlap is not None else self.device.type == "cuda"
+        self.overlap = bool(wanted) and self.staging is not None and not self.packed
+        if not self.overlap:
+            return
+        from moerun.kernels.stage_misses import SCAN_PAIRS  # Triton: an optional dependency
+
+        self.scan_pairs = SCAN_PAIRS
+        n = SCAN_PAIRS * self.table.shape[1] * self.table.shape[3]
+        self.stage_buffers = tuple(torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(2))
+        self.pair_flags = torch.empty(SCAN_PAIRS, dtype=torch.int32, device=self.device)  # [pairs] 1: staged
+        if self.device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.copy_done = [torch.cuda.Event() for _ in range(self.num_layers)]
+
     def _device_admission(self) -> bool:
         """Whether missed experts are staged straight into slots (OffloadConfig.admit_on_device)."""
         applies = self.staging is not None and self.slots_per_layer > 0
@@ -208,18 +234,46 @@ class ZeroCopyOffload(OffloadManagerBase):
                              "backend, stage_experts > 0) and at least one slot per layer")
         return wanted
 
+    def _admission(self, layer: int) -> Admission | None:
+        if not self.device_admission:
+            return None
+        from moerun.kernels.stage_misses import Admission  # Triton: an optional dependency
+
+        return Admission(self.slot_table[layer], self.host_table[layer], self.occupant[layer], self.spares[layer],
+                         self.counts[layer], self.pass_start[layer], self.host_passes[layer])
+
     def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's table for this pass, its missed experts staged on the device ([P, E, W]); the pass's pairs are
         added to the layer's routing counts by the same launch."""
-        from moerun.kernels.stage_misses import Admission, stage_misses_triton  # Triton: an optional dependency
+        from moerun.kernels.stage_misses import stage_misses_triton  # Triton: an optional dependency
 
-        admit = None
-        if self.device_admission:
-            admit = Admission(self.slot_table[layer], self.host_table[layer], self.occupant[layer],
-                              self.spares[layer], self.counts[layer], self.pass_start[layer], self.host_passes[layer])
         return stage_misses_triton(self.table[layer], self.is_host[layer], topk_ids.reshape(-1),
                                    self.stage_sizes[layer], self.stage_offsets[layer], self.stage_max_words[layer],
-                                   self.staging, self.step_table, admit, counts=self.counts[layer])
+                                   self.staging, self.step_table, self._admission(layer), counts=self.counts[layer])
+
+    def _staged_tables_overlapped(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, StagedPairs | None]:
+        """As ``_staged_tables``, with the copy launched on the side stream: (the pass's table, the pairs that must
+        wait for the copy and how to wait for it; None when nothing is copied)."""
+        from moerun.kernels.fused_moe import StagedPairs
+        from moerun.kernels.stage_misses import copy_misses_triton, plan_misses_triton
+
+        ids = topk_ids.reshape(-1)  # [T*k]
+        flags = self.pair_flags[: ids.numel()]
+        plan = plan_misses_triton(self.table[layer], self.is_host[layer], ids, self.stage_sizes[layer],
+                                  self.stage_offsets[layer], self.staging, self.step_table, self._admission(layer),
+                                  self.counts[layer], flags, self.stage_buffers)
+        if plan is None:
+            return self.step_table, None
+        copy = (plan, self.stage_sizes[layer], self.stage_max_words[layer], self.staging)
+        if self.device.type != "cuda":
+            copy_misses_triton(*copy)
+            return self.step_table, StagedPairs(flags, lambda: None)
+        main, side, done = torch.cuda.current_stream(self.device), self.copy_stream, self.copy_done[layer]
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            copy_misses_triton(*copy)
+        done.record(side)
+        return self.step_table, StagedPairs(flags, lambda: main.wait_event(done))
 
     @staticmethod
     def _packed_arrays(store: HostExpertStore, S: int, device: torch.device,
@@ -259,8 +313,10 @@ class ZeroCopyOffload(OffloadManagerBase):
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
         if layer == 0:  # a new forward pass: the pair counts it starts from
             self.pass_start.copy_(self.counts)
-        step = None  # [P, E, W]
-        if self.staging is not None:
+        step, staged = None, None  # [P, E, W], pairs still being copied
+        if self.staging is not None and self.overlap and topk_ids.numel() <= self.scan_pairs:
+            step, staged = self._staged_tables_overlapped(layer, topk_ids)  # the plan also counts the pairs
+        elif self.staging is not None:
             step = self._staged_tables(layer, topk_ids)  # its plan launch also counts the pairs
         else:
             ids = topk_ids.reshape(-1).long()  # [T*k]
@@ -276,7 +332,7 @@ class ZeroCopyOffload(OffloadManagerBase):
                 # staged arrays start 256-byte aligned: the layer's alignment holds for them too
                 pointers = replace(pointers, w13=step[0, :, 0], w2=step[1, :, 0],
                                    regions=(*pointers.regions, self.staging))
-            out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend)
+            out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend, staged=staged)
         if layer == self.num_layers - 1:
             self.steps.add_(self.counts > self.pass_start)  # the experts this pass routed any pair to
             if self.host_record is not None:
@@ -472,7 +528,7 @@ class ZeroCopyOffload(OffloadManagerBase):
             routed = self._absorb(taken)
             self.carried = routed if self.carried is None else self.carried + routed
         d = self.stats.as_dict()
-        d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=True,
+        d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=self.overlap,
                  admit_bytes_per_step=self.config.admit_bytes_per_step, admit_on_device=self.device_admission,
                  copies_in_flight=sum(len(plan) for _, plan in self.pending),
                  staging_rows=0 if self.staging is None else int(self.staging.shape[0]))

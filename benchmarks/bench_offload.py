@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import random
 import sys
@@ -59,8 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admit-on-device", default="auto",
                    help="zero-copy: stage missed experts straight into cache slots: auto (where staging applies), on, "
                         "off, or several in order, e.g. on,off (a row each)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="launch each decode step before the previous one's tokens are read (off with offloading)")
+    p.add_argument("--overlap", default="auto",
+                   help="zero-copy: stage on a side stream while the cached experts' pairs are computed "
+                        "(OffloadConfig.overlap): auto (on CUDA), on, off, or several in order (a row each)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="launch each decode step before the previous one's tokens are read (default: the engine's "
+                        "choice, on unless the host fills the expert cache between steps)")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per row")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -83,10 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.steps = min(args.steps, 6)
     choices = {"auto": None, "on": True, "off": False}
-    names = [n.strip() for n in args.admit_on_device.split(",") if n.strip()]
-    if not names or any(n not in choices for n in names):
-        p.error(f"--admit-on-device: expected a list of {sorted(choices)}, got {args.admit_on_device!r}")
-    args.admit_on_device = [choices[n] for n in names]  # OffloadConfig.admit_on_device values, in order
+    for flag in ("admit_on_device", "overlap"):  # OffloadConfig values, in order
+        names = [n.strip() for n in getattr(args, flag).split(",") if n.strip()]
+        if not names or any(n not in choices for n in names):
+            p.error(f"--{flag.replace('_', '-')}: expected a list of {sorted(choices)}, got {getattr(args, flag)!r}")
+        setattr(args, flag, [choices[n] for n in names])
     return args
 
 
@@ -217,7 +223,7 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM.from_model(model, tokenizer, max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes),
                          max_num_batched_tokens=max(batch_sizes) * args.prompt_len,
-                         async_scheduling=True if args.async_scheduling else None)
+                         async_scheduling=args.async_scheduling)
     rows = []
     for B in batch_sizes:
         if args.device == "cuda":
@@ -235,7 +241,7 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
                      "copy_stall_ms_per_token": s["copy_stall_ms_per_token"],
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
                      "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),
-                     "admit_on_device": s.get("admit_on_device", False),
+                     "admit_on_device": s.get("admit_on_device", False), "overlap": s.get("overlap"),
                      "admissions_on_device_per_token": s.get("admissions_on_device", 0) / max(s["tokens"], 1),
                      "misses_cpu": s["misses_cpu"], "misses_copied": s["misses_copied"],
                      "cost_model": s.get("cost_model"), "staging_rows": s.get("staging_rows"),
@@ -301,7 +307,7 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} "
+HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'ov':>2} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} "
           f"{'pf':>2} {'cpu':<6} {'B':>2} {'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} {'pf acc':>6} "
           f"{'peak':>6} {'x floor':>7}")
 
@@ -309,6 +315,7 @@ HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'budget':>6} {'slots':>5} {'
 def _row_line(r: dict[str, Any]) -> str:
     floor, rate = r.get("copy_floor_tok_s"), r.get("tok_s")
     return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {('y' if r.get('admit_on_device') else 'n'):>3} "
+            f"{('y' if r.get('overlap') else 'n'):>2} "
             f"{_fmt(r.get('budget_gib'), '6.1f')} "
             f"{r.get('slots_per_layer', 0):>5} "
             f"{r.get('routing', '-'):<7} {r.get('policy', '-'):<10} {('y' if r.get('prefetch') else 'n'):>2} "
@@ -422,8 +429,10 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
         pl = placement(budget, fp, lru)
         base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
         for mode in modes:
-            for on_device in args.admit_on_device if mode == "zero_copy" else [None]:
-                cfg = replace(lru, mode=mode, admit_on_device=on_device)
+            zero_copy = mode == "zero_copy"
+            for on_device, overlap in itertools.product(*([args.admit_on_device, args.overlap] if zero_copy
+                                                          else [[None], [None]])):
+                cfg = replace(lru, mode=mode, admit_on_device=on_device, overlap=overlap)
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
                                  pinned_bps)
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False),

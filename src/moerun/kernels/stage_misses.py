@@ -2,8 +2,8 @@
 admitted into the cache on the way (the staging copy lands in a cache slot).
 
 A fused MoE kernel reading an expert in place from pinned host memory over PCIe gets about 29 GB/s on an H200;
-a kernel that only copies reaches about 51 GB/s, as fast as the copy engine (benchmarks/RESULTS.md). So for a
-layer whose routed experts are not all cached, two launches:
+a kernel that only copies reaches about 51 GB/s, near the copy engine's 53 for copies of this size
+(benchmarks/RESULTS.md). So for a layer whose routed experts are not all cached, two launches:
 
 1. plan (one program): adds the pass's pairs to the layer's routing counts (when given, before anything reads
    them), then picks the missed experts to stage, those of the first SCAN_PAIRS pairs in order of their
@@ -206,10 +206,9 @@ def _copy_kernel(
 
 @dataclass
 class StagePlan:
-    """What the plan launch left for the copy launch: n pairs scanned, the (source, destination) address of each of
-    their arrays ([n, A] int64 each; destination 0: nothing to copy)."""
+    """What the plan launch left for the copy launch: the (source, destination) address of each array of each pair
+    scanned ([n, A] int64 each; destination 0: nothing to copy)."""
 
-    n: int
     src: torch.Tensor
     dst: torch.Tensor
 
@@ -261,7 +260,7 @@ def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Te
         BLOCK_S=triton.next_power_of_2(max(spares, 1)), BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024,
         BLOCK_C=1024, num_warps=4,
     )  # fmt: skip
-    return StagePlan(n, src, dst)
+    return StagePlan(src, dst)
 
 
 def copy_misses_triton(plan: StagePlan, sizes: torch.Tensor, max_words: int, staging: torch.Tensor) -> None:

@@ -242,32 +242,25 @@ class ZeroCopyOffload(OffloadManagerBase):
         return Admission(self.slot_table[layer], self.host_table[layer], self.occupant[layer], self.spares[layer],
                          self.counts[layer], self.pass_start[layer], self.host_passes[layer])
 
-    def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The layer's table for this pass, its missed experts staged on the device ([P, E, W]); the pass's pairs are
-        added to the layer's routing counts by the same launch."""
-        from moerun.kernels.stage_misses import stage_misses_triton  # Triton: an optional dependency
-
-        return stage_misses_triton(self.table[layer], self.is_host[layer], topk_ids.reshape(-1),
-                                   self.stage_sizes[layer], self.stage_offsets[layer], self.stage_max_words[layer],
-                                   self.staging, self.step_table, self._admission(layer), counts=self.counts[layer])
-
-    def _staged_tables_overlapped(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, StagedPairs | None]:
-        """As ``_staged_tables``, with the copy launched on the side stream: (the pass's table, the pairs that must
-        wait for the copy and how to wait for it; None when nothing is copied)."""
-        from moerun.kernels.fused_moe import StagedPairs
+    def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, StagedPairs | None]:
+        """The layer's table for this pass ([P, E, W]), its missed experts staged on the device (the same launch adds
+        the pass's pairs to the layer's routing counts), and, with overlap, the pairs that must wait for the copy
+        running on the side stream and how to wait for it (None: nothing to wait for)."""
+        from moerun.kernels.fused_moe import StagedPairs  # Triton: an optional dependency
         from moerun.kernels.stage_misses import copy_misses_triton, plan_misses_triton
 
         ids = topk_ids.reshape(-1)  # [T*k]
-        flags = self.pair_flags[: ids.numel()]
+        overlap = self.overlap and ids.numel() <= self.scan_pairs
+        flags = self.pair_flags[: ids.numel()] if overlap else None
         plan = plan_misses_triton(self.table[layer], self.is_host[layer], ids, self.stage_sizes[layer],
                                   self.stage_offsets[layer], self.staging, self.step_table, self._admission(layer),
-                                  self.counts[layer], flags, self.stage_buffers)
+                                  self.counts[layer], flags, self.stage_buffers if overlap else None)
         if plan is None:
             return self.step_table, None
         copy = (plan, self.stage_sizes[layer], self.stage_max_words[layer], self.staging)
-        if self.device.type != "cuda":
-            copy_misses_triton(*copy)
-            return self.step_table, StagedPairs(flags, lambda: None)
+        if not overlap or self.device.type != "cuda":
+            copy_misses_triton(*copy)  # in order, before the fused MoE
+            return self.step_table, StagedPairs(flags, lambda: None) if overlap else None
         main, side, done = torch.cuda.current_stream(self.device), self.copy_stream, self.copy_done[layer]
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -314,10 +307,8 @@ class ZeroCopyOffload(OffloadManagerBase):
         if layer == 0:  # a new forward pass: the pair counts it starts from
             self.pass_start.copy_(self.counts)
         step, staged = None, None  # [P, E, W], pairs still being copied
-        if self.staging is not None and self.overlap and topk_ids.numel() <= self.scan_pairs:
-            step, staged = self._staged_tables_overlapped(layer, topk_ids)  # the plan also counts the pairs
-        elif self.staging is not None:
-            step = self._staged_tables(layer, topk_ids)  # its plan launch also counts the pairs
+        if self.staging is not None:
+            step, staged = self._staged_tables(layer, topk_ids)  # its plan launch also counts the pairs
         else:
             ids = topk_ids.reshape(-1).long()  # [T*k]
             self.counts[layer].index_add_(0, ids, torch.ones_like(ids))

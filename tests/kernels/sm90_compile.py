@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import triton
@@ -181,6 +182,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         "stage missed experts into cache slots, pairs counted": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), admission, admission.counts),
+        "stage missed experts into cache slots, pairs counted, admitted slots held": lambda: stage_misses_triton(
+            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
+            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table),
+            replace(admission, hold=torch.zeros(4, dtype=torch.int32), hold_passes=1), admission.counts),
     }
 
 

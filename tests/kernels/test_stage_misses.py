@@ -76,12 +76,13 @@ def test_staged_rows_and_table(seed, word_dtype, pairs, rows) -> None:
                     assert int(got[p, e, w]) == int(table[p, e, w]), f"seed={seed}: entry {(p, e, w)} moved"
 
 
+@pytest.mark.parametrize("hold", [0, 2], ids=["no hold", "hold 2"])
 @pytest.mark.parametrize("counted", ["by the kernel", "before"])
 @pytest.mark.parametrize("pairs,rows,spares", [(1, 8, 2), (8, 8, 4), (16, 2, 3), (8, 0, 8), (70, 4, 5)])
-def test_admission_into_spare_slots(seed, pairs, rows, spares, counted) -> None:
+def test_admission_into_spare_slots(seed, pairs, rows, spares, counted, hold) -> None:
     # the kernel against stage_misses_reference: spare slots taken first (skipping slots whose expert any pair of
-    # this pass routes to), then the rows; the layer's table, flags, occupants and host-pass counts rewritten alike;
-    # the pass's pairs counted by the kernel itself, or by the caller before it runs
+    # this pass routes to, and held slots), then the rows; the layer's table, flags, occupants, host-pass counts and
+    # holds rewritten alike; the pass's pairs counted by the kernel itself, or by the caller before it runs
     from moerun.kernels.stage_misses import Admission, stage_misses_reference
 
     g = torch.Generator().manual_seed(seed)
@@ -121,10 +122,12 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares, counted) -> None:
     spare = torch.randperm(S, generator=g)[:spares] if spares <= S else torch.randperm(S, generator=g)
     spare = torch.cat([spare, torch.full((max(spares - S, 0),), -1)])  # padding past the slots
     host_passes = torch.randint(0, 3, (E,), generator=g)
+    holds = torch.randint(0, 3, (S,), generator=g, dtype=torch.int32) * (torch.rand(S, generator=g) < 0.4)
 
     def admission(on):
         return Admission(slot_table.to(on), host_table.to(on), occupant.clone().to(on), spare.to(on),
-                         counts.clone().to(on), start.to(on), host_passes.clone().to(on))
+                         counts.clone().to(on), start.to(on), host_passes.clone().to(on),
+                         holds.clone().to(on) if hold else None, hold)
 
     want_admit, want_table, want_host = admission("cpu"), table.clone(), is_host.clone()
     by_kernel = counted == "by the kernel"
@@ -145,7 +148,12 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares, counted) -> None:
     assert torch.equal(got_admit.occupant.cpu(), want_admit.occupant)
     assert torch.equal(got_admit.host_passes.cpu(), want_admit.host_passes)
     routed = set(ids.tolist())
-    free = [s for s in spare.tolist() if s >= 0 and int(occupant[s]) not in routed]  # slots that may be given up
+    free = [s for s in spare.tolist()  # slots that may be given up
+            if s >= 0 and int(occupant[s]) not in routed and not (hold and holds[s] > 0)]
+    if hold:  # every hold one pass shorter; the slots admitted into now held for ``hold`` passes
+        admitted = {index for kind, index in plan.values() if kind == "slot"}
+        want_holds = [hold if s in admitted else max(int(holds[s]) - 1, 0) for s in range(S)]
+        assert want_admit.hold.tolist() == want_holds and got_admit.hold.cpu().tolist() == want_holds
     missed = len({e for e in ids.tolist()[:SCAN_PAIRS] if is_host[e]})
     assert sum(kind == "slot" for kind, _ in plan.values()) == min(len(free), missed)
     for s, e in enumerate(want_admit.occupant.tolist()):  # nothing this pass routes to was given up

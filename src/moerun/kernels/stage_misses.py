@@ -13,8 +13,10 @@ a kernel that only copies reaches about 51 GB/s, near the copy engine's 53 for c
    steps) are taken first, skipping a slot whose expert this pass routes to (any pair, from the routing counts);
    an expert staged into a slot is admitted there. The plan then also rewrites the layer's own table, residency
    flags and slot occupants (the evicted expert points back at its host copy), and counts the passes that read
-   each expert from host memory (the routing counts against the pass's start). The remaining misses take the
-   staging rows.
+   each expert from host memory (the routing counts against the pass's start). With a hold (``hold_passes``), a
+   slot the plan admitted into is skipped by the next ``hold_passes`` passes of the layer even when the host ranks
+   it spare: under async scheduling the host ranks the next step's spares before it has seen what the step in
+   flight admitted, and would give up those experts at once. The remaining misses take the staging rows.
 2. copy: grid (pairs scanned, arrays, chunks); each program copies one chunk of one planned array. The two are
    separate functions too, so that the copy may run on another stream while the experts already on the device are
    computed (the plan flags the pairs that must wait for it).
@@ -45,7 +47,8 @@ class Admission:
     slot_table [P, S, W]: the slots' array addresses; host_table [P, E, W]: the host copies' addresses; occupant
     [S]: the expert in each slot (-1: free), rewritten; spares [R_S]: slots in the order they are given up (-1:
     none); counts / pass_start [E]: pairs routed to each expert so far and when this pass began; host_passes [E]:
-    passes that read the expert from host memory, incremented."""
+    passes that read the expert from host memory, incremented; hold [S] int32: passes left during which the slot is
+    not given up (None: no hold), set to ``hold_passes`` where the plan admits."""
 
     slot_table: torch.Tensor
     host_table: torch.Tensor
@@ -54,6 +57,8 @@ class Admission:
     counts: torch.Tensor
     pass_start: torch.Tensor
     host_passes: torch.Tensor
+    hold: torch.Tensor | None = None
+    hold_passes: int = 0
 
 
 @triton.jit
@@ -64,6 +69,7 @@ def _plan_kernel(
     is_host_ptr,  # [E] int32: 1 where the expert's entries point at host memory
     occupant_ptr,  # [S] int64 (ADMIT)
     spare_ptr,  # [R_S] int64 (ADMIT)
+    hold_ptr,  # [S] int32 (HOLD > 0): passes left during which the slot is not given up
     counts_ptr,  # [E] int64 (ADMIT or COUNT)
     start_ptr,  # [E] int64 (ADMIT)
     host_passes_ptr,  # [E] int64 (ADMIT)
@@ -87,46 +93,66 @@ def _plan_kernel(
     W: tl.constexpr,
     WORD: tl.constexpr,  # bytes of a word
     ADMIT: tl.constexpr,
+    HOLD: tl.constexpr,  # passes an admitted slot is held (ADMIT; 0: none)
     COUNT: tl.constexpr,  # add one to counts[e] for each of the NT pairs first
     FLAGS: tl.constexpr,  # write flags (N == NT: every pair scanned)
     BLOCK_N: tl.constexpr,  # >= N, a power of two
     BLOCK_A: tl.constexpr,  # >= A
     BLOCK_S: tl.constexpr,  # >= R_S
     BLOCK_E: tl.constexpr,  # >= E
+    BLOCK_H: tl.constexpr,  # >= S (HOLD > 0)
     BLOCK_T: tl.constexpr,  # table entries copied a step
     BLOCK_C: tl.constexpr,  # pairs counted a step
 ):
+    # every load that the pass's counting leaves alone is issued first, so that their latencies overlap
+    scan = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    valid = scan < N
+    ids = tl.load(ids_ptr + scan, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
+    host = tl.load(is_host_ptr + ids, mask=valid, other=0) != 0  # [BLOCK_N]
+    a = tl.arange(0, BLOCK_A)  # [BLOCK_A] arrays
+    a_ok = a < A
+    p, w = a // W, a % W
+    size = tl.load(sizes_ptr + a, mask=a_ok, other=0)  # [BLOCK_A]
+    offset = tl.load(offsets_ptr + a, mask=a_ok, other=0)  # [BLOCK_A]
+    entry = (p[None, :] * E + ids[:, None]) * W + w[None, :]  # [BLOCK_N, BLOCK_A]
+    # source: the host copy, which the table holds for every missed expert
+    src = tl.load(table_ptr + entry, mask=valid[:, None] & a_ok[None, :], other=0)  # [BLOCK_N, BLOCK_A]
+    if ADMIT:
+        j = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        spare = tl.load(spare_ptr + j, mask=j < R_S, other=-1)  # [BLOCK_S] slots
+        occ = tl.load(occupant_ptr + spare, mask=spare >= 0, other=-1)  # [BLOCK_S] their experts
+        occ_start = tl.load(start_ptr + occ, mask=occ >= 0, other=0)  # [BLOCK_S]
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        e_start = tl.load(start_ptr + e, mask=e_ok, other=0)  # [BLOCK_E]
+        was_host = tl.load(is_host_ptr + e, mask=e_ok, other=0) != 0  # [BLOCK_E]
+        passes = tl.load(host_passes_ptr + e, mask=e_ok, other=0)  # [BLOCK_E]
+        if HOLD > 0:
+            h = tl.arange(0, BLOCK_H)  # [BLOCK_H] slots
+            held_before = tl.load(hold_ptr + h, mask=h < S, other=0)  # [BLOCK_H]
+            spare_held = tl.load(hold_ptr + spare, mask=spare >= 0, other=0) > 0  # [BLOCK_S]
+    for t0 in range(0, TABLE, BLOCK_T):  # the step's table starts as the layer's
+        t = t0 + tl.arange(0, BLOCK_T)
+        tl.store(out_ptr + t, tl.load(table_ptr + t, mask=t < TABLE), mask=t < TABLE)
     if COUNT:
         for c0 in range(0, NT, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             e_c = tl.load(ids_ptr + c, mask=c < NT, other=0).to(tl.int64)
             tl.atomic_add(counts_ptr + e_c, tl.full([BLOCK_C], 1, dtype=tl.int64), mask=c < NT)
-        tl.debug_barrier()  # the counts read below include this pass's pairs
-    for t0 in range(0, TABLE, BLOCK_T):  # the step's table starts as the layer's
-        t = t0 + tl.arange(0, BLOCK_T)
-        tl.store(out_ptr + t, tl.load(table_ptr + t, mask=t < TABLE), mask=t < TABLE)
-    scan = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    valid = scan < N
-    ids = tl.load(ids_ptr + scan, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
+    # the counts read below include this pass's pairs; every thread copied the table to out and read every flag,
+    # entry and occupant above before any is rewritten
+    tl.debug_barrier()
     repeats = (ids[:, None] == ids[None, :]) & (scan[None, :] < scan[:, None]) & valid[None, :]
     first = tl.sum(repeats.to(tl.int32), axis=1) == 0  # [BLOCK_N] the expert's first pair
-    host = tl.load(is_host_ptr + ids, mask=valid, other=0) != 0  # [BLOCK_N]
     staged = first & host & valid  # [BLOCK_N]
     rank = tl.sum(((scan[None, :] < scan[:, None]) & staged[None, :]).to(tl.int32), axis=1)  # [BLOCK_N]
-    a = tl.arange(0, BLOCK_A)  # [BLOCK_A] arrays
-    a_ok = a < A
-    p, w = a // W, a % W
-    size = tl.load(sizes_ptr + a, mask=a_ok, other=0)  # [BLOCK_A]
-    # source: the host copy, which the table holds for every missed expert
-    src = tl.load(table_ptr + (p[None, :] * E + ids[:, None]) * W + w[None, :],
-                  mask=staged[:, None] & a_ok[None, :], other=0)  # [BLOCK_N, BLOCK_A]
     if ADMIT:
-        j = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        spare = tl.load(spare_ptr + j, mask=j < R_S, other=-1)  # [BLOCK_S] slots
-        occ = tl.load(occupant_ptr + spare, mask=spare >= 0, other=-1)  # [BLOCK_S] their experts
-        routed_now = (tl.load(counts_ptr + occ, mask=occ >= 0, other=0, cache_modifier=".cg")
-                      > tl.load(start_ptr + occ, mask=occ >= 0, other=0))  # [BLOCK_S]: routed by this pass
+        routed_now = tl.load(counts_ptr + occ, mask=occ >= 0, other=0, cache_modifier=".cg") > occ_start  # [BLOCK_S]
+        # the pass's reads from host memory: experts routed now that were not cached when it began
+        now = tl.load(counts_ptr + e, mask=e_ok, other=0, cache_modifier=".cg") > e_start  # [BLOCK_E]
         usable = (spare >= 0) & ~routed_now  # [BLOCK_S]
+        if HOLD > 0:
+            usable = usable & ~spare_held
         urank = tl.sum(((j[None, :] < j[:, None]) & usable[None, :]).to(tl.int32), axis=1)  # [BLOCK_S]
         n_usable = tl.sum(usable.to(tl.int32), axis=0)
         match = (rank[:, None] == urank[None, :]) & usable[None, :] & staged[:, None]  # [BLOCK_N, BLOCK_S]
@@ -136,12 +162,14 @@ def _plan_kernel(
         row = rank - n_usable
         slot_dst = tl.load(slot_ptr + (p[None, :] * S + slot[:, None]) * W + w[None, :],
                            mask=to_slot[:, None] & a_ok[None, :], other=0)  # [BLOCK_N, BLOCK_A]
+        gone = to_slot & (evicted >= 0)
+        old = (p[None, :] * E + tl.maximum(evicted, 0)[:, None]) * W + w[None, :]  # [BLOCK_N, BLOCK_A]
+        home = tl.load(host_ptr + old, mask=gone[:, None] & a_ok[None, :])  # [BLOCK_N, BLOCK_A]
     else:
         to_slot = scan < 0
         row = rank
         slot_dst = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.int64)
     to_row = staged & ~to_slot & (row < R)  # [BLOCK_N]
-    offset = tl.load(offsets_ptr + a, mask=a_ok, other=0)  # [BLOCK_A]
     row_dst = staging_ptr.to(tl.int64) + (row.to(tl.int64)[:, None] * ROW_WORDS + offset[None, :]) * WORD
     dst = tl.where(to_slot[:, None], slot_dst, tl.where(to_row[:, None], row_dst, 0))  # [BLOCK_N, BLOCK_A]
     copies = (to_slot | to_row)[:, None] & a_ok[None, :] & (size > 0)[None, :]
@@ -152,28 +180,18 @@ def _plan_kernel(
         copied = to_slot | to_row  # [BLOCK_N]
         same = (ids[:, None] == ids[None, :]) & copied[None, :] & valid[None, :]  # [BLOCK_N, BLOCK_N]
         tl.store(flags_ptr + scan, (tl.sum(same.to(tl.int32), axis=1) > 0).to(tl.int32), mask=valid)
-    entry = (p[None, :] * E + ids[:, None]) * W + w[None, :]  # [BLOCK_N, BLOCK_A]
-    tl.debug_barrier()  # every thread copied the table to out before entries of it are rewritten
     tl.store(out_ptr + entry, dst, mask=copies)
     if ADMIT:
-        # the pass's reads from host memory, counted before the flags change: experts routed now, not cached
-        e = tl.arange(0, BLOCK_E)
-        e_ok = e < E
-        now = (tl.load(counts_ptr + e, mask=e_ok, other=0, cache_modifier=".cg")
-               > tl.load(start_ptr + e, mask=e_ok, other=0))
-        was_host = tl.load(is_host_ptr + e, mask=e_ok, other=0) != 0
-        tl.debug_barrier()  # every flag and entry above is read before any is rewritten
-        passes = tl.load(host_passes_ptr + e, mask=e_ok, other=0)
         tl.store(host_passes_ptr + e, passes + (now & was_host).to(tl.int64), mask=e_ok)
         # the admitted experts point at their slots (every array), the evicted ones back at their host copies
         tl.store(table_ptr + entry, slot_dst, mask=to_slot[:, None] & a_ok[None, :])
-        gone = to_slot & (evicted >= 0)
-        old = (p[None, :] * E + tl.maximum(evicted, 0)[:, None]) * W + w[None, :]
-        tl.store(table_ptr + old, tl.load(host_ptr + old, mask=gone[:, None] & a_ok[None, :]),
-                 mask=gone[:, None] & a_ok[None, :])
+        tl.store(table_ptr + old, home, mask=gone[:, None] & a_ok[None, :])
         tl.store(is_host_ptr + ids, tl.zeros([BLOCK_N], dtype=tl.int32), mask=to_slot)
         tl.store(is_host_ptr + tl.maximum(evicted, 0), tl.full([BLOCK_N], 1, dtype=tl.int32), mask=gone)
         tl.store(occupant_ptr + slot, ids, mask=to_slot)
+        if HOLD > 0:  # the slots admitted into now held; every other hold one pass shorter
+            admitted = tl.sum(((h[:, None] == slot[None, :]) & to_slot[None, :]).to(tl.int32), axis=1) > 0
+            tl.store(hold_ptr + h, tl.where(admitted, HOLD, tl.maximum(held_before - 1, 0)), mask=h < S)
 
 
 @triton.jit
@@ -247,18 +265,21 @@ def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Te
     if admit is None:
         S, host_table, slot_table, occupant, spare, start, host_passes = (0, table, table, table, table, table,
                                                                           table)
+        hold, held = is_host, 0
     else:
         S = admit.occupant.numel()
         host_table, slot_table, occupant, spare = admit.host_table, admit.slot_table, admit.occupant, admit.spares
         start, host_passes = admit.pass_start, admit.host_passes
+        hold, held = (admit.hold, admit.hold_passes) if admit.hold is not None else (is_host, 0)
     counted = counts if counts is not None else admit.counts if admit is not None else table
     _plan_kernel[(1,)](
-        table, host_table, slot_table, is_host, occupant, spare, counted, start, host_passes, ids, sizes, offsets,
-        staging, out, src, dst, flags if flags is not None else is_host, n, ids.numel(), E, S, staging.shape[0],
-        spares, staging.shape[1], P * E * W, A, W=W, WORD=word, ADMIT=admit is not None, COUNT=counts is not None,
-        FLAGS=flags is not None, BLOCK_N=triton.next_power_of_2(n), BLOCK_A=triton.next_power_of_2(A),
-        BLOCK_S=triton.next_power_of_2(max(spares, 1)), BLOCK_E=triton.next_power_of_2(E), BLOCK_T=1024,
-        BLOCK_C=1024, num_warps=4,
+        table, host_table, slot_table, is_host, occupant, spare, hold, counted, start, host_passes, ids, sizes,
+        offsets, staging, out, src, dst, flags if flags is not None else is_host, n, ids.numel(), E, S,
+        staging.shape[0], spares, staging.shape[1], P * E * W, A, W=W, WORD=word, ADMIT=admit is not None, HOLD=held,
+        COUNT=counts is not None, FLAGS=flags is not None, BLOCK_N=triton.next_power_of_2(n),
+        BLOCK_A=triton.next_power_of_2(A), BLOCK_S=triton.next_power_of_2(max(spares, 1)),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_H=triton.next_power_of_2(max(S, 1)), BLOCK_T=1024, BLOCK_C=1024,
+        num_warps=4,
     )  # fmt: skip
     return StagePlan(src, dst)
 
@@ -311,10 +332,14 @@ def stage_misses_reference(table: torch.Tensor, is_host: torch.Tensor, ids: torc
     if admit is not None:
         routed = admit.counts > admit.pass_start  # [E]
         admit.host_passes += (routed & (is_host != 0)).to(admit.host_passes.dtype)
+        launched = ids.numel() > 0 and rows + admit.spares.numel() > 0  # else the kernel is not launched
+        held = admit.hold if admit.hold is not None and admit.hold_passes > 0 and launched else None
         for s in admit.spares.tolist():
             occ = int(admit.occupant[s]) if s >= 0 else -1
-            if s >= 0 and not (occ >= 0 and bool(routed[occ])):
+            if s >= 0 and not (occ >= 0 and bool(routed[occ])) and not (held is not None and int(held[s]) > 0):
                 usable.append((s, occ))
+        if held is not None:
+            held.sub_(1).clamp_(min=0)
     for rank, (n, e) in enumerate(staged):
         if rank < len(usable):
             s, occ = usable[rank]
@@ -325,6 +350,8 @@ def stage_misses_reference(table: torch.Tensor, is_host: torch.Tensor, ids: torc
                 table[:, occ] = admit.host_table[:, occ]
                 is_host[occ] = 1
             admit.occupant[s] = e
+            if held is not None:
+                held[s] = admit.hold_passes
         elif rank - len(usable) < rows:
             plan[(n, e)] = ("row", rank - len(usable))
     return plan

@@ -78,7 +78,8 @@ class LLM:
         # ---- expert offloading (moe/offload): placed within gpu_memory_gb / expert_cache_gb, checked first ----
         from moerun.moe.offload.placement import load_offloaded, offload_options, plan_for_checkpoint
 
-        offload = offload_options(offload, offload_policy, offload_mode)
+        offload = offload_options(offload, offload_policy, offload_mode, mc.num_experts_per_tok,
+                                  engine_config.max_num_seqs)
         placement = plan_for_checkpoint(model, mc, engine_config, gpu_memory_gb, expert_cache_gb, offload)
         if placement.offload:
             loaded = load_offloaded(model, engine_config, placement, offload, progress=progress)

@@ -92,7 +92,8 @@ def test_triton_kernels_in_the_interpreter(hf_model, stage):
     expected = [o.token_ids for o in LLM(str(hf_model), **OPTS, **opts).generate(ids, params)]
     llm = zero_copy_llm(hf_model, 2, policy="lru", admit_bytes_per_step=CHURN, opts=opts, stage_experts=stage)
     manager = llm.model.expert_offload
-    assert manager.staging is not None and manager.staging.shape[0] == (stage or manager.top_k)
+    # the default for an engine of several sequences: two rows per expert a token routes to
+    assert manager.staging is not None and manager.staging.shape[0] == (stage or 2 * manager.top_k)
     assert [o.token_ids for o in llm.generate(ids, params)] == expected
     assert check_stats(llm)["admissions"] > 0
     manager.check()
@@ -298,9 +299,25 @@ def test_mode_resolution_and_errors(gguf_model):
         OffloadConfig(mode="zero_copy", pin="staged")
     with pytest.raises(ValueError, match="admit_bytes_per_step must be >= 0"):
         OffloadConfig(admit_bytes_per_step=-1)
+    with pytest.raises(ValueError, match="admit_hold_passes must be >= 0"):
+        OffloadConfig(admit_hold_passes=-1)
     with pytest.raises(ValueError, match="needs the Triton backend"):  # quantized experts: the fused kernels
         LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), offload_mode="zero_copy", **OPTS,
             moe_backend="torch")
+
+
+def test_staging_rows_and_hold_chosen_by_the_engine_size():
+    # rows: top-k for one sequence at a time, twice that for batches; the hold: 2 passes where the held slots and as
+    # many spares fit in half the cache, 1 where one pass's do, else none; given values are kept
+    from moerun.moe.offload.placement import offload_options
+
+    auto = OffloadConfig()
+    assert [auto.stage_rows(8, n) for n in (1, 2, 64)] == [8, 16, 16]
+    assert OffloadConfig(stage_experts=3).stage_rows(8, 64) == 3
+    assert offload_options(None, top_k=8, max_num_seqs=1).stage_experts == 8
+    assert offload_options(OffloadConfig(stage_experts=0), top_k=8, max_num_seqs=64).stage_experts == 0
+    assert [auto.hold_passes(8, s) for s in (9, 31, 32, 47, 48, 128)] == [0, 0, 1, 1, 2, 2]
+    assert OffloadConfig(admit_hold_passes=0).hold_passes(8, 128) == 0
 
 
 def test_llm_kwarg_and_cli_flag(hf_model, capsys):

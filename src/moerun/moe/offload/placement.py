@@ -143,10 +143,15 @@ def _move_quantized(model: nn.Module, device: torch.device, repack: bool | None 
         pack_model(model, release_blocks=True)
 
 
-def offload_options(config: OffloadConfig | None, policy: str | None = None, mode: str | None = None
-                    ) -> OffloadConfig:
-    """The OffloadConfig with ``policy`` and ``mode`` (when given) overriding its own."""
+def offload_options(config: OffloadConfig | None, policy: str | None = None, mode: str | None = None,
+                    top_k: int | None = None, max_num_seqs: int = 1) -> OffloadConfig:
+    """The OffloadConfig with ``policy`` and ``mode`` (when given) overriding its own, and with ``top_k`` given, the
+    staging rows it leaves to its own choice decided for an engine of ``max_num_seqs`` sequences."""
     config = config or OffloadConfig()
     if policy is not None:
         config = dataclasses.replace(config, policy=policy)
-    return dataclasses.replace(config, mode=mode) if mode is not None else config
+    if mode is not None:
+        config = dataclasses.replace(config, mode=mode)
+    if top_k is not None and config.stage_experts is None:
+        config = dataclasses.replace(config, stage_experts=config.stage_rows(top_k, max_num_seqs))
+    return config

@@ -141,7 +141,7 @@ def plan_placement(fp: Footprint, mc: ModelConfig, dtype: torch.dtype, max_model
     # zero-copy layers stage their missed experts in device rows (kernels/stage_misses.py); counted wherever 'auto'
     # could pick zero-copy (for dense experts: resolve_mode)
     mode = config.mode if device is None else resolve_mode(config, device, dense=True)
-    stage = config.stage_rows(fp.top_k) * max(fp.expert_bytes) if mode == "zero_copy" else 0
+    stage = config.stage_rows(fp.top_k, max_num_seqs) * max(fp.expert_bytes) if mode == "zero_copy" else 0
     ws += stage
     minimum = fp.non_expert_bytes + ws + kv_seq + fp.pool_bytes(min_slots)
     if minimum > limit:

@@ -16,10 +16,11 @@ for it (kernels/fused_moe.StagedPairs).
 
 Admission on the device (``OffloadConfig.admit_on_device``, on by default where staging applies): the staging
 launch puts missed experts into the layer's spare slots, the slots the policy values least (ranked by the host
-between steps; a slot whose expert the pass routes to is skipped), and rewrites the layer's table, residency flags
-and slot occupants (``occupant`` [L, S]) itself; it also counts the passes that read each expert from host memory
-(``host_passes`` [L, E]). So a missed expert crosses PCIe once, where an admission between steps reads it a second
-time. The host takes the occupants with the routing counts after each step and updates its view and the policy;
+between steps; a slot whose expert the pass routes to is skipped, and so is a slot admitted into in the layer's
+last few passes (``admit_hold_passes``, ``hold`` [L, S]), which a host ranking from a step-old view would give up),
+and rewrites the layer's table, residency flags and slot occupants (``occupant`` [L, S]) itself; it also counts
+the passes that read each expert from host memory (``host_passes`` [L, E]). So a missed expert crosses PCIe once,
+where an admission between steps reads it a second time. The host takes the occupants with the routing counts after each step and updates its view and the policy;
 it admits nothing itself.
 
 Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
@@ -151,9 +152,12 @@ class ZeroCopyOffload(OffloadManagerBase):
         weakref.finalize(self, _unregister_all, self._registry)
         self.seen = np.zeros((3, L, E), dtype=np.int64)  # [3, L, E] tallies already taken into the statistics
         if self.device_admission:
-            spares = min(S, self.staging.shape[0])
+            # top-k spare slots a pass (the held ones are skipped, so top-k more for each pass held)
+            self.hold_passes = self.config.hold_passes(top_k, S)
+            spares = min(S, top_k * (1 + self.hold_passes))
             self.spares = torch.full((L, spares), -1, dtype=torch.int64, device=device)  # [L, R_S] slots to give up
             self.spares_host = np.full((L, spares), -1, dtype=np.int64)  # as last written
+            self.hold = torch.zeros(L, S, dtype=torch.int32, device=device)  # [L, S] passes left to keep the slot
             self.host_table = torch.from_numpy(self.host_addr).to(device)  # [L, P, E, W]
             self.slot_table = torch.from_numpy(self.slot_addr).to(device)  # [L, P, S, W]
         self._mark: torch.cuda.Event | None = None  # recorded at the previous between_steps (CUDA)
@@ -240,7 +244,8 @@ class ZeroCopyOffload(OffloadManagerBase):
         from moerun.kernels.stage_misses import Admission  # Triton: an optional dependency
 
         return Admission(self.slot_table[layer], self.host_table[layer], self.occupant[layer], self.spares[layer],
-                         self.counts[layer], self.pass_start[layer], self.host_passes[layer])
+                         self.counts[layer], self.pass_start[layer], self.host_passes[layer], self.hold[layer],
+                         self.hold_passes)
 
     def _staged_tables(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, StagedPairs | None]:
         """The layer's table for this pass ([P, E, W]), its missed experts staged on the device (the same launch adds
@@ -521,6 +526,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         d = self.stats.as_dict()
         d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=self.overlap,
                  admit_bytes_per_step=self.config.admit_bytes_per_step, admit_on_device=self.device_admission,
+                 admit_hold_passes=self.hold_passes if self.device_admission else 0,
                  copies_in_flight=sum(len(plan) for _, plan in self.pending),
                  staging_rows=0 if self.staging is None else int(self.staging.shape[0]))
         return d

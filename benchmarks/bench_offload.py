@@ -12,8 +12,8 @@ quantized rows run in 'copy' mode, the only one for quantized experts.
 Skewed trace: each MoE layer ranks its experts by a random permutation and routes with Zipf(--zipf) popularity over
 that ranking; with probability --locality a token keeps the previous token's (same batch row's) expert set at that
 layer (temporal locality). The routers still run, but the experts they pick are swapped for the trace's (drawn on
-the host beforehand, read on the device at a step counter, so graphed steps replay it); router-lookahead prefetch
-cannot predict the trace and is off for those rows.
+the host beforehand, each step's ids copied to the device before its forward pass, so graphed steps read them);
+router-lookahead prefetch cannot predict the trace and is off for those rows.
 
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
 copy mode, read by the kernels in zero-copy mode), at the pinned host-to-device bandwidth measured in the same run.
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admit-on-device", default="auto",
                    help="zero-copy: stage missed experts straight into cache slots: auto (where staging applies), on, "
                         "off, or several in order, e.g. on,off (a row each)")
+    p.add_argument("--admit-hold", default="auto",
+                   help="zero-copy with admission on the device: passes an admitted expert keeps its slot "
+                        "(OffloadConfig.admit_hold_passes): auto, or numbers; several in order give a row each")
+    p.add_argument("--stage-experts", default="auto",
+                   help="zero-copy: device rows a layer stages its missed experts in (OffloadConfig.stage_experts): "
+                        "auto, or numbers; several in order give a row each")
     p.add_argument("--overlap", default="auto",
                    help="zero-copy: stage on a side stream while the cached experts' pairs are computed "
                         "(OffloadConfig.overlap): auto (on CUDA), on, off, or several in order (a row each)")
@@ -93,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not names or any(n not in choices for n in names):
             p.error(f"--{flag.replace('_', '-')}: expected a list of {sorted(choices)}, got {getattr(args, flag)!r}")
         setattr(args, flag, [choices[n] for n in names])
+    for flag in ("admit_hold", "stage_experts"):  # OffloadConfig values: None (auto) or integers
+        try:
+            setattr(args, flag, [None if n.strip() == "auto" else int(n) for n in getattr(args, flag).split(",")
+                                 if n.strip()])
+        except ValueError:
+            p.error(f"--{flag.replace('_', '-')}: expected auto or integers, got {getattr(args, flag)!r}")
     return args
 
 
@@ -130,46 +142,55 @@ class SkewedTrace:
 
     The routers still run (their kernels are part of the step); a forward pre-hook on each block's experts swaps
     the router's top-k ids for the trace's and keeps its weights. The trace is drawn on the host beforehand
-    ([steps, rows, k] a layer, cycled) and read at a device step counter, so a graphed step replays one gather a
-    layer. A batch of more rows than the trace has (a prefill) draws fresh ids on the device (no locality)."""
+    ([steps, layers, rows, k], cycled, in pinned memory); before each forward pass (the offload manager's
+    between-steps hook) one non-blocking copy puts the next step's ids in a device buffer that the pre-hooks hand
+    out as views, so a graphed step reads them with no launch of its own. A batch of more rows than the trace has
+    (a prefill) draws fresh ids on the device (no locality)."""
 
-    def __init__(self, blocks: list, num_experts: int, k: int, zipf: float, locality: float, rows: int,
+    def __init__(self, blocks: list, manager, num_experts: int, k: int, zipf: float, locality: float, rows: int,
                  device: torch.device, steps: int = 256, seed: int = 1000):
-        self.k, self.rows, self.steps = k, rows, steps
-        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # the decode step, mod steps
-        self.log_probs, self.traces, self.handles = [], [], []
+        self.k, self.rows, self.steps, self.pos = k, rows, steps, 0
         rng = np.random.default_rng(seed)
         ranked = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** zipf
+        trace = np.empty((steps, len(blocks), rows, k), dtype=np.int32)  # [steps, layers, rows, k]
+        self.log_probs, self.handles = [], []
         for i, block in enumerate(blocks):
             probs = np.empty(num_experts)
             probs[rng.permutation(num_experts)] = ranked / ranked.sum()
-            trace = np.empty((steps, rows, k), dtype=np.int32)  # [steps, rows, k]
             for t in range(steps):
                 # Gumbel top-k: k experts without replacement, each draw by the Zipf probabilities
                 fresh = np.argsort(np.log(probs) - np.log(-np.log(rng.random((rows, num_experts)))), axis=1)[:, -k:]
                 keep = (rng.random((rows, 1)) < locality) if t else np.zeros((rows, 1), dtype=bool)
-                trace[t] = np.where(keep, trace[t - 1], fresh)
+                trace[t, i] = np.where(keep, trace[t - 1, i], fresh)
             self.log_probs.append(torch.from_numpy(np.log(probs)).float().to(device))
-            self.traces.append(torch.from_numpy(trace).to(device))
-            last = i == len(blocks) - 1
             self.handles.append(block.experts.register_forward_pre_hook(
-                lambda module, args, i=i, last=last: self._swap(args, i, last)))
+                lambda module, args, i=i: self._swap(args, i)))
+        self.trace = torch.from_numpy(trace).pin_memory() if device.type == "cuda" else torch.from_numpy(trace)
+        self.current = self.trace[0].to(device)  # [layers, rows, k]; read by the warm-up passes of graph capture
+        self.manager, self.hook = manager, getattr(manager, "between_steps", None)
+        manager.between_steps = self._advance  # shadows the method on this instance
 
-    def _swap(self, args: tuple, layer: int, last: bool) -> tuple:
+    def _advance(self, *args, **kwargs) -> None:
+        """Before a forward pass: the next step's ids, copied in stream order after the previous step's reads."""
+        self.current.copy_(self.trace[self.pos], non_blocking=True)
+        self.pos = (self.pos + 1) % self.steps
+        if self.hook is not None:
+            self.hook(*args, **kwargs)
+
+    def _swap(self, args: tuple, layer: int) -> tuple:
         x, weights, ids = args[:3]  # x [T, H], weights / ids [T, k]
         T = ids.shape[0]
         if T > self.rows:
             u = torch.rand(T, self.log_probs[layer].numel(), device=ids.device).clamp_(1e-12, 1.0 - 1e-7)
             new = torch.topk(self.log_probs[layer] - torch.log(-torch.log(u)), self.k, dim=-1).indices  # [T, k]
         else:
-            new = self.traces[layer].index_select(0, self.pos)[0, :T]  # [T, k]
-            if last:
-                self.pos.add_(1).remainder_(self.steps)
+            new = self.current[layer, :T]  # [T, k]
         return (x, weights, new.to(ids.dtype), *args[3:])
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        self.manager.__dict__.pop("between_steps", None)
 
 
 def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) -> None:
@@ -179,8 +200,9 @@ def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) 
         old.remove()
     if routing == "skewed":
         rows = max(int(b) for b in args.batch_sizes.split(","))
-        model.__dict__["_skewed_trace"] = SkewedTrace(model.moe_blocks(), mc.num_experts, mc.num_experts_per_tok,
-                                                      args.zipf, args.locality, rows, next(model.parameters()).device)
+        model.__dict__["_skewed_trace"] = SkewedTrace(
+            model.moe_blocks(), model.expert_offload, mc.num_experts, mc.num_experts_per_tok, args.zipf,
+            args.locality, rows, next(model.parameters()).device)
 
 
 def measure_decode(llm: LLM, B: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -242,6 +264,7 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
                      "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),
                      "admit_on_device": s.get("admit_on_device", False), "overlap": s.get("overlap"),
+                     "admit_hold_passes": s.get("admit_hold_passes", 0),
                      "admissions_on_device_per_token": s.get("admissions_on_device", 0) / max(s["tokens"], 1),
                      "misses_cpu": s["misses_cpu"], "misses_copied": s["misses_copied"],
                      "cost_model": s.get("cost_model"), "staging_rows": s.get("staging_rows"),
@@ -314,7 +337,8 @@ HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'ov':>2} {'budget':>6} {'slo
 
 def _row_line(r: dict[str, Any]) -> str:
     floor, rate = r.get("copy_floor_tok_s"), r.get("tok_s")
-    return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {('y' if r.get('admit_on_device') else 'n'):>3} "
+    dev = f"y{r.get('admit_hold_passes') or ''}" if r.get('admit_on_device') else "n"  # y<passes held>
+    return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {dev:>3} "
             f"{('y' if r.get('overlap') else 'n'):>2} "
             f"{_fmt(r.get('budget_gib'), '6.1f')} "
             f"{r.get('slots_per_layer', 0):>5} "
@@ -430,13 +454,18 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
         base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
         for mode in modes:
             zero_copy = mode == "zero_copy"
-            for on_device, overlap in itertools.product(*([args.admit_on_device, args.overlap] if zero_copy
-                                                          else [[None], [None]])):
-                cfg = replace(lru, mode=mode, admit_on_device=on_device, overlap=overlap)
-                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
+            options = [args.stage_experts, args.admit_on_device, args.overlap, args.admit_hold]
+            for stage, on_device, overlap, hold in itertools.product(*(options if zero_copy else [[None]] * 4)):
+                cfg = replace(lru, mode=mode, admit_on_device=on_device, overlap=overlap, admit_hold_passes=hold,
+                              stage_experts=stage)
+                # the staging rows (as LLM decides them for max_seqs when not given) come out of the budget
+                cfg = replace(cfg, stage_experts=cfg.stage_rows(mc.num_experts_per_tok, max_seqs))
+                pl = placement(budget, fp, cfg)
+                named = base if stage is None else {**base, "variant": f"bf16 LRU, {stage} rows"}
+                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, named,
                                  pinned_bps)
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False),
-                                 "skewed", tokenizer, args, base, pinned_bps)
+                                 "skewed", tokenizer, args, named, pinned_bps)
     if not (args.quick or args.no_variants):
         mid = budgets[len(budgets) // 2]
         pl = placement(mid, fp, lru)
@@ -492,13 +521,16 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
     n_moe = len(mc.moe_layers)
     for n_cpu in (n_moe // 2, n_moe):
         gpu_layers = n_moe - n_cpu
-        # + the rows a zero-copy layer stages its missed experts in (top-k experts by default, about 25 MB)
-        stage = OffloadConfig().stage_rows(mc.num_experts_per_tok) * max(qfp.expert_bytes)
+        # + the rows a zero-copy layer stages its missed experts in (2 x top-k experts for batches, about 50 MB)
+        rows_staged = OffloadConfig().stage_rows(mc.num_experts_per_tok, max_seqs)  # as LLM decides them
+        stage = rows_staged * max(qfp.expert_bytes)
         budget = (fp.non_expert_bytes + kv + ws + stage + sum(gguf_layer_bytes[:gpu_layers]) * mc.num_experts) / GiB
         for mode in [m.strip() for m in args.gguf_modes.split(",") if m.strip()]:
-            for on_device in args.admit_on_device if mode == "zero_copy" and n_cpu < n_moe else [None]:
+            zero_copy = mode == "zero_copy" and n_cpu < n_moe
+            for on_device, hold in itertools.product(*([args.admit_on_device, args.admit_hold] if zero_copy
+                                                       else [[None], [None]])):
                 cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit,
-                                    admit_on_device=on_device)
+                                    admit_on_device=on_device, admit_hold_passes=hold, stage_experts=rows_staged)
                 slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
                 rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)
         if n_cpu == n_moe // 2 and not (args.quick or args.no_variants):

@@ -99,12 +99,14 @@ def test_triton_kernels_in_the_interpreter(hf_model, stage):
     manager.check()
 
 
-@pytest.mark.parametrize("overlap", [None, True], ids=["overlap default", "overlap on"])
+@pytest.mark.parametrize("overlap,hold", [(None, None), (True, None), (None, 1)],
+                         ids=["defaults", "overlap on", "admitted slots held"])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_admission_on_device(hf_model, device, overlap):
+def test_admission_on_device(hf_model, device, overlap, hold):
     # the default where staging applies: missed experts are staged straight into the slots the policy values least,
     # so the cache changes inside the step (in CUDA graphs on the GPU) and no admission reads host memory again;
-    # with overlap (the default on CUDA) GEMM 1 of the cached experts' pairs runs before the staged ones'
+    # with overlap (the default on CUDA) GEMM 1 of the cached experts' pairs runs before the staged ones'; with a
+    # hold (none by default in a cache this small), a slot admitted into is not given up by the layer's next pass
     if device == "cuda" and overlap:
         pytest.skip("the default on CUDA")
     opts = dict(OPTS, moe_backend="triton", device=device)
@@ -112,9 +114,10 @@ def test_admission_on_device(hf_model, device, overlap):
     ids = prompts(4)[:2] if device == "cpu" else prompts()
     expected = [o.token_ids for o in LLM(str(hf_model), **opts).generate(ids, params)]
     llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 2),
-              offload=OffloadConfig(mode="zero_copy", overlap=overlap), **opts)
+              offload=OffloadConfig(mode="zero_copy", overlap=overlap, admit_hold_passes=hold), **opts)
     manager = llm.model.expert_offload
     assert manager.device_admission and manager.spares.shape == (manager.num_layers, 2)
+    assert manager.hold_passes == (hold or 0)
     assert manager.overlap == (device == "cuda" or bool(overlap))
     assert bool(llm.engine.runner.graphs) == (device == "cuda")
     assert [o.token_ids for o in llm.generate(ids, params)] == expected
@@ -123,7 +126,12 @@ def test_admission_on_device(hf_model, device, overlap):
     assert s["admissions_on_device"] > 0 and s["evictions"] == s["admissions_on_device"]  # slots start full
     assert s["hits"] + s["misses"] == s["lookups"] and s["misses"] == s["misses_host"] > 0 and s["hits"] > 0
     assert s["bytes_read_host"] == s["misses"] * manager.store.expert_bytes(0) == s["bytes_copied"]
+    assert s["admit_hold_passes"] == (hold or 0)
+    held = manager.hold.cpu()
+    assert int(held.min()) >= 0 and int(held.max()) <= (hold or 0)  # a pass's worth at most; none without a hold
     manager.check()
+    if hold:
+        return
     with pytest.raises(ValueError, match="needs staging"):
         LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 2), **opts,
             offload=OffloadConfig(mode="zero_copy", admit_on_device=True, stage_experts=0))

@@ -20,8 +20,8 @@ between steps; a slot whose expert the pass routes to is skipped, and so is a sl
 last few passes (``admit_hold_passes``, ``hold`` [L, S]), which a host ranking from a step-old view would give up),
 and rewrites the layer's table, residency flags and slot occupants (``occupant`` [L, S]) itself; it also counts
 the passes that read each expert from host memory (``host_passes`` [L, E]). So a missed expert crosses PCIe once,
-where an admission between steps reads it a second time. The host takes the occupants with the routing counts after each step and updates its view and the policy;
-it admits nothing itself.
+where an admission between steps reads it a second time. The host takes the occupants with the routing counts
+after each step and updates its view and the policy; it admits nothing itself.
 
 Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
 over their repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the table holds

@@ -60,12 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admit-on-device", default="auto",
                    help="zero-copy: stage missed experts straight into cache slots: auto (where staging applies), on, "
                         "off, or several in order, e.g. on,off (a row each)")
-    p.add_argument("--admit-hold", default="auto",
-                   help="zero-copy with admission on the device: passes an admitted expert keeps its slot "
-                        "(OffloadConfig.admit_hold_passes): auto, or numbers; several in order give a row each")
-    p.add_argument("--stage-experts", default="auto",
-                   help="zero-copy: device rows a layer stages its missed experts in (OffloadConfig.stage_experts): "
-                        "auto, or numbers; several in order give a row each")
+    for flag, what in (("--admit-hold", "with admission on the device: passes an admitted expert keeps its slot "
+                                        "(OffloadConfig.admit_hold_passes)"),
+                       ("--stage-experts", "device rows a layer stages its missed experts in "
+                                           "(OffloadConfig.stage_experts)")):
+        p.add_argument(flag, default="auto", help=f"zero-copy {what}: auto, or numbers; several in order give a "
+                                                  "row each")
     p.add_argument("--overlap", default="auto",
                    help="zero-copy: stage on a side stream while the cached experts' pairs are computed "
                         "(OffloadConfig.overlap): auto (on CUDA), on, off, or several in order (a row each)")
@@ -450,8 +450,6 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
     admit = int(args.admit_mb * 2**20) if args.admit_mb is not None else None
     lru = OffloadConfig(policy="lru", prefetch=True, admit_bytes_per_step=admit)
     for budget in budgets:
-        pl = placement(budget, fp, lru)
-        base = {"variant": "bf16 LRU", "budget_gib": budget, "cache_gib": pl.cache_bytes / GiB}
         for mode in modes:
             zero_copy = mode == "zero_copy"
             options = [args.stage_experts, args.admit_on_device, args.overlap, args.admit_hold]
@@ -461,11 +459,12 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
                 # the staging rows (as LLM decides them for max_seqs when not given) come out of the budget
                 cfg = replace(cfg, stage_experts=cfg.stage_rows(mc.num_experts_per_tok, max_seqs))
                 pl = placement(budget, fp, cfg)
-                named = base if stage is None else {**base, "variant": f"bf16 LRU, {stage} rows"}
-                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, named,
+                base = {"variant": "bf16 LRU" if stage is None else f"bf16 LRU, {stage} rows", "budget_gib": budget,
+                        "cache_gib": pl.cache_bytes / GiB}
+                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
                                  pinned_bps)
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False),
-                                 "skewed", tokenizer, args, named, pinned_bps)
+                                 "skewed", tokenizer, args, base, pinned_bps)
     if not (args.quick or args.no_variants):
         mid = budgets[len(budgets) // 2]
         pl = placement(mid, fp, lru)

@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     if DEVICE != "cuda" and not interpreting():
         sys.exit("bench_quant_moe.py needs a CUDA device (or TRITON_INTERPRET=1 with tiny --E/--H/--I/--m)")
     start = time.perf_counter()
-    ceilings = measure_ceilings() if DEVICE == "cuda" else measure_ceilings(1 << 20, 256)
+    budget = (args.budget_s, args.max_runs)
+    ceilings = measure_ceilings(*budget) if DEVICE == "cuda" else measure_ceilings(*budget, 1 << 20, 256)
     print(f"device {device_name()}  torch {torch.__version__}  E={args.E} H={args.H} I={args.I} k={args.k}")
     print(f"HBM read ceiling {ceilings['read_GBps']:.0f} GB/s (bf16 sum over 2 GiB); %HBM-read = GGUF bytes of the "
           f"touched experts / time / ceiling; * = eager timing\n")  # fmt: skip

@@ -97,7 +97,8 @@ def test_matmul_random_x_is_w_times_rounded_x(seed, qt, dtype) -> None:
 @pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
 def test_moe_exact_on_int8_grid(seed, qt, T, k) -> None:
     E, H, I = 9, 512, 256  # noqa: E741
-    down_t = QuantType.Q6_K if qt == QuantType.Q4_K else qt
+    # a Q5_K down would take an int8 intermediate (test_q5_k_reads_int8_only); its gate / up are checked here
+    down_t = QuantType.Q6_K if qt in (QuantType.Q4_K, QuantType.Q5_K) else qt
     w13 = QuantizedWeight([random_quantized(qt, (E, I, H), DEVICE), random_quantized(qt, (E, I, H), DEVICE)])
     w2 = QuantizedWeight([random_quantized(down_t, (E, H, I), DEVICE)])
     weights, ids = route_reference(torch.randn(T, E), k, True)
@@ -163,3 +164,22 @@ def test_matmul_reads_int8_rows_handed_over(seed) -> None:
     float_x = {**MATMUL, "x_q8": False}
     assert torch.equal(quant_matmul_triton(x, parts, config=float_x, x_int8=other),
                        quant_matmul_triton(x, parts, config=float_x))  # fmt: skip
+
+
+def test_q5_k_reads_int8_only(seed) -> None:
+    # Q5_K has no float-x variant: a gemv_v2 config without x_q8 is refused (dense GEMV and MoE), and a Q5_K down
+    # projection gets an int8 intermediate whether or not the config asks for one.
+    E, H, I, T, k = 9, 512, 256, 3, 2  # noqa: E741
+    q5 = QuantType.Q5_K
+    w13 = QuantizedWeight([random_quantized(q5, (E, I, H), DEVICE), random_quantized(q5, (E, I, H), DEVICE)])
+    w2 = QuantizedWeight([random_quantized(q5, (E, H, I), DEVICE)])
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    hidden = torch.randn(T, H, device=DEVICE)
+    with pytest.raises(ValueError, match="Q5_K weights on the gemv_v2 path need int8 x"):
+        fused_moe_quant(hidden, p13, p2, weights, ids, {**MOE, "x_q8": False})
+    with pytest.raises(ValueError, match="need int8 x"):
+        quant_matmul_triton(hidden, [pack(random_quantized(q5, (16, H), DEVICE))], config={**MATMUL, "x_q8": False})
+    implied = fused_moe_quant(hidden, p13, p2, weights, ids, MOE)
+    assert torch.equal(implied, fused_moe_quant(hidden, p13, p2, weights, ids, {**MOE, "inter_q8": True}))

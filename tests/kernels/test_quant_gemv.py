@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from moerun.formats.quants import QuantType  # noqa: E402
 from moerun.kernels.quant.configs import default_moe_config, normalize_config  # noqa: E402
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
-from moerun.kernels.quant.gemv_v2 import V2_TYPES, chunking  # noqa: E402
+from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, chunking  # noqa: E402
 from moerun.kernels.quant.matmul_quant import quant_matmul_triton  # noqa: E402
 from moerun.kernels.quant.repack import pack  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
@@ -62,13 +62,13 @@ def check(seed, T, E, H, I, k, gate_t, down_t, dtype, config) -> None:  # noqa: 
 
 
 @pytest.mark.parametrize("T,k", [(1, 1), (3, 2), (8, 8)])
-@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", FLOAT_X_TYPES, ids=lambda t: t.name)
 def test_each_type_bf16(seed, qt, T, k) -> None:
     check(seed, T, 9, 256, 256, k, qt, None, torch.bfloat16, V2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", FLOAT_X_TYPES, ids=lambda t: t.name)
 def test_each_type_fp32_fp16(seed, qt, dtype) -> None:
     check(seed, 3, 5, 256, 256, 2, qt, None, dtype, V2)
 
@@ -79,7 +79,7 @@ def test_q4_k_m_layer_mixed_down_type(seed, down) -> None:
     check(seed, 1, 9, 512, 256, 8, QuantType.Q4_K, down, torch.bfloat16, V2)
 
 
-@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", FLOAT_X_TYPES, ids=lambda t: t.name)
 def test_k_in_several_chunks_and_remainder(seed, qt) -> None:
     check(seed, 2, 3, 768, 768, 2, qt, None, torch.float32, V2_CHUNKED)
 
@@ -114,7 +114,7 @@ def test_q8_0_padded_rows(seed) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", FLOAT_X_TYPES, ids=lambda t: t.name)
 def test_prepared_x_each_type(seed, qt, dtype) -> None:
     check(seed, 3, 5, 512, 256, 2, qt, QuantType.Q6_K, dtype, V2_PREP)
     check(seed, 2, 3, 768, 256, 2, qt, None, dtype, {**V2_CHUNKED, "x_prep": True})
@@ -125,7 +125,7 @@ def test_prepared_x_padded_rows(seed) -> None:
 
 
 def test_other_types_fall_back_to_gemv(seed) -> None:
-    check(seed, 2, 3, 256, 256, 2, QuantType.Q5_K, None, torch.bfloat16, V2)
+    check(seed, 2, 3, 256, 256, 2, QuantType.Q3_K, None, torch.bfloat16, V2)
 
 
 def test_chunking_covers_every_group() -> None:
@@ -140,8 +140,14 @@ def test_chunking_covers_every_group() -> None:
 
 def test_decode_default_by_gate_type() -> None:
     # On the GPU, decode takes gemv_v2 for the types it reads and the gemv path for the others.
-    for qtype, path in (("Q4_K", "gemv_v2"), ("Q6_K", "gemv_v2"), ("Q8_0", "gemv_v2"), ("Q5_K", "gemv")):
+    for qtype, path in (("Q4_K", "gemv_v2"), ("Q5_K", "gemv_v2"), ("Q6_K", "gemv_v2"), ("Q8_0", "gemv_v2"),
+                        ("Q3_K", "gemv")):  # fmt: skip
         assert default_moe_config(1, 8, interpret=False, qtype=qtype)["path"] == path
+    # up to 8 pairs a token's tiles; up to 64 (M = 8 at top-8) wider ones writing an int8 intermediate
+    assert not default_moe_config(1, 8, interpret=False, qtype="Q5_K").get("inter_q8")
+    assert default_moe_config(8, 8, interpret=False, qtype="Q5_K")["inter_q8"]
+    assert default_moe_config(8, 8, interpret=False, qtype="Q3_K")["path"] == "tile"
+    assert default_moe_config(16, 8, interpret=False, qtype="Q4_K")["path"] == "tile"
     assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["path"] == "tile"
 
 
@@ -153,7 +159,7 @@ MATMUL_V2 = {"path": "gemv_v2", "BLOCK_N": 16 if ON_CUDA else 64, "BLOCK_K": 256
 
 @pytest.mark.parametrize("x_prep", [False, True], ids=["x", "prepared_x"])
 @pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", FLOAT_X_TYPES, ids=lambda t: t.name)
 def test_matmul_v2_each_type(seed, qt, M, x_prep) -> None:
     # N = 48 is not a multiple of BLOCK_N; Q8_0 rows of 288 need padding; K = 512 is two 256-input chunks.
     N, K = 48, 512 if qt.is_k_quant else 288
@@ -183,7 +189,7 @@ def test_matmul_v2_parts_with_fallback_type(seed) -> None:
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", FLOAT_X_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("cfg", [V2, V2_PREP], ids=["x", "prepared_x"])
 @pytest.mark.parametrize("T", [1, 8])
 def test_qwen3_30b_shape_cuda_graph(seed, qt, T, cfg) -> None:

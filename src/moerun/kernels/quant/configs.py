@@ -30,7 +30,7 @@ from moerun.kernels.tile_configs import (
 
 
 PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile")
-V2_DEFAULT_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # gate types whose decode default is gemv_v2 (gemv_v2.V2_TYPES)
+V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # gate types whose decode default is gemv_v2 (gemv_v2.V2_TYPES)
 
 
 def normalize_config(cfg: Config) -> Config:
@@ -79,13 +79,19 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
         if pairs <= 16:
             return normalize_config({"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "sum"})
         return normalize_config({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "atomic"})
-    if pairs <= 32 and qtype in V2_DEFAULT_TYPES:
+    if pairs <= 8 and qtype in V2_DEFAULT_TYPES:
         # Decode, gemv_v2 with x rounded to int8 (dp4a): GEMM 1 at one token is 384 programs of (slot, 16 rows);
         # GEMM 2 256 programs of (token, 8 rows x 8 slots), the slot sum inside. Every H200 table tuned so far
         # (Q4_K_M, Q6_K, Q8_0 at the 30B shape, Q4_K_M at the 235B shape) picked int8 x at M = 1, 1.3-1.6x
         # faster than float x with these tiles.
         cfg: Config = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1,
                        "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1, "x_q8": True}  # fmt: skip
+    elif pairs <= 64 and qtype in V2_DEFAULT_TYPES:
+        # A few tokens: three of those four tables picked this tile at M = 4 and 8 (GEMM 1 writing its output as
+        # int8 for GEMM 2), the fourth (Q6_K) int8 x with a float intermediate; at M = 8 they ran 1.5-2.1x faster
+        # than the tile path, the default there before.
+        cfg = {"path": "gemv_v2", "BLOCK_N": 32, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "BLOCK_N2": 8,
+               "BLOCK_K2": 768, "num_warps2": 4, "num_stages2": 1, "x_q8": True, "inter_q8": True}  # fmt: skip
     elif pairs <= 32:
         # Decode: one program per (slot, 16 rows) is 384 programs for GEMM 1 at one token, ~3 per SM. A step
         # covers 1024 inputs (four [16, 4, 32] tiles unrolled: 64 B of 4-bit codes per thread and matrix) so
@@ -121,7 +127,7 @@ def get_moe_config(
     return default_moe_config(m, k, qtype=qtype)
 
 
-# gemv_v2 for y = x @ W^T at a few rows of x (Q4_K / Q6_K / Q8_0 parts): x rounded to int8, 4 rows per program,
+# gemv_v2 for y = x @ W^T at a few rows of x (Q4_K / Q5_K / Q6_K / Q8_0 parts): x rounded to int8, 4 rows per program,
 # rows of up to 2048 inputs in one chunk, what the H200 tuning picked for q|k, q|k|v, o_proj and lm_head of a
 # Qwen3-30B-A3B Q4_K_M (5.9-6.2 us and 91 us against 7.4-8.8 and 140 with float x).
 MATMUL_V2_DECODE: Config = {"path": "gemv_v2", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,

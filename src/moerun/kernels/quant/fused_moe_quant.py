@@ -6,7 +6,7 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
             [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
   gemv_dot  decode, same grid, but the decoded [BLOCK_N, 32] planes go through tl.dot against the slot's
             activations padded to BLOCK_M columns: tensor cores take the multiply-adds off the FMA pipe.
-  gemv_v2   decode, Q4_K / Q6_K / Q8_0 (gemv_v2.py): int32 word loads, sub-block scales folded into per-group
+  gemv_v2   decode, Q4_K / Q5_K / Q6_K / Q8_0 (gemv_v2.py): int32 word loads, sub-block scales folded into per-group
             sums, the k-slot sum inside GEMM 2; other types take the gemv path with the same config.
   tile      prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
             that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
@@ -29,7 +29,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported
-from moerun.kernels.quant.gemv_v2 import PartTables, fused_moe_gemv_v2, part_bases, v2_supported
+from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.interpreter import interpreting
@@ -472,7 +472,7 @@ def fused_moe_quant(
     ``tables`` = (one [E, 4] int64 table per w13 part, one for w2): expert e's arrays are read at the addresses
     of row e (``expert_addresses``), which may lie in any allocation, device or pinned host memory (read over
     PCIe); w13 and w2 then only give the types, shapes and pointer types (any number of experts). The decode
-    paths run gemv_v2 (Q4_K / Q6_K / Q8_0) or gemv_dot, prefill the tile path. ``x_int8``: hidden already
+    paths run gemv_v2 (Q4_K / Q5_K / Q6_K / Q8_0) or gemv_dot, prefill the tile path. ``x_int8``: hidden already
     rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
@@ -528,10 +528,13 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, gw.k, w2.k, k, T)
     if cfg["path"] == "dequant" and (indirect or not dense_out):
         cfg = default_moe_config(T, k, qtype=gw.qtype.name)
+    chosen = config is None or (indirect and cfg["path"] == "gemv")  # a gemv_v2 config not given as such
     if indirect and cfg["path"] == "gemv":
         cfg = normalize_config({**cfg, "path": "gemv_v2"})
     if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):
         cfg = normalize_config({**cfg, "path": "gemv_dot" if indirect else "gemv"})
+    if cfg["path"] == "gemv_v2" and chosen and gw.qtype not in FLOAT_X_TYPES:
+        cfg = {**cfg, "x_q8": True}  # the only x these types are read with
     return cfg
 
 

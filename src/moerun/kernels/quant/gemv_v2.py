@@ -1,10 +1,11 @@
-"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q6_K, Q8_0): fewer instructions per weight, two
+"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q5_K, Q6_K, Q8_0): fewer instructions per weight, two
 launches, the k-slot sum inside GEMM 2.
 
 Weights are read as int32 words, a "group" of contiguous words per thread and row: a Q4_K pair q (8 words:
 byte b of word j holds element 64q + 4j + b in its low nibble, 64q + 32 + 4j + b in its high nibble, see
-repack.py), a Q8_0 block (8 words, elements 32g + 4j + b) or half a Q6_K pair (4 words, h = g % 2: elements
-64q + 16h + 4j + b and + 32). A word is or'ed once with 0x4B000000; and-ing that with 0x4B000000 | (mask << s)
+repack.py; a Q5_K pair likewise, its fifth bits in the word of the high array covering the same elements), a
+Q8_0 block (8 words, elements 32g + 4j + b) or half a Q6_K pair (4 words, h = g % 2: elements 64q + 16h + 4j + b
+and + 32). A word is or'ed once with 0x4B000000; and-ing that with 0x4B000000 | (mask << s)
 for each of its 8 (4-bit) or 4 (Q8_0) positions n gives, read as a float, 2^23 + c 2^s exactly, so one and, one
 subtract and one FMA per weight leave c x: the activation side carries 2^-s ("pre-scaled" x). Sub-block scales
 are applied per group, not per weight:
@@ -45,13 +46,16 @@ from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quanti
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
-V2_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
+V2_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0)
+# The float-x variant reads these; Q5_K takes int8 x only (config key x_q8; as a down projection GEMM 1 writes its
+# intermediate as int8 for it, whatever inter_q8 says).
+FLOAT_X_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
 PartTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down: [E, 4] int64 array addresses
 
 
 def v2_supported(gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> bool:
-    """True when the v2 kernels read these types: gate and up of one type, each of Q4_K, Q6_K, Q8_0."""
+    """True when the v2 kernels read these types: gate and up of one type, each of Q4_K, Q5_K, Q6_K, Q8_0."""
     return gate.qtype == up.qtype and all(p.qtype in V2_TYPES for p in (gate, up, down))
 
 
@@ -593,8 +597,15 @@ def _matmul_v2_kernel(
 # ------------------------------------------------------------------------------------------------ host side
 
 
+def _check_int8_x(cfg: Config, *qtypes: QuantType) -> None:
+    """Raises unless cfg reads x as int8 where a type has no float-x variant (Q5_K)."""
+    for qt in qtypes:
+        if qt not in FLOAT_X_TYPES and not cfg.get("x_q8"):
+            raise ValueError(f"{qt.name} weights on the gemv_v2 path need int8 x: set the config key x_q8")
+
+
 def _words_per_group(qtype: QuantType) -> int:
-    """int32 words per group: a Q4_K pair (64 elements) or a Q8_0 block (32), half a Q6_K pair (32)."""
+    """int32 words per group: a Q4_K or Q5_K pair (64 elements) or a Q8_0 block (32), half a Q6_K pair (32)."""
     return 4 if qtype == QuantType.Q6_K else 8
 
 
@@ -663,12 +674,13 @@ def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config, x_int8: Int8Rows | None = None,
                    second: tuple[PackedWeight, int] | None = None) -> None:  # fmt: skip
-    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q6_K/Q8_0 w;
+    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q5_K/Q6_K/Q8_0 w;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
-    prepare_x. ``second`` = (w_b, col_off_b): another Q4_K/Q6_K/Q8_0 part of the same K in the same launch, with
+    prepare_x. ``second`` = (w_b, col_off_b): another Q4_K/Q5_K/Q6_K/Q8_0 part of the same K in the same launch, with
     the same config (not x_prep, whose layout depends on the type)."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
+    _check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
     xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
     pdl = quant_pdl_mode(x.device, M)
     progs = triton.cdiv(w.n, cfg["BLOCK_N"])
@@ -676,7 +688,8 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
     if second is not None:
         wb, col_b = second
         if cfg.get("x_prep") or wb.k_pad != w.k_pad or wb.qtype not in V2_TYPES:
-            raise ValueError("a second part needs a Q4_K/Q6_K/Q8_0 weight of the same K and a config without x_prep")
+            raise ValueError("a second part needs a Q4_K/Q5_K/Q6_K/Q8_0 weight of the same K and a config without "
+                             "x_prep")
         chunks_b = chunking(wb.k_pad // _group_elems(wb.qtype), cfg["BLOCK_K"], wb.qtype)
         vc, vh, vs, vd = _arrays(wb)
         extra = dict(vc=vc, vh=vh, vs=vs, vd=vd, N_B=wb.n, KQ_B=wb.kq, col_off_B=col_b,
@@ -705,7 +718,8 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     slots = T * k
     flat_ids = ids.reshape(-1)  # [T*k]
     new = torch.empty if i_pad == I else torch.zeros  # padding must read as zeros
-    inter_q8 = bool(cfg.get("inter_q8"))
+    _check_int8_x(cfg, gw.qtype)
+    inter_q8 = bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES
     if inter_q8:  # int8 words in element order, a scale per 32 and sums, written by GEMM 1 programs of 32k rows
         inter, dxi, sums = Int8Rows.empty(slots, i_pad, x.device, zeros=i_pad != I)  # [T*k, I_pad / 4], ...
         i_words = i_pad // 4

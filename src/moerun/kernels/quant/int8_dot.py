@@ -139,7 +139,7 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
         db = da
         X0 = da
         X1 = da
-    elif QT == 12:  # pair g: plane p holds elements 64g + 32p + 4j + b
+    elif QT == 12 or QT == 13:  # Q4_K, Q5_K pair g: plane p holds elements 64g + 32p + 4j + b
         xa = tl.load(xq_row + 16 * g4 + j4)
         xb = tl.load(xq_row + 16 * g4 + 8 + j4)
         da = tl.load(dx_row + 2 * g3)
@@ -161,8 +161,9 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
 @triton.jit
 def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3, xa, xb, da, db, X0,
            X1, EMULATE_DP4A: tl.constexpr):  # fmt: skip
-    """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32. Arguments
-    as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4 words, ok4 / ok3 row masks."""
+    """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32 (Q4_K, Q5_K,
+    Q6_K, Q8_0). Arguments as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4 words, ok4 / ok3
+    row masks."""
     if QT == 8:  # Q8_0: codes c + 128; xor 0x80 per byte gives c as a signed byte
         w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8]
         isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
@@ -174,8 +175,20 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         i1 = tl.sum(dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
         d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
+    elif QT == 13:  # Q5_K pair: Q4_K's nibbles and scales, a fifth bit per code from the high array
+        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+        # Pair q's fifth bits are bits 2 (q % 4) (plane 0) and 2 (q % 4) + 1 (plane 1) of the bytes of word j of
+        # group q // 4 of the high array (KQ * 2 words a row).
+        hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
+        s = 2 * (g4 % 4)  # [1, 1, G, 1]
+        c0 = (w & 0x0F0F0F0F) | (((hw >> s) & 0x01010101) << 4)
+        c1 = ((w >> 4) & 0x0F0F0F0F) | (((hw >> (s + 1)) & 0x01010101) << 4)
+        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
+        d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
     else:  # Q6_K half pair (4 words): high bits merged into each code byte, as gemv_v2 does
-        tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q6_K and Q8_0")
+        tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q5_K, Q6_K and Q8_0")
         c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
         i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), EMULATE_DP4A), axis=3)

@@ -3,7 +3,7 @@
 Three paths, by config:
   gemv     few rows of x: one program per (N-tile, row of x) streams its weight rows once, FMAs into a
            [BLOCK_N, pairs, 32] accumulator (decode.py's 3-D form) and reduces at the end.
-  gemv_v2  the same grid with gemv_v2.py's word loads and per-group scales (Q4_K, Q6_K, Q8_0; other types take
+  gemv_v2  the same grid with gemv_v2.py's word loads and per-group scales (Q4_K, Q5_K, Q6_K, Q8_0; other types take
            the gemv path with the same blocks).
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.

@@ -39,6 +39,7 @@ from moerun.formats.quants import QuantType  # noqa: E402
 from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from moerun.kernels.quant import configs as qconfigs  # noqa: E402
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
+from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.kernels.interpreter import interpreting  # noqa: E402
 from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name  # noqa: E402
@@ -48,7 +49,7 @@ from moerun.ops.quant import packed_parts  # noqa: E402
 
 DEFAULT_MS = tuple(2**i for i in range(13))  # 1 .. 4096
 # Pseudo-types for mixed layers: (gate, up, down).
-MIXES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K")}
+MIXES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q5_K", "Q6_K")}
 L2_BYTES = 60e6
 
 
@@ -217,7 +218,10 @@ def tune_type(name: str, qtype: str, layers, E: int, H: int, I: int,  # noqa: E7
         # the table shipped for this type and shape competes too
         shipped = qconfigs.load_moe_table(qtype, E, H, I, device_name()) or {}
         pool = {**POOL, "default": default, **({"shipped": shipped[m]} if m in shipped else {})}
-        for cname in ["default", "shipped"][: 1 + (m in shipped)] + tune_candidates(m, args.tune_families):
+        candidates = tune_candidates(m, args.tune_families)
+        if QuantType[qtype] not in FLOAT_X_TYPES:  # read with int8 x only: the float-x decode configs do not apply
+            candidates = [c for c in candidates if POOL[c]["path"] != "gemv_v2" or POOL[c].get("x_q8")]
+        for cname in ["default", "shipped"][: 1 + (m in shipped)] + candidates:
             cfg = pool[cname]
             try:
                 err = (fused_moe_quant(x, p13, p2, w, ids, cfg).float() - ref).abs().max().item()

@@ -169,20 +169,17 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)
         part = (d * da) * isum.to(tl.float32)
-    elif QT == 12:  # Q4_K pair: low nibbles plane 0, high nibbles plane 1
+    elif QT == 12 or QT == 13:  # Q4_K / Q5_K pair: low nibbles plane 0, high nibbles plane 1
         w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        i0 = tl.sum(dp4a(w & 0x0F0F0F0F, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
-        i1 = tl.sum(dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
-        d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
-        part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
-    elif QT == 13:  # Q5_K pair: Q4_K's nibbles and scales, a fifth bit per code from the high array
-        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        # Pair q's fifth bits are bits 2 (q % 4) (plane 0) and 2 (q % 4) + 1 (plane 1) of the bytes of word j of
-        # group q // 4 of the high array (KQ * 2 words a row).
-        hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
-        s = 2 * (g4 % 4)  # [1, 1, G, 1]
-        c0 = (w & 0x0F0F0F0F) | (((hw >> s) & 0x01010101) << 4)
-        c1 = ((w >> 4) & 0x0F0F0F0F) | (((hw >> (s + 1)) & 0x01010101) << 4)
+        c0 = w & 0x0F0F0F0F
+        c1 = (w >> 4) & 0x0F0F0F0F
+        if QT == 13:  # Q5_K: a fifth bit per code from the high array, scales as Q4_K's
+            # Pair q's fifth bits are bits 2 (q % 4) (plane 0) and 2 (q % 4) + 1 (plane 1) of the bytes of word j
+            # of group q // 4 of the high array (KQ * 2 words a row).
+            hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
+            s = 2 * (g4 % 4)  # [1, 1, G, 1]
+            c0 = c0 | (((hw >> s) & 0x01010101) << 4)
+            c1 = c1 | (((hw >> (s + 1)) & 0x01010101) << 4)
         i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
         d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each

@@ -124,7 +124,13 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, decode, x prepared": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_prep": True}),
         "quant MoE through address tables": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, tables=tables),
         "quant MoE, prefill, Q5_K / Q8_0 tiles": lambda: fused_moe_quant(x64, q5, q8_down, w64, ids64),
+        "quant MoE, prefill, tile64 (Q4_K / Q6_K, then Q5_K / Q8_0)": lambda: [fused_moe_quant(
+            x64, gu, down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
+                                        "num_stages": 3}) for gu, down in ((q4, q6_down), (q5, q8_down))],
         "quant matmul, prefill tiles": lambda: quant_matmul_triton(x64, [qk, v]),
+        "quant matmul, tile64 tiles": lambda: quant_matmul_triton(
+            x64, [qk, v], config={"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
+                                  "num_warps": 4, "num_stages": 3}),
         "quant matmul, Q4_0 (gemv path)": lambda: quant_matmul_triton(x1, [q4_0]),
         "gemv, one step": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,
                                                      gemv.GemvConfig(block_n=4, block_k=256)),

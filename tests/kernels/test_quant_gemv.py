@@ -147,8 +147,10 @@ def test_decode_default_by_gate_type() -> None:
     assert not default_moe_config(1, 8, interpret=False, qtype="Q5_K").get("inter_q8")
     assert default_moe_config(8, 8, interpret=False, qtype="Q5_K")["inter_q8"]
     assert default_moe_config(8, 8, interpret=False, qtype="Q3_K")["path"] == "tile"
-    assert default_moe_config(16, 8, interpret=False, qtype="Q4_K")["path"] == "tile"
-    assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["path"] == "tile"
+    # beyond, prefill tiles: tile64 for the types it decodes
+    assert default_moe_config(16, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
+    assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
+    assert default_moe_config(512, 8, interpret=False, qtype="Q3_K")["path"] == "tile"
 
 
 # ----------------------------------------------------------------------------------------------- matmul

@@ -26,12 +26,14 @@ if ON_CUDA:
     GEMV = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}
     TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2, "num_warps": 4,
             "num_stages": 2}  # fmt: skip
+    TILE64 = {**TILE, "path": "tile64", "num_stages": 3}
 else:
     # BLOCK_K = 512 unrolls two [64, 4, 32] tiles per step on 512-long rows.
     GEMV = {"path": "gemv", "BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1}
     TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 2, "num_warps": 4,
             "num_stages": 1}  # fmt: skip
-CONFIGS = {"gemv": GEMV, "tile": TILE}
+    TILE64 = {**TILE, "path": "tile64"}
+CONFIGS = {"gemv": GEMV, "tile": TILE, "tile64": TILE64}  # tile64 decodes Q4_K/Q5_K/Q6_K/Q8_0, others take tile
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
@@ -58,7 +60,7 @@ TYPES = PACKED_TYPES if not ON_CUDA else (QuantType.Q4_K, QuantType.Q6_K, QuantT
                                           QuantType.Q5_0)  # fmt: skip
 
 
-@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("path", ["gemv", "tile", "tile64"])
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_each_type_matches_reference(seed, qt, path) -> None:
     N, K = 48, k_for(qt)  # N is not a multiple of BLOCK_N: wrapped rows are dropped
@@ -70,7 +72,7 @@ def test_each_type_matches_reference(seed, qt, path) -> None:
     assert_matches(seed, out, reference(x, t.dequantize()), x.dtype, f"{qt.name} {path}")
 
 
-@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("path", ["gemv", "tile", "tile64"])
 def test_qkv_parts_of_different_types_with_bias(seed, path) -> None:
     K = 256
     parts = [random_quantized(QuantType.Q4_K, (64, K), DEVICE), random_quantized(QuantType.Q6_K, (16, K), DEVICE),
@@ -90,7 +92,7 @@ def test_same_type_parts_merge_into_one() -> None:
     assert len(packed) == 1 and packed[0].shape == (48, 256)
 
 
-@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("path", ["gemv", "tile", "tile64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_activation_dtypes(seed, dtype, path) -> None:
     t = random_quantized(QuantType.Q4_K, (32, 256), DEVICE)
@@ -139,7 +141,8 @@ def test_default_config_paths() -> None:
     # decode of the types gemv_v2 reads: int8 x, as every H200 tuning picked (and the only x Q5_K is read with)
     assert default_matmul_config(1, 4096, interpret=False, qtype="Q4_K")["x_q8"]
     assert default_matmul_config(1, 4096, interpret=False, qtype="Q5_K")["x_q8"]
-    assert default_matmul_config(512, 4096, interpret=False, qtype="Q4_K")["path"] == "tile"
+    assert default_matmul_config(512, 4096, interpret=False, qtype="Q4_K")["path"] == "tile64"
+    assert default_matmul_config(512, 4096, interpret=False, qtype="Q3_K")["path"] == "tile"
 
 
 def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:

@@ -27,15 +27,19 @@ ON_CUDA = DEVICE.type == "cuda"
 if ON_CUDA:
     GEMV = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum"}
     TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 4, "reduce": "atomic"}
+    TILE64 = {"path": "tile64", "BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 4, "num_stages": 3, "reduce": "atomic"}
     GEMV_DOT = {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "reduce": "sum"}
 else:
     # BLOCK_K = 512 unrolls two [256, 4, 32] tiles per step where a row has 512 inputs.
     GEMV = {"path": "gemv", "BLOCK_N": 256, "BLOCK_K": 512, "BLOCK_N2": 256, "BLOCK_K2": 256, "reduce": "sum"}
     TILE = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "atomic"}
+    TILE64 = {"path": "tile64", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_N2": 256, "reduce": "atomic"}
     GEMV_DOT = {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "sum"}
-CONFIGS = {"gemv": GEMV, "tile": TILE, "gemv_dot": GEMV_DOT, "gemv-atomic": {**GEMV, "reduce": "atomic"},
+CONFIGS = {"gemv": GEMV, "tile": TILE, "tile64": TILE64, "gemv_dot": GEMV_DOT,
+           "gemv-atomic": {**GEMV, "reduce": "atomic"},
            "tile-sum": {**TILE, "reduce": "sum"}, "gemv_dot-atomic": {**GEMV_DOT, "reduce": "atomic"},
-           "tile-sum_out": {**TILE, "reduce": "sum_out"}}  # fmt: skip
+           "tile-sum_out": {**TILE, "reduce": "sum_out"}, "tile64-sum_out": {**TILE64, "reduce": "sum_out"},
+           "tile64-sum": {**TILE64, "reduce": "sum"}}  # fmt: skip
 
 # Error allowed relative to the largest reference magnitude: the reference rounds the dequantised weights and
 # every GEMM output to the activation dtype; the kernels keep float32 longer.
@@ -72,7 +76,7 @@ def check(seed, hidden, w13, w2, weights, ids, config) -> None:
     )
 
 
-@pytest.mark.parametrize("path", ["gemv", "tile"])
+@pytest.mark.parametrize("path", ["gemv", "tile", "tile64"])  # tile64 falls back to tile for its other types
 @pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
 def test_each_type_matches_reference(seed, qt, path) -> None:
     T, E, k = 3, 3, 2
@@ -82,7 +86,7 @@ def test_each_type_matches_reference(seed, qt, path) -> None:
     check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemv_dot", "tile"])
+@pytest.mark.parametrize("path", ["gemv", "gemv_dot", "tile", "tile64"])
 def test_mixed_types_gate_up_down(seed, path) -> None:
     # A Q4_K_M-like layer with distinct gate and up types: three pointer sets.
     T, E, H, I, k = 1, 8, 256, 256, 8  # noqa: E741
@@ -96,7 +100,8 @@ def test_mixed_types_gate_up_down(seed, path) -> None:
     "dtype,config",
     [(torch.float32, "gemv"), (torch.float32, "tile"), (torch.float32, "gemv_dot"),
      (torch.float16, "gemv-atomic"), (torch.float16, "tile-sum"), (torch.float16, "gemv_dot-atomic"),
-     (torch.bfloat16, "tile-sum_out")],
+     (torch.bfloat16, "tile-sum_out"), (torch.float32, "tile64"), (torch.float16, "tile64-sum"),
+     (torch.bfloat16, "tile64-sum_out")],
 )  # fmt: skip
 def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
     T, E, H, I, k = 1, 3, 512, 256, 1  # noqa: E741
@@ -107,13 +112,24 @@ def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
     check(seed, torch.randn(T, H, device=DEVICE).to(dtype), w13, w2, weights, ids, CONFIGS[config])
 
 
-def test_tile_path_many_blocks_and_empty_experts(seed) -> None:
+@pytest.mark.parametrize("path", ["tile", "tile64"])
+def test_tile_path_many_blocks_and_empty_experts(seed, path) -> None:
     # 35 tokens on expert 4 span three 16-row blocks; the other 6 experts get nothing.
     T, E, H, I = 35, 7, 256, 256  # noqa: E741
     w13, w2 = make_experts(E, H, I, QuantType.Q8_0)
     ids = torch.full((T, 1), 4, dtype=torch.int32, device=DEVICE)
     weights = torch.rand(T, 1, device=DEVICE)
-    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TILE)
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
+
+
+@pytest.mark.parametrize("gate_t,H", [(QuantType.Q4_K, 256), (QuantType.Q8_0, 96)], ids=["Q4_K", "Q8_0"])
+def test_tile64_rows_that_need_padding(seed, gate_t, H) -> None:  # noqa: N803
+    # Q8_0 down rows of I = 160 inputs are padded to 256 (two pairs and a half with data, the rest zeros); so are
+    # Q8_0 gate/up rows of H = 96.
+    T, E, I, k = 9, 4, 160, 2  # noqa: E741
+    w13, w2 = make_experts(E, H, I, gate_t, gate_t, QuantType.Q8_0)
+    weights, ids = random_routing(T, E, k)
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TILE64)
 
 
 def test_dispatch_through_fused_moe(seed) -> None:
@@ -147,6 +163,9 @@ def test_default_configs() -> None:
     assert default_moe_config(1, 8, interpret=False)["path"].startswith("gemv")
     assert default_moe_config(4096, 8, interpret=False)["path"] == "tile"
     assert default_moe_config(4096, 8, interpret=False)["reduce"] == "sum_out"  # a fixed summation order
+    assert default_moe_config(4096, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
+    assert default_moe_config(4096, 8, interpret=False, qtype="Q4_K")["reduce"] == "sum_out"
+    assert default_moe_config(64, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
     assert default_moe_config(1, 2, interpret=True)["path"] == "gemv"
 
 

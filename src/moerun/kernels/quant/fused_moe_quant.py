@@ -13,6 +13,8 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
   dequant   prefill: the layer's experts decoded to the activation dtype in one launch per part
             (decode.dequantize_triton, into a scratch buffer), then kernels/fused_moe.py's fused_moe_triton, whose
             pipelined tensor-core tiles may outweigh the decoded layer's write and read at thousands of tokens.
+  tile64    prefill, Q4_K / Q5_K / Q6_K / Q8_0 (tile64.py): the tile path's grid, one 64-input pair decoded and
+            multiplied a step, every load of a step issued ahead by Triton's pipeliner.
 Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
 Nothing reads back to the host, so a decode step can be captured in a CUDA graph.
 """
@@ -32,6 +34,8 @@ from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, support
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.quant.tile_rows import block_rows, store_down_tile
+from moerun.kernels.quant.tile64 import _gemm1_tile64_kernel, _gemm2_tile64_kernel, tile64_supported
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
@@ -158,27 +162,6 @@ def _gemm2_gemv_kernel(
 
 
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
-@triton.jit
-def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr):
-    """(expert, flat pair index, validity, row of the intermediate) of each column of M-block pid_m.
-
-    Sorted: block_expert_ptr holds each block's expert (-1 when unused) and the intermediate has one row per
-    padded position. PER_SLOT: block pid_m is token-slot pid_m alone (column 0; the others are masked),
-    block_expert_ptr is the flat topk ids and the intermediate has one row per slot.
-    """
-    cols = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if PER_SLOT:
-        row_ok = cols == 0
-        pair = tl.where(row_ok, pid_m, num_pairs)
-        irow = tl.where(row_ok, pid_m, 0)
-    else:
-        irow = pid_m * BLOCK_M + cols
-        pair = tl.load(sorted_ids_ptr + irow)
-        row_ok = pair < num_pairs
-    return expert, pair, row_ok, irow.to(tl.int64)
-
-
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gemm1_tile_kernel(
@@ -215,7 +198,7 @@ def _gemm1_tile_kernel(
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Unused blocks (past the padded length too) have expert -1.
-    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
+    expert, pair, row_ok, irow = block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
@@ -294,7 +277,7 @@ def _gemm2_tile_kernel(
     INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
+    expert, pair, row_ok, irow = block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -325,16 +308,7 @@ def _gemm2_tile_kernel(
             w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
             acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), aa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
             acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), ab.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-
-    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
-    acc = acc * weight[None, :]
-    mask = row_ok[None, :] & (offs_n[:, None] < H)
-    if ATOMIC:
-        token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-        tl.atomic_add(out_ptr + token[None, :] * stride_ot + offs_n[:, None], acc, mask=mask, sem="relaxed")
-    else:
-        slot = tl.where(row_ok, pair, 0).to(tl.int64)
-        tl.store(out_ptr + slot[None, :] * stride_ot + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_down_tile(acc, topk_w_ptr, out_ptr, pair, row_ok, offs_n, H, top_k, stride_ot, ATOMIC)
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -440,6 +414,36 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
     return _finish(acc, T, k, H, atomic, out_dtype)
 
 
+def _tile64(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
+            cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """tile64 path (tile64.py): the tile path's alignment and grid, one 64-input pair decoded a step."""
+    (gw, g_off), (uw, u_off) = gate, up
+    T, H = x.shape
+    E, I = w2.shape[0], w2.k  # noqa: E741
+    k = ids.shape[1]
+    atomic = cfg["reduce"] == "atomic"
+    block_m = cfg["BLOCK_M"]
+    align = align_tokens(ids, E, block_m)
+    num_pid_m = align.block_expert.numel()
+    dot = dict(DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype), INTERPRET=interpreting())
+    inter = torch.empty(align.sorted_ids.numel(), I, dtype=x.dtype, device=x.device)  # [P, I]
+    bn1 = cfg["BLOCK_N"]
+    _gemm1_tile64_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
+        x, inter, align.sorted_ids, align.block_expert, *gw.kernel_args(), *uw.kernel_args(), T * k, k, H, I,
+        gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m, x.stride(0), inter.stride(0), QG=int(gw.qtype),
+        QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1, GROUP_M=cfg["GROUP_M"], **dot,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
+    bn2 = cfg["BLOCK_N2"]
+    _gemm2_tile64_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
+        inter, weights.reshape(-1), acc, align.sorted_ids, align.block_expert, *w2.kernel_args(), T * k, k, H, I,
+        w2.kq, num_pid_m, inter.stride(0), acc.stride(0), QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2,
+        GROUP_M=cfg["GROUP_M"], ATOMIC=atomic, **dot, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )  # fmt: skip
+    return _finish(acc, T, k, H, atomic, out_dtype)
+
+
 def _dequant(x: torch.Tensor, parts13: list[PackedWeight], w2: PackedWeight, weights: torch.Tensor,
              ids: torch.Tensor) -> torch.Tensor:
     """dequant path: w13's parts decoded into one [E, 2I, H] scratch (in row order), w2 into [E, H, I], both in x's
@@ -516,6 +520,8 @@ def fused_moe_quant(
         return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
+    if cfg["path"] == "tile64":
+        return _tile64(x, gate, up, w2, weights, ids, cfg, out_dtype)
     return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile and gemv_dot: tl.dot kernels
 
 
@@ -533,6 +539,9 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
         cfg = normalize_config({**cfg, "path": "gemv_v2"})
     if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):
         cfg = normalize_config({**cfg, "path": "gemv_dot" if indirect else "gemv"})
+    if cfg["path"] == "tile64" and (indirect or not tile64_supported(gw.qtype, uw.qtype, w2.qtype)):
+        # the tile kernels decode every type and take address tables; two pairs a step, as their defaults
+        cfg = {**cfg, "path": "tile", "BLOCK_K": 128, "BLOCK_K2": 128}
     if cfg["path"] == "gemv_v2" and chosen and gw.qtype not in FLOAT_X_TYPES:
         cfg = {**cfg, "x_q8": True}  # the only x these types are read with
     return cfg

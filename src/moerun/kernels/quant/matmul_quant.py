@@ -7,6 +7,8 @@ Three paths, by config:
            the gemv path with the same blocks).
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.
+  tile64   the same grid, one 64-input pair decoded and multiplied a step, every load issued ahead by Triton's
+           pipeliner (tile64.py; Q4_K, Q5_K, Q6_K, Q8_0, other types take the tile path with the same blocks).
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
 output columns; parts that are float types use torch. Two consecutive gemv_v2 parts (q|k Q4_K and v Q6_K in a
 Q4_K_M file) share one launch under the first one's config (``MOERUN_QUANT_JOINT=0``: one launch each; a Q4_K_M
@@ -30,6 +32,8 @@ from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.quant.tile64 import _matmul_tile64_kernel, tile64_supported
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
 
@@ -154,6 +158,14 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
                            PAIRS=pairs, UNROLL=unroll, **common)  # fmt: skip
         return
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(w.n, cfg["BLOCK_N"]),)
+    if cfg["path"] == "tile64" and tile64_supported(w.qtype):
+        common.pop("EVEN_K")
+        _matmul_tile64_kernel[grid](
+            x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0), BLOCK_M=cfg["BLOCK_M"],
+            GROUP_M=cfg["GROUP_M"], DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+            INTERPRET=interpreting(), **common,
+        )  # fmt: skip
+        return
     _tile_kernel[grid](
         x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
         BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], PAIRS=dot_steps(cfg["BLOCK_K"], w.kq),

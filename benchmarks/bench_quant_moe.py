@@ -144,6 +144,18 @@ POOL: dict[str, Config] = {
     "t64x128so": _dot("tile", 64, 128, 128, 8, 8, 3, red="sum_out"),
     "t128x128so": _dot("tile", 128, 128, 128, 8, 8, 3, red="sum_out"),
     "deq": {"path": "dequant"},  # the layer decoded to bf16, then the bf16 fused MoE with its own tables
+    # tile64: one 64-input pair decoded a step, every load issued ahead by the pipeliner (Q4_K/Q5_K/Q6_K/Q8_0)
+    "k16x64": _dot("tile64", 16, 64, 64, 1, 4, 3),
+    "k16x128": _dot("tile64", 16, 128, 64, 1, 4, 3),
+    "k32x64": _dot("tile64", 32, 64, 64, 8, 4, 4),
+    "k32x128": _dot("tile64", 32, 128, 64, 8, 4, 3),
+    "k64x64": _dot("tile64", 64, 64, 64, 8, 4, 4),
+    "k64x128": _dot("tile64", 64, 128, 64, 8, 4, 3),
+    "k128x64": _dot("tile64", 128, 64, 64, 8, 4, 4),
+    "k256x64": _dot("tile64", 256, 64, 64, 8, 8, 3),
+    "k128x128": _dot("tile64", 128, 128, 64, 8, 8, 3),
+    "k64x128so": _dot("tile64", 64, 128, 64, 8, 4, 3, red="sum_out"),
+    "k128x128so": _dot("tile64", 128, 128, 64, 8, 8, 3, red="sum_out"),
 }
 
 
@@ -162,12 +174,12 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
     if m <= 8:
         return ["g16", "d32", "t16x64"] + v2
     if m <= 32:
-        return ["t16x64", "t16x128", "d32"]
+        return ["t16x64", "t16x128", "d32", "k16x64", "k16x128", "k32x64"]
     if m <= 128:
-        return ["t16x64", "t16x128", "t32x128"]
+        return ["t16x64", "t16x128", "t32x128", "k16x64", "k32x64", "k32x128"]
     if m <= 512:
-        return ["t32x128", "t64x128", "deq"]
-    return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq"]
+        return ["t32x128", "t64x128", "deq", "k32x64", "k32x128", "k64x64"]
+    return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq", "k64x64", "k128x64", "k128x128so"]
 
 
 # ---------------------------------------------------------------------------------------------- workload

@@ -66,14 +66,23 @@ def _v2(bn: int, bk: int, w: int, x_prep: bool = False, x_q8: bool = False) -> C
     return cfg
 
 
+def _tiles(path: str, stages: int) -> list[Config]:
+    """tl.dot tiles (BLOCK_M, BLOCK_N, warps) for prefill-sized M, on the tile or the tile64 path."""
+    shapes = ((16, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8))
+    return [{"path": path, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": w,
+             "num_stages": stages} for bm, bn, w in shapes]  # fmt: skip
+
+
 def candidates(qtype: str, N: int, K: int, M: int, quick: bool, families: str = "all") -> list[Config]:
     """Configs to try, the default first, then the shipped one; gemv_v2 only for the types it reads.
-    families="x_q8": only the int8-x gemv_v2 configs beside those two."""
+    families="x_q8": only the int8-x gemv_v2 configs beside those two; "tiles": the tile and tile64 paths."""
     out = [default_matmul_config(M, N, interpret=False, qtype=qtype)]
     shipped = load_matmul_table(device_name()).get(matmul_key(qtype, N, K), {}).get(M)
     if shipped:
         out.append(dict(shipped))
-    if families == "all":
+    if families == "tiles":
+        out += _tiles("tile", 3) + _tiles("tile64", 3) + _tiles("tile64", 4)
+    elif families == "all":
         out += [_gemv(16, 1024, 4), _gemv(32, 1024, 4)]
     if qtype in ("Q4_K", "Q6_K", "Q8_0") and families == "x_q8":
         bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
@@ -139,7 +148,8 @@ def tune_part(name: str, qtype: str, N: int, K: int, M: int, args, log: list) ->
 
 def compact(cfg: Config) -> str:
     prep = " x_q8" if cfg.get("x_q8") else " x_prep" if cfg.get("x_prep") else ""
-    return f"{cfg['path']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']}{prep}"
+    m = f" M{cfg['BLOCK_M']}" if "BLOCK_M" in cfg else ""
+    return f"{cfg['path']}{m} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}{prep}"
 
 
 def write_table(entries: dict[str, dict[int, Config]], out_dir: Path) -> Path:
@@ -156,8 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part", nargs=3, action="append", metavar=("TYPE", "N", "K"), help="one more part to tune")
     p.add_argument("--m", type=int, nargs="+", default=[1], help="rows of x to tune")
     p.add_argument("--quick", action="store_true", help="reduced search space")
-    p.add_argument("--families", choices=("all", "x_q8"), default="all",
-                   help="x_q8: only int8-x gemv_v2 configs against the default and the shipped config")
+    p.add_argument("--families", choices=("all", "x_q8", "tiles"), default="all",
+                   help="x_q8: only int8-x gemv_v2 configs against the default and the shipped config; tiles: the "
+                        "tile and tile64 paths (prefill-sized M)")
     add_tuner_arguments(p, str(CONFIG_DIR))
     return resolve_tuner_timing(p.parse_args(argv), quick_rep_ms=20)
 

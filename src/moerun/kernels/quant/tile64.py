@@ -84,11 +84,10 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             hw = tl.load(high.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 2) + (q // 4) * 8 + wi) >> ((q % 4) * 2)
             lo = lo | ((hw & 0x01010101) << 4)
             hi = hi | ((hw & 0x02020202) << 3)
-        if QTYPE == 14:  # Q6_K: top two bits, byte 32(q // 2) + l of `high`, bits 4(q % 2) + 2p
+        if QTYPE == 14:  # Q6_K: top two bits, byte 32(q // 2) + l of `high`, bits 4(q % 2) + 2p; (c - 32)(d sc)
             hw = tl.load(high.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 4) + (q // 2) * 8 + wi) >> ((q % 2) * 4)
             lo = lo | ((hw & 0x03030303) << 4)
             hi = hi | ((hw & 0x0C0C0C0C) << 2)
-        if QTYPE == 14:
             idx = rows3 * (KQ // 4) + q // 4  # fp16 d of the super-block
             d = _half(tl.load(words + idx // 2), idx % 2)  # [BN, 1, 1]
             # signed scales of the 16-element sub-blocks 2p + i // 4: (byte ^ 0x80) is the signed byte + 128

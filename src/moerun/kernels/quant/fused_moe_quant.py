@@ -13,8 +13,8 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
   dequant   prefill: the layer's experts decoded to the activation dtype in one launch per part
             (decode.dequantize_triton, into a scratch buffer), then kernels/fused_moe.py's fused_moe_triton, whose
             pipelined tensor-core tiles may outweigh the decoded layer's write and read at thousands of tokens.
-  tile64    prefill, Q4_K / Q5_K / Q6_K / Q8_0 (tile64.py): the tile path's grid, one 64-input pair decoded and
-            multiplied a step, every load of a step issued ahead by Triton's pipeliner.
+  tile64    prefill, Q4_K / Q5_K / Q6_K / Q8_0: the tile kernels with a whole 64-input pair decoded (tile64.py)
+            and multiplied a step (PAIR64), every load of a step issued ahead by Triton's pipeliner.
 Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
 Nothing reads back to the host, so a decode step can be captured in a CUDA graph.
 """
@@ -34,8 +34,7 @@ from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, support
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.quant.tile_rows import block_rows, store_down_tile
-from moerun.kernels.quant.tile64 import _gemm1_tile64_kernel, _gemm2_tile64_kernel, tile64_supported
+from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
@@ -161,7 +160,27 @@ def _gemm2_gemv_kernel(
 # -------------------------------------------------------------------------------------------------- tile
 
 
-# Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
+@triton.jit
+def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr):
+    """(expert, flat pair index, validity, row of the intermediate) of each column of M-block pid_m.
+
+    Sorted: block_expert_ptr holds each block's expert (-1 when unused) and the intermediate has one row per
+    padded position. PER_SLOT: block pid_m is token-slot pid_m alone (column 0; the others are masked),
+    block_expert_ptr is the flat topk ids and the intermediate has one row per slot.
+    """
+    cols = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if PER_SLOT:
+        row_ok = cols == 0
+        pair = tl.where(row_ok, pid_m, num_pairs)
+        irow = tl.where(row_ok, pid_m, 0)
+    else:
+        irow = pid_m * BLOCK_M + cols
+        pair = tl.load(sorted_ids_ptr + irow)
+        row_ok = pair < num_pairs
+    return expert, pair, row_ok, irow.to(tl.int64)
+
+
 # Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gemm1_tile_kernel(
@@ -195,10 +214,12 @@ def _gemm1_tile_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
+    PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Unused blocks (past the padded length too) have expert -1.
-    expert, pair, row_ok, irow = block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
+    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
@@ -218,25 +239,35 @@ def _gemm1_tile_kernel(
     cdt = x_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # gate^T
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for it in range(0, KQ // PAIRS):
-        for j in tl.static_range(PAIRS):
-            q = it * PAIRS + j
-            k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-            if EVEN_K:
-                xa = tl.load(x_cols + k0, mask=row_ok[None, :], other=0.0)  # [32, BLOCK_M]
-                xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :], other=0.0)
-            else:
-                xa = tl.load(x_cols + k0, mask=row_ok[None, :] & (k0 < H), other=0.0)
-                xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < H), other=0.0)
-            g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)  # [BLOCK_N, 32] each
-            # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
-            xa = xa.to(DOT_DTYPE)
-            xb = xb.to(DOT_DTYPE)
-            acc_g = tl.dot(g0.to(cdt).to(DOT_DTYPE), xa, acc_g, input_precision=DOT_PRECISION)
-            acc_g = tl.dot(g1.to(cdt).to(DOT_DTYPE), xb, acc_g, input_precision=DOT_PRECISION)
-            u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
-            acc_u = tl.dot(u0.to(cdt).to(DOT_DTYPE), xa, acc_u, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(u1.to(cdt).to(DOT_DTYPE), xb, acc_u, input_precision=DOT_PRECISION)
+    if PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
+        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        for q in range(0, KQ):
+            k = q * 64 + offs_k  # [64, 1]
+            g = decode_pair64(QG, gc, gh, gs, gd, rows_g, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
+            u = decode_pair64(QU, uc, uh, us, ud, rows_u, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)
+            xt = tl.load(x_cols + k, mask=row_ok[None, :] & (k < H), other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
+            acc_g = tl.dot(g, xt, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(u, xt, acc_u, input_precision=DOT_PRECISION)
+    else:  # two 32-wide planes a pair, each in its own tl.dot
+        for it in range(0, KQ // PAIRS):
+            for j in tl.static_range(PAIRS):
+                q = it * PAIRS + j
+                k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+                if EVEN_K:
+                    xa = tl.load(x_cols + k0, mask=row_ok[None, :], other=0.0)  # [32, BLOCK_M]
+                    xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :], other=0.0)
+                else:
+                    xa = tl.load(x_cols + k0, mask=row_ok[None, :] & (k0 < H), other=0.0)
+                    xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < H), other=0.0)
+                g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)  # [BLOCK_N, 32] each
+                # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
+                xa = xa.to(DOT_DTYPE)
+                xb = xb.to(DOT_DTYPE)
+                acc_g = tl.dot(g0.to(cdt).to(DOT_DTYPE), xa, acc_g, input_precision=DOT_PRECISION)
+                acc_g = tl.dot(g1.to(cdt).to(DOT_DTYPE), xb, acc_g, input_precision=DOT_PRECISION)
+                u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
+                acc_u = tl.dot(u0.to(cdt).to(DOT_DTYPE), xa, acc_u, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(u1.to(cdt).to(DOT_DTYPE), xb, acc_u, input_precision=DOT_PRECISION)
 
     act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
     out_ptrs = inter_ptr + irow[None, :] * stride_it + offs_n[:, None]
@@ -275,9 +306,11 @@ def _gemm2_tile_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
+    PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    expert, pair, row_ok, irow = block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
+    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -291,24 +324,42 @@ def _gemm2_tile_kernel(
     a_cols = inter_ptr + irow[None, :] * stride_it  # [1, BLOCK_M]
     cdt = inter_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-    for it in range(0, KQ // PAIRS):
-        for j in tl.static_range(PAIRS):
-            q = it * PAIRS + j
-            k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-            if PER_SLOT:
-                aa = tl.load(a_cols + k0, mask=row_ok[None, :] & (k0 < I), other=0.0)  # [32, BLOCK_M]
-                ab = tl.load(a_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < I), other=0.0)
-            elif EVEN_K:
-                # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
-                aa = tl.load(a_cols + k0)
-                ab = tl.load(a_cols + k0 + 32)
-            else:
-                aa = tl.load(a_cols + k0, mask=k0 < I, other=0.0)
-                ab = tl.load(a_cols + k0 + 32, mask=k0 + 32 < I, other=0.0)
-            w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
-            acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), aa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), ab.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    store_down_tile(acc, topk_w_ptr, out_ptr, pair, row_ok, offs_n, H, top_k, stride_ot, ATOMIC)
+    if PAIR64:
+        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        for q in range(0, KQ):
+            k = q * 64 + offs_k  # [64, 1]
+            w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
+            # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
+            at = tl.load(a_cols + k, mask=k < I, other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
+            acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
+    else:
+        for it in range(0, KQ // PAIRS):
+            for j in tl.static_range(PAIRS):
+                q = it * PAIRS + j
+                k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+                if PER_SLOT:
+                    aa = tl.load(a_cols + k0, mask=row_ok[None, :] & (k0 < I), other=0.0)  # [32, BLOCK_M]
+                    ab = tl.load(a_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < I), other=0.0)
+                elif EVEN_K:
+                    # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
+                    aa = tl.load(a_cols + k0)
+                    ab = tl.load(a_cols + k0 + 32)
+                else:
+                    aa = tl.load(a_cols + k0, mask=k0 < I, other=0.0)
+                    ab = tl.load(a_cols + k0 + 32, mask=k0 + 32 < I, other=0.0)
+                w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
+                acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), aa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+                acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), ab.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+
+    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    acc = acc * weight[None, :]
+    mask = row_ok[None, :] & (offs_n[:, None] < H)
+    if ATOMIC:
+        token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+        tl.atomic_add(out_ptr + token[None, :] * stride_ot + offs_n[:, None], acc, mask=mask, sem="relaxed")
+    else:
+        slot = tl.where(row_ok, pair, 0).to(tl.int64)
+        tl.store(out_ptr + slot[None, :] * stride_ot + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -371,8 +422,8 @@ def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
 
 def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
           cfg: Config, out_dtype: torch.dtype, tables: PartTables | None = None) -> torch.Tensor:  # fmt: skip
-    """tile path (token-slots aligned by expert, grouped GEMMs over M-blocks) and gemv_dot path (one token-slot
-    per M-block, no sorting: tensor cores at decode); experts through ``tables`` when given."""
+    """tile and tile64 paths (token-slots aligned by expert, grouped GEMMs over M-blocks) and gemv_dot path (one
+    token-slot per M-block, no sorting: tensor cores at decode); experts through ``tables`` when given."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
     E = tables[2].shape[0] if tables else w2.shape[0]
@@ -392,7 +443,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         num_pid_m = block_expert.numel()
         inter_rows = sorted_ids.numel()
     dot = dict(PER_SLOT=per_slot, DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-               INDIRECT=tables is not None)
+               INDIRECT=tables is not None, PAIR64=cfg["path"] == "tile64", INTERPRET=interpreting())
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
     _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
@@ -410,36 +461,6 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
         GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
-    )  # fmt: skip
-    return _finish(acc, T, k, H, atomic, out_dtype)
-
-
-def _tile64(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
-            cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """tile64 path (tile64.py): the tile path's alignment and grid, one 64-input pair decoded a step."""
-    (gw, g_off), (uw, u_off) = gate, up
-    T, H = x.shape
-    E, I = w2.shape[0], w2.k  # noqa: E741
-    k = ids.shape[1]
-    atomic = cfg["reduce"] == "atomic"
-    block_m = cfg["BLOCK_M"]
-    align = align_tokens(ids, E, block_m)
-    num_pid_m = align.block_expert.numel()
-    dot = dict(DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype), INTERPRET=interpreting())
-    inter = torch.empty(align.sorted_ids.numel(), I, dtype=x.dtype, device=x.device)  # [P, I]
-    bn1 = cfg["BLOCK_N"]
-    _gemm1_tile64_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
-        x, inter, align.sorted_ids, align.block_expert, *gw.kernel_args(), *uw.kernel_args(), T * k, k, H, I,
-        gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m, x.stride(0), inter.stride(0), QG=int(gw.qtype),
-        QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1, GROUP_M=cfg["GROUP_M"], **dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
-    bn2 = cfg["BLOCK_N2"]
-    _gemm2_tile64_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
-        inter, weights.reshape(-1), acc, align.sorted_ids, align.block_expert, *w2.kernel_args(), T * k, k, H, I,
-        w2.kq, num_pid_m, inter.stride(0), acc.stride(0), QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2,
-        GROUP_M=cfg["GROUP_M"], ATOMIC=atomic, **dot, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
 
@@ -520,9 +541,7 @@ def fused_moe_quant(
         return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
-    if cfg["path"] == "tile64":
-        return _tile64(x, gate, up, w2, weights, ids, cfg, out_dtype)
-    return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile and gemv_dot: tl.dot kernels
+    return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile, tile64, gemv_dot: tl.dot
 
 
 def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2: PackedWeight, E: int, k: int,

@@ -32,7 +32,7 @@ from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.quant.tile64 import _matmul_tile64_kernel, tile64_supported
+from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
@@ -108,6 +108,8 @@ def _tile_kernel(
     EVEN_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py)
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -119,20 +121,29 @@ def _tile_kernel(
     x_cols = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
     cdt = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T
-    for it in range(0, KQ // PAIRS):
-        for j in tl.static_range(PAIRS):
-            q = it * PAIRS + j
-            k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-            if EVEN_K:
-                xa = tl.load(x_cols + k0, mask=m_ok[None, :], other=0.0)  # [32, BLOCK_M]
-                xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :], other=0.0)
-            else:
-                xa = tl.load(x_cols + k0, mask=m_ok[None, :] & (k0 < K), other=0.0)
-                xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :] & (k0 + 32 < K), other=0.0)
-            w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)  # [BLOCK_N, 32] each
-            # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
-            acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), xa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), xb.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
+        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        for q in range(0, KQ):
+            k = q * 64 + offs_k  # [64, 1]
+            xt = tl.load(x_cols + k, mask=m_ok[None, :] & (k < K), other=0.0)  # [64, BLOCK_M]
+            w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET)  # [BLOCK_N, 64]
+            acc = tl.dot(w.to(cdt).to(DOT_DTYPE), xt.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    else:
+        for it in range(0, KQ // PAIRS):
+            for j in tl.static_range(PAIRS):
+                q = it * PAIRS + j
+                k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+                if EVEN_K:
+                    xa = tl.load(x_cols + k0, mask=m_ok[None, :], other=0.0)  # [32, BLOCK_M]
+                    xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :], other=0.0)
+                else:
+                    xa = tl.load(x_cols + k0, mask=m_ok[None, :] & (k0 < K), other=0.0)
+                    xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :] & (k0 + 32 < K), other=0.0)
+                w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)  # [BLOCK_N, 32] each
+                # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
+                acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), xa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+                acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), xb.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+
     n_ok = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -158,19 +169,11 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
                            PAIRS=pairs, UNROLL=unroll, **common)  # fmt: skip
         return
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(w.n, cfg["BLOCK_N"]),)
-    if cfg["path"] == "tile64" and tile64_supported(w.qtype):
-        common.pop("EVEN_K")
-        _matmul_tile64_kernel[grid](
-            x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0), BLOCK_M=cfg["BLOCK_M"],
-            GROUP_M=cfg["GROUP_M"], DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-            INTERPRET=interpreting(), **common,
-        )  # fmt: skip
-        return
     _tile_kernel[grid](
         x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
         BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], PAIRS=dot_steps(cfg["BLOCK_K"], w.kq),
-        DOT_DTYPE=dot_operand_dtype(x.dtype),
-        DOT_PRECISION=_dot_precision(x.dtype), **common,
+        DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+        PAIR64=cfg["path"] == "tile64" and tile64_supported(w.qtype), INTERPRET=interpreting(), **common,
     )  # fmt: skip
 
 

@@ -1,15 +1,15 @@
-"""Prefill tiles of the quantized fused MoE and dense matmul that decode a whole pair (64 inputs) a step: "tile64".
+"""The in-register decode of the "tile64" prefill step: a whole pair (64 inputs) of a Q4_K, Q5_K, Q6_K or Q8_0
+weight a step, for the tile kernels of fused_moe_quant.py and matmul_quant.py (their constexpr PAIR64).
 
-Same grids, routing and epilogues as the tile path (fused_moe_quant.py, matmul_quant.py), for Q4_K, Q5_K, Q6_K and
-Q8_0. The tile path decodes a pair as two [BLOCK_N, 32] planes, each multiplied in its own 32-deep tl.dot; compiled
-for sm_90 each of those dots waits for the one before it. Here one step reads a pair's code bytes as int32 words
-(8 words of a row for the 4-bit types), masks the nibbles and top bits four elements an instruction, turns each
-byte into a float with one PRMT on the GPU (2^23 + byte under the exponent bytes), scales the two planes as
-[BLOCK_N, 8, 4] (word, byte) tiles, joins them into element order and multiplies the [BLOCK_N, 64] tile in one
-tl.dot as the left operand (out^T = W x^T). Every load is at least four bytes a thread (the fp16 block scales are
-read as the int32 words that hold them), so Triton's pipeliner issues them `num_stages` steps ahead and the dots
-overlap. What remains is the decode's integer and float work: on an H200 the same kernel with the decode left out
-runs at the bf16 kernel's speed (benchmarks/RESULTS.md).
+Their other step decodes a pair as two [BLOCK_N, 32] planes (decode.dequant_pair), each multiplied in its own
+32-deep tl.dot; compiled for sm_90 each of those dots waits for the one before it. decode_pair64 reads a pair's code
+bytes as int32 words (8 words of a row for the 4-bit types), masks the nibbles and top bits four elements an
+instruction, turns each byte into a float with one PRMT on the GPU (2^23 + byte under the exponent bytes), scales
+the two planes as [BLOCK_N, 8, 4] (word, byte) tiles and joins them into element order, so the [BLOCK_N, 64] tile
+enters one tl.dot as the left operand (out^T = W x^T). Every load is at least four bytes a thread (the fp16 block
+scales are read as the int32 words that hold them), so Triton's pipeliner issues them `num_stages` steps ahead and
+the dots overlap. What remains is the decode's integer and float work: on an H200 the same kernel with the decode
+left out runs at the bf16 kernel's speed (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import _silu_mul, _tile_pid
-from moerun.kernels.quant.tile_rows import block_rows, store_down_tile
 
 TILE64_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0)
 
@@ -106,153 +104,3 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             v1 = _bytes_float(hi, b, 0, INTERPRET) * (d * _byte(w, 1)) - dmin * _byte(w, 3)
     v = tl.permute(tl.join(v0, v1), (0, 3, 1, 2))  # [BN, 2, 8, 4]: plane, word, byte
     return tl.reshape(v, (v.shape[0], 64))
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _gemm1_tile64_kernel(
-    x_ptr,  # [T, H]
-    inter_ptr,  # [P, I] one row per padded sorted position
-    sorted_ids_ptr,  # [P]
-    block_expert_ptr,  # [P / BLOCK_M]
-    gc, gh, gs, gd,
-    uc, uh, us, ud,
-    num_pairs,
-    top_k,
-    H,
-    I,  # noqa: E741
-    G_ROWS,
-    G_OFF,
-    U_ROWS,
-    U_OFF,
-    KQ,
-    num_pid_m,
-    stride_xt,
-    stride_it,
-    QG: tl.constexpr,
-    QU: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert, pair, row_ok, irow = block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, False)
-    if expert < 0:  # unused blocks, past the padded length too
-        return
-    token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n = (offs_n % I).to(tl.int64)
-    rows_g = (expert * G_ROWS + G_OFF + n)[:, None]  # [BLOCK_N, 1]
-    rows_u = (expert * U_ROWS + U_OFF + n)[:, None]
-    offs_k = tl.arange(0, 64)  # [64]
-    x_rows = x_ptr + token * stride_xt  # [BLOCK_M]
-    cdt = x_ptr.dtype.element_ty
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # gate^T
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for q in range(0, KQ):
-        k = q * 64 + offs_k  # [64]
-        g = decode_pair64(QG, gc, gh, gs, gd, rows_g, q, KQ, INTERPRET)  # [BLOCK_N, 64]
-        u = decode_pair64(QU, uc, uh, us, ud, rows_u, q, KQ, INTERPRET)
-        # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
-        g = g.to(cdt).to(DOT_DTYPE)
-        u = u.to(cdt).to(DOT_DTYPE)
-        xt = tl.load(x_rows[None, :] + k[:, None], mask=row_ok[None, :] & (k[:, None] < H), other=0.0)  # [64, M]
-        xt = xt.to(DOT_DTYPE)
-        acc_g = tl.dot(g, xt, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(u, xt, acc_u, input_precision=DOT_PRECISION)
-    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
-    # Padding rows had zero inputs, so they store zeros, which GEMM 2 relies on.
-    tl.store(inter_ptr + irow[None, :] * stride_it + offs_n[:, None], act, mask=offs_n[:, None] < I)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _gemm2_tile64_kernel(
-    inter_ptr,  # [P, I]
-    topk_w_ptr,  # [T*k]
-    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] in fp32 or the output dtype
-    sorted_ids_ptr,  # [P]
-    block_expert_ptr,  # [P / BLOCK_M]
-    wc, wh, ws, wd,
-    num_pairs,
-    top_k,
-    H,
-    I,  # noqa: E741
-    KQ,
-    num_pid_m,
-    stride_it,
-    stride_ot,
-    QW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    expert, pair, row_ok, irow = block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, False)
-    if expert < 0:
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
-    offs_k = tl.arange(0, 64)  # [64]
-    a_rows = inter_ptr + irow * stride_it  # [BLOCK_M]
-    cdt = inter_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-    for q in range(0, KQ):
-        k = q * 64 + offs_k  # [64]
-        w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET)  # [BLOCK_N, 64]
-        w = w.to(cdt).to(DOT_DTYPE)
-        # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
-        at = tl.load(a_rows[None, :] + k[:, None], mask=k[:, None] < I, other=0.0).to(DOT_DTYPE)  # [64, M]
-        acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
-    store_down_tile(acc, topk_w_ptr, out_ptr, pair, row_ok, offs_n, H, top_k, stride_ot, ATOMIC)
-
-
-# The row count of x follows the batch, so it is not specialised on.
-@triton.jit(do_not_specialize=["M"])
-def _matmul_tile64_kernel(
-    x_ptr,  # [M, K]
-    y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
-    bias_ptr,  # [N_total] or a dummy
-    wc, wh, ws, wd,
-    M,
-    N,
-    K,
-    KQ,
-    col_off,
-    stride_xm,
-    stride_ym,
-    QW: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """y = x W^T for one dense weight part, y^T tiles [BLOCK_N, BLOCK_M] (matmul_quant.py's tile grid)."""
-    pid_m, pid_n = _tile_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    m_ok = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    rows = (offs_n % N).to(tl.int64)[:, None]  # [BLOCK_N, 1]
-    offs_k = tl.arange(0, 64)  # [64]
-    x_rows = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64) * stride_xm  # [BLOCK_M]
-    cdt = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T
-    for q in range(0, KQ):
-        k = q * 64 + offs_k  # [64]
-        xt = tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :] & (k[:, None] < K), other=0.0)  # [64, M]
-        w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET)  # [BLOCK_N, 64]
-        # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
-        acc = tl.dot(w.to(cdt).to(DOT_DTYPE), xt.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    n_ok = offs_n < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + col_off + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + col_off + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])

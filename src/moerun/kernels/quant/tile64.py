@@ -4,12 +4,18 @@ weight a step, for the tile kernels of fused_moe_quant.py and matmul_quant.py (t
 Their other step decodes a pair as two [BLOCK_N, 32] planes (decode.dequant_pair), each multiplied in its own
 32-deep tl.dot; compiled for sm_90 each of those dots waits for the one before it. decode_pair64 reads a pair's code
 bytes as int32 words (8 words of a row for the 4-bit types), masks the nibbles and top bits four elements an
-instruction, turns each byte into a float with one PRMT on the GPU (2^23 + byte under the exponent bytes), scales
-the two planes as [BLOCK_N, 8, 4] (word, byte) tiles and joins them into element order, so the [BLOCK_N, 64] tile
-enters one tl.dot as the left operand (out^T = W x^T). Every load is at least four bytes a thread (the fp16 block
-scales are read as the int32 words that hold them), so Triton's pipeliner issues them `num_stages` steps ahead and
-the dots overlap. What remains is the decode's integer and float work: on an H200 the same kernel with the decode
-left out runs at the bf16 kernel's speed (benchmarks/RESULTS.md).
+instruction, turns each byte into a float with one PRMT on the GPU (0.5 + byte / 256: the byte under the exponent
+bits of 0.5), scales and offsets it with one FMA, and joins the two planes' [BLOCK_N, 8, 4] (word, byte) tiles
+into element order, so the [BLOCK_N, 64] tile enters one tl.dot as the left operand (out^T = W x^T).
+
+Every load is at least four bytes a thread (the fp16 block scales are read as the int32 words that hold them), so
+Triton's pipeliner issues them `num_stages` steps ahead. The products do not overlap a program's own decode: ptxas
+serialises wgmma with a register operand here (its note C7515, Triton 3.6 and 3.9 alike), so decode and products
+alternate within a program and overlap only across the programs an SM holds. What remains is the decode's integer
+and float work: on an H200 the same kernel with the decode left out runs at the bf16 kernel's speed
+(benchmarks/RESULTS.md). Placing the code at 0.5 + c / 256 rather than 2^23 + c lets the offset fold into the FMA's
+addend (at 2^23 the addend would round away the code's bits): one float instruction a value fewer, exact for Q6_K
+and Q8_0, and for Q4_K and Q5_K one rounding of the addend, at most 2^-17 of a sub-block's scale.
 """
 
 from __future__ import annotations
@@ -41,20 +47,28 @@ def _byte(word, i):
 
 
 @triton.jit
-def _bytes_float(word, b, bias: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 of byte b of int32 `word` minus `bias` (word [BN, W, 1], b [1, 1, 4] -> [BN, W, 4]).
+def _bytes_float(word, b, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
+    """0.5 + byte / 2^(23 - SHIFT) as float32, for byte b of int32 `word` (word [BN, W, 1], b [1, 1, 4] -> [BN, W,
+    4]): the byte laid under the exponent bits of 0.5 at bit SHIFT (16 for codes below 128, 8 for whole bytes).
 
-    On the GPU one PRMT builds 2^23 + byte as float32 bits (the byte under the exponent bytes 0x4B, 0, 0), where
-    the shift, mask and OR it replaces take three instructions; the interpreter runs the same in plain integers."""
+    On the GPU that is one PRMT (bytes 0x00 ... byte ... 0x3F), where shift, mask and OR take three instructions;
+    the interpreter runs the same in plain integers. The caller's scale and offset fold the 0.5 back into one FMA,
+    so no subtraction of the offset remains (the former 2^23 + byte needed one of its own: at that magnitude an
+    offset folded into the FMA's addend loses the code's bits)."""
     if INTERPRET:
-        bits = ((word >> (b * 8)) & 0xFF) | 0x4B000000
+        bits = (((word >> (b * 8)) & 0xFF) << SHIFT) | 0x3F000000
     else:
-        selector = b + 0x7540  # result bytes: word byte b, then bytes 0, 1, 3 of 0x4B000000
-        bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x4B000000, $2;", "=r,r,r",
+        # result bytes from {word, 0x3F000000}: 0x00 (byte 4) below the code, the code at SHIFT, 0x3F on top (7)
+        if SHIFT == 16:
+            selector = 0x7044 + (b << 8)
+        else:
+            tl.static_assert(SHIFT == 8, "_bytes_float: the code goes to bit 8 or 16")
+            selector = 0x7404 + (b << 4)
+        bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x3F000000, $2;", "=r,r,r",
                                          [tl.broadcast_to(word, (word.shape[0], word.shape[1], 4)),
                                           tl.broadcast_to(selector, (word.shape[0], word.shape[1], 4))],
                                          dtype=tl.int32, is_pure=True, pack=1)
-    return bits.to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -70,8 +84,11 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
     if QTYPE == 8:  # Q8_0: byte 64q + e is element e + 128; d0, d1 of the two 32-blocks in one word
         cp = codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 16) + q * 16 + wi  # [BN, 8, 1]
         dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1]
-        v0 = _bytes_float(tl.load(cp), b, 128, INTERPRET) * _half(dd, 0)  # [BN, 8, 4]
-        v1 = _bytes_float(tl.load(cp + 8), b, 128, INTERPRET) * _half(dd, 1)
+        d0 = _half(dd, 0)
+        d1 = _half(dd, 1)
+        # (byte - 128) d = f 2^16 d - (2^15 + 128) d for f = 0.5 + byte / 2^16; both products exact in float32
+        v0 = _bytes_float(tl.load(cp), b, 8, INTERPRET) * (65536.0 * d0) - 32896.0 * d0  # [BN, 8, 4]
+        v1 = _bytes_float(tl.load(cp + 8), b, 8, INTERPRET) * (65536.0 * d1) - 32896.0 * d1
     else:
         # Nibbles and top bits are masked in whole words (four elements an instruction), then split into bytes.
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
@@ -93,14 +110,19 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             first = wi < 4
             dl0 = tl.where(first, d * (_byte(ws, 0) - 128.0), d * (_byte(ws, 1) - 128.0))  # [BN, 8, 1]
             dl1 = tl.where(first, d * (_byte(ws, 2) - 128.0), d * (_byte(ws, 3) - 128.0))
-            v0 = _bytes_float(lo, b, 32, INTERPRET) * dl0
-            v1 = _bytes_float(hi, b, 32, INTERPRET) * dl1
+            # (c - 32) dl = f 256 dl - 160 dl for f = 0.5 + c / 256; 160 dl is exact in float32
+            v0 = _bytes_float(lo, b, 16, INTERPRET) * (256.0 * dl0) - 160.0 * dl0
+            v1 = _bytes_float(hi, b, 16, INTERPRET) * (256.0 * dl1) - 160.0 * dl1
         else:  # Q4_K, Q5_K: c (d sc) - dmin mn, sub-block p's scale byte p, min byte 2 + p
             tl.static_assert(QTYPE == 12 or QTYPE == 13, "decode_pair64: unsupported quant type")
             dd = tl.load(words + rows3 * (KQ // 4) + q // 4)  # [BN, 1, 1] d | dmin << 16
             d = _half(dd, 0)
             dmin = _half(dd, 1)
-            v0 = _bytes_float(lo, b, 0, INTERPRET) * (d * _byte(w, 0)) - dmin * _byte(w, 2)
-            v1 = _bytes_float(hi, b, 0, INTERPRET) * (d * _byte(w, 1)) - dmin * _byte(w, 3)
+            # c s - m = f 256 s - (128 s + m) for f = 0.5 + c / 256. 128 s + m is rounded once, by at most
+            # 2^-17 s (s = d sc), far below the bf16 rounding of the value that follows.
+            s0 = d * _byte(w, 0)
+            s1 = d * _byte(w, 1)
+            v0 = _bytes_float(lo, b, 16, INTERPRET) * (256.0 * s0) - (128.0 * s0 + dmin * _byte(w, 2))
+            v1 = _bytes_float(hi, b, 16, INTERPRET) * (256.0 * s1) - (128.0 * s1 + dmin * _byte(w, 3))
     v = tl.permute(tl.join(v0, v1), (0, 3, 1, 2))  # [BN, 2, 8, 4]: plane, word, byte
     return tl.reshape(v, (v.shape[0], 64))

@@ -15,7 +15,8 @@ alternate within a program and overlap only across the programs an SM holds. Wha
 and float work: on an H200 the same kernel with the decode left out runs at the bf16 kernel's speed
 (benchmarks/RESULTS.md). Placing the code at 0.5 + c / 256 rather than 2^23 + c lets the offset fold into the FMA's
 addend (at 2^23 the addend would round away the code's bits): one float instruction a value fewer, exact for Q6_K
-and Q8_0, and for Q4_K and Q5_K one rounding of the addend, at most 2^-17 of a sub-block's scale.
+and Q8_0, and for Q4_K and Q5_K one rounding of the addend 128 s + m (half its float32 ulp: 2^-17 s where the
+scale's term leads, about one float32 rounding of the value where the minimum's does).
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             dd = tl.load(words + rows3 * (KQ // 4) + q // 4)  # [BN, 1, 1] d | dmin << 16
             d = _half(dd, 0)
             dmin = _half(dd, 1)
-            # c s - m = f 256 s - (128 s + m) for f = 0.5 + c / 256. 128 s + m is rounded once, by at most
-            # 2^-17 s (s = d sc), far below the bf16 rounding of the value that follows.
+            # c s - m = f 256 s - (128 s + m) for f = 0.5 + c / 256. 128 s + m is rounded once (half its ulp:
+            # at most 2^-17 s or one float32 rounding of m), far below the bf16 rounding of the value that follows.
             s0 = d * _byte(w, 0)
             s1 = d * _byte(w, 1)
             v0 = _bytes_float(lo, b, 16, INTERPRET) * (256.0 * s0) - (128.0 * s0 + dmin * _byte(w, 2))

@@ -42,9 +42,14 @@ from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (name, type, N, K) of the quantized parts of a decode step. Qwen3-30B-A3B in llama.cpp's Q4_K_M mix: q|k in
 # Q4_K; v in Q6_K on the layers that get more bits (else Q4_K, merged into q|k|v); o_proj in Q4_K; lm_head Q6_K.
+# Q5_K_M is the same mix with Q5_K in place of Q4_K; Qwen3-235B-A22B has hidden 4096 and 64 query heads.
 PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
     "qwen3-30b-a3b-q4_k_m": [("q|k", "Q4_K", 4608, 2048), ("q|k|v", "Q4_K", 5120, 2048), ("v", "Q6_K", 512, 2048),
                              ("o_proj", "Q4_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
+    "qwen3-30b-a3b-q5_k_m": [("q|k", "Q5_K", 4608, 2048), ("q|k|v", "Q5_K", 5120, 2048), ("v", "Q6_K", 512, 2048),
+                             ("o_proj", "Q5_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
+    "qwen3-235b-a22b-q4_k_m": [("q|k", "Q4_K", 8704, 4096), ("q|k|v", "Q4_K", 9216, 4096), ("v", "Q6_K", 512, 4096),
+                               ("o_proj", "Q4_K", 4096, 8192), ("lm_head", "Q6_K", 151936, 4096)],
     "qwen3-30b-a3b-q8_0": [("q|k|v", "Q8_0", 5120, 2048), ("o_proj", "Q8_0", 2048, 4096),
                            ("lm_head", "Q8_0", 151936, 2048)],
     "qwen3-30b-a3b-q6_k": [("q|k|v", "Q6_K", 5120, 2048), ("o_proj", "Q6_K", 2048, 4096),

@@ -4,7 +4,7 @@
 given rows: (elements 64q + lane, elements 64q + 32 + lane). Arguments broadcast: rows [BN, 1] with q a scalar
 and lane [1, 32] give two [BN, 32] tiles (tl.dot operands); rows [BN, 1, 1], q [1, P, 1], lane [1, 1, 32] give
 [BN, P, 32] tiles (the GEMV paths). `rows` are global row indices (expert * N + n, int64); KQ = K_pad / 64 fixes
-each array's row length. QTYPE is the GGUF type id.
+each array's row length. QTYPE is the GGUF type id. `x_planes` loads the activations those two planes meet.
 
 Codes become floats through the exponent trick (int | 0x4B000000 is 2^23 + int as a float32) instead of
 integer-to-float conversions, which run at a quarter of the FMA rate.
@@ -134,6 +134,21 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
         v0 = ((c0 | 0x4B000000).to(tl.float32, bitcast=True) - bias) * tl.where(lo, dl_a, dl_b)
         v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - bias) * tl.where(lo, dl_c, dl_d)
     return v0, v1
+
+
+@triton.jit
+def x_planes(x_cols, q, lane_k, cols_ok, K, EVEN_K: tl.constexpr):
+    """The x^T rows that meet pair q's two planes: x_cols [1, BM] points at each column's first element (one
+    column a token), cols_ok [1, BM] masks the columns, lane_k = arange(0, 32); -> ([32, BM], [32, BM]) of
+    elements 64q + lane_k and 64q + 32 + lane_k, zero past K (checked unless EVEN_K)."""
+    k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
+    if EVEN_K:
+        xa = tl.load(x_cols + k0, mask=cols_ok, other=0.0)  # [32, BM]
+        xb = tl.load(x_cols + k0 + 32, mask=cols_ok, other=0.0)
+    else:
+        xa = tl.load(x_cols + k0, mask=cols_ok & (k0 < K), other=0.0)
+        xb = tl.load(x_cols + k0 + 32, mask=cols_ok & (k0 + 32 < K), other=0.0)
+    return xa, xb
 
 
 # ----------------------------------------------------------------------------------- dequantising kernel

@@ -30,7 +30,7 @@ import triton.language as tl
 from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
-from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported
+from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported, x_planes
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
@@ -252,13 +252,7 @@ def _gemm1_tile_kernel(
         for it in range(0, KQ // PAIRS):
             for j in tl.static_range(PAIRS):
                 q = it * PAIRS + j
-                k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-                if EVEN_K:
-                    xa = tl.load(x_cols + k0, mask=row_ok[None, :], other=0.0)  # [32, BLOCK_M]
-                    xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :], other=0.0)
-                else:
-                    xa = tl.load(x_cols + k0, mask=row_ok[None, :] & (k0 < H), other=0.0)
-                    xb = tl.load(x_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < H), other=0.0)
+                xa, xb = x_planes(x_cols, q, lane_k, row_ok[None, :], H, EVEN_K)  # [32, BLOCK_M] each
                 g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)  # [BLOCK_N, 32] each
                 # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
                 xa = xa.to(DOT_DTYPE)

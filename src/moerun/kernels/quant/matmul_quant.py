@@ -27,7 +27,7 @@ import triton.language as tl
 
 from moerun.kernels.fused_moe import _dot_precision, _tile_pid
 from moerun.kernels.quant.configs import dot_steps, get_matmul_config, gemv_steps
-from moerun.kernels.quant.decode import dequant_pair, supported
+from moerun.kernels.quant.decode import dequant_pair, supported, x_planes
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
 from moerun.kernels.quant.int8_dot import Int8Rows
@@ -132,13 +132,7 @@ def _tile_kernel(
         for it in range(0, KQ // PAIRS):
             for j in tl.static_range(PAIRS):
                 q = it * PAIRS + j
-                k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-                if EVEN_K:
-                    xa = tl.load(x_cols + k0, mask=m_ok[None, :], other=0.0)  # [32, BLOCK_M]
-                    xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :], other=0.0)
-                else:
-                    xa = tl.load(x_cols + k0, mask=m_ok[None, :] & (k0 < K), other=0.0)
-                    xb = tl.load(x_cols + k0 + 32, mask=m_ok[None, :] & (k0 + 32 < K), other=0.0)
+                xa, xb = x_planes(x_cols, q, lane_k, m_ok[None, :], K, EVEN_K)  # [32, BLOCK_M] each
                 w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)  # [BLOCK_N, 32] each
                 # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
                 acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), xa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)

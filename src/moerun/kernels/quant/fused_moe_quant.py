@@ -241,6 +241,7 @@ def _gemm1_tile_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
         for q in range(0, KQ):
             k = q * 64 + offs_k  # [64, 1]
             g = decode_pair64(QG, gc, gh, gs, gd, rows_g, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
@@ -320,6 +321,7 @@ def _gemm2_tile_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     if PAIR64:
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
         for q in range(0, KQ):
             k = q * 64 + offs_k  # [64, 1]
             w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]

@@ -123,6 +123,7 @@ def _tile_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T
     if PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
         for q in range(0, KQ):
             k = q * 64 + offs_k  # [64, 1]
             xt = tl.load(x_cols + k, mask=m_ok[None, :] & (k < K), other=0.0)  # [64, BLOCK_M]

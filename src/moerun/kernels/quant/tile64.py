@@ -9,14 +9,19 @@ bits of 0.5), scales and offsets it with one FMA, and joins the two planes' [BLO
 into element order, so the [BLOCK_N, 64] tile enters one tl.dot as the left operand (out^T = W x^T).
 
 Every load is at least four bytes a thread (the fp16 block scales are read as the int32 words that hold them), so
-Triton's pipeliner issues them `num_stages` steps ahead. The products do not overlap a program's own decode: ptxas
-serialises wgmma with a register operand here (its note C7515, Triton 3.6 and 3.9 alike), so decode and products
-alternate within a program and overlap only across the programs an SM holds. What remains is the decode's integer
-and float work: on an H200 the same kernel with the decode left out runs at the bf16 kernel's speed
-(benchmarks/RESULTS.md). Placing the code at 0.5 + c / 256 rather than 2^23 + c lets the offset fold into the FMA's
-addend (at 2^23 the addend would round away the code's bits): one float instruction a value fewer, exact for Q6_K
-and Q8_0, and for Q4_K and Q5_K one rounding of the addend 128 s + m (half its float32 ulp: 2^-17 s where the
-scale's term leads, about one float32 rounding of the value where the minimum's does).
+Triton's pipeliner issues them `num_stages` steps ahead.
+
+The kernels state that the step loop runs at least once (`tl.assume(KQ > 0)`). Without it the compiled loop keeps a
+path that skips it, and that path zeroes the accumulators again. The block layout places that path after the loop,
+and ptxas then serialises every product (its note C7515: "non wgmma instructions defining accumulator registers"),
+so a program's decode and products alternated. With the hint the products stay in flight behind the next pair's
+decode: on an H200 the Q4_K_M layer is 10% faster at M = 1024 and 2048. The same kernel with the decode left out
+runs at the bf16 kernel's speed (benchmarks/RESULTS.md): what remains is the decode's integer and float work.
+
+Placing the code at 0.5 + c / 256 rather than 2^23 + c lets the offset fold into the FMA's addend (at 2^23 the
+addend would round away the code's bits): one float instruction a value fewer. This is exact for Q6_K and Q8_0.
+For Q4_K and Q5_K the addend 128 s + m is rounded once, by half its float32 ulp: 2^-17 s where the scale's term
+leads, about one float32 rounding of the value where the minimum's does.
 """
 
 from __future__ import annotations

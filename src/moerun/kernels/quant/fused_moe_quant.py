@@ -250,6 +250,7 @@ def _gemm1_tile_kernel(
             acc_g = tl.dot(g, xt, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(u, xt, acc_u, input_precision=DOT_PRECISION)
     else:  # two 32-wide planes a pair, each in its own tl.dot
+        tl.assume(KQ // PAIRS > 0)  # PAIRS divides KQ; as in the tile64 loop above
         for it in range(0, KQ // PAIRS):
             for j in tl.static_range(PAIRS):
                 q = it * PAIRS + j
@@ -329,6 +330,7 @@ def _gemm2_tile_kernel(
             at = tl.load(a_cols + k, mask=k < I, other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
             acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
     else:
+        tl.assume(KQ // PAIRS > 0)  # PAIRS divides KQ; as in the tile64 loop above
         for it in range(0, KQ // PAIRS):
             for j in tl.static_range(PAIRS):
                 q = it * PAIRS + j

@@ -130,6 +130,7 @@ def _tile_kernel(
             w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET)  # [BLOCK_N, 64]
             acc = tl.dot(w.to(cdt).to(DOT_DTYPE), xt.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     else:
+        tl.assume(KQ // PAIRS > 0)  # PAIRS divides KQ; as in the tile64 loop above
         for it in range(0, KQ // PAIRS):
             for j in tl.static_range(PAIRS):
                 q = it * PAIRS + j

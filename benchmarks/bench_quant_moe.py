@@ -157,6 +157,12 @@ POOL: dict[str, Config] = {
     "k128x128": _dot("tile64", 128, 128, 64, 8, 8, 3),
     "k64x128so": _dot("tile64", 64, 128, 64, 8, 4, 3, red="sum_out"),
     "k128x128so": _dot("tile64", 128, 128, 64, 8, 8, 3, red="sum_out"),
+    # GEMM 2 in M-blocks of 256 (BLOCK_M2): each down tile decoded once for up to 256 tokens
+    "k128x64m256": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3},
+    "k128x64m256so": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3},
+    "k128x64m256s2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 2},
+    "k64x64m128": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 128},
+    "k64x64m256": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3},
 }
 
 
@@ -180,7 +186,8 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
         return ["t16x64", "t16x128", "t32x128", "k16x64", "k32x64", "k32x128"]
     if m <= 512:
         return ["t32x128", "t64x128", "deq", "k32x64", "k32x128", "k64x64"]
-    return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq", "k64x64", "k128x64", "k128x128so"]
+    return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq", "k64x64", "k128x64", "k128x128so",
+            "k128x64m256", "k128x64m256so", "k128x64m256s2", "k64x64m128", "k64x64m256"]
 
 
 # ---------------------------------------------------------------------------------------------- workload

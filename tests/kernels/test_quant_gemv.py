@@ -136,6 +136,12 @@ def test_chunking_covers_every_group() -> None:
             assert bg & (bg - 1) == 0 and c["REM"] < bg == 1 << c["LOG_BG"]
             assert c["FULL"] * bg + c["REM"] == groups
     assert normalize_config({"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 512})["path"] == "gemv_v2"
+    assert normalize_config({"path": "tile64", "BLOCK_M": 128, "BLOCK_M2": 256, "BLOCK_N": 64})["BLOCK_M2"] == 256
+    for bad in ({"path": "tile64", "BLOCK_M": 128, "BLOCK_M2": 384}, {"path": "tile", "BLOCK_M": 64, "BLOCK_M2": 32},
+                {"path": "gemv_v2", "BLOCK_M2": 32}):  # fmt: skip
+        bad = {"BLOCK_N": 64, "BLOCK_K": 64, **bad}
+        with pytest.raises(ValueError, match="BLOCK_M2"):
+            normalize_config(bad)
 
 
 def test_decode_default_by_gate_type() -> None:

@@ -39,7 +39,10 @@ CONFIGS = {"gemv": GEMV, "tile": TILE, "tile64": TILE64, "gemv_dot": GEMV_DOT,
            "gemv-atomic": {**GEMV, "reduce": "atomic"},
            "tile-sum": {**TILE, "reduce": "sum"}, "gemv_dot-atomic": {**GEMV_DOT, "reduce": "atomic"},
            "tile-sum_out": {**TILE, "reduce": "sum_out"}, "tile64-sum_out": {**TILE64, "reduce": "sum_out"},
-           "tile64-sum": {**TILE64, "reduce": "sum"}}  # fmt: skip
+           "tile64-sum": {**TILE64, "reduce": "sum"},
+           # GEMM 2 in M-blocks of 4 (interpreter: 2) of GEMM 1's; GEMM 1 skips its blocks of padding alone
+           "tile64-m2": {**TILE64, "BLOCK_M2": 64 if ON_CUDA else 32},
+           "tile-m2": {**TILE, "BLOCK_M2": 32}}  # fmt: skip
 
 # Error allowed relative to the largest reference magnitude: the reference rounds the dequantised weights and
 # every GEMM output to the activation dtype; the kernels keep float32 longer.
@@ -86,7 +89,7 @@ def test_each_type_matches_reference(seed, qt, path) -> None:
     check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemv_dot", "tile", "tile64"])
+@pytest.mark.parametrize("path", ["gemv", "gemv_dot", "tile", "tile64", "tile64-m2"])
 def test_mixed_types_gate_up_down(seed, path) -> None:
     # A Q4_K_M-like layer with distinct gate and up types: three pointer sets.
     T, E, H, I, k = 1, 8, 256, 256, 8  # noqa: E741
@@ -101,7 +104,7 @@ def test_mixed_types_gate_up_down(seed, path) -> None:
     [(torch.float32, "gemv"), (torch.float32, "tile"), (torch.float32, "gemv_dot"),
      (torch.float16, "gemv-atomic"), (torch.float16, "tile-sum"), (torch.float16, "gemv_dot-atomic"),
      (torch.bfloat16, "tile-sum_out"), (torch.float32, "tile64"), (torch.float16, "tile64-sum"),
-     (torch.bfloat16, "tile64-sum_out")],
+     (torch.bfloat16, "tile64-sum_out"), (torch.float16, "tile64-m2")],
 )  # fmt: skip
 def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
     T, E, H, I, k = 1, 3, 512, 256, 1  # noqa: E741
@@ -112,7 +115,7 @@ def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
     check(seed, torch.randn(T, H, device=DEVICE).to(dtype), w13, w2, weights, ids, CONFIGS[config])
 
 
-@pytest.mark.parametrize("path", ["tile", "tile64"])
+@pytest.mark.parametrize("path", ["tile", "tile64", "tile-m2", "tile64-m2"])
 def test_tile_path_many_blocks_and_empty_experts(seed, path) -> None:
     # 35 tokens on expert 4 span three 16-row blocks; the other 6 experts get nothing.
     T, E, H, I = 35, 7, 256, 256  # noqa: E741
@@ -122,14 +125,15 @@ def test_tile_path_many_blocks_and_empty_experts(seed, path) -> None:
     check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
 
 
+@pytest.mark.parametrize("config", ["tile64", "tile64-m2"])
 @pytest.mark.parametrize("gate_t,H", [(QuantType.Q4_K, 256), (QuantType.Q8_0, 96)], ids=["Q4_K", "Q8_0"])
-def test_tile64_rows_that_need_padding(seed, gate_t, H) -> None:  # noqa: N803
+def test_tile64_rows_that_need_padding(seed, gate_t, H, config) -> None:  # noqa: N803
     # Q8_0 down rows of I = 160 inputs are padded to 256 (two pairs and a half with data, the rest zeros); so are
     # Q8_0 gate/up rows of H = 96.
     T, E, I, k = 9, 4, 160, 2  # noqa: E741
     w13, w2 = make_experts(E, H, I, gate_t, gate_t, QuantType.Q8_0)
     weights, ids = random_routing(T, E, k)
-    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TILE64)
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[config])
 
 
 def test_dispatch_through_fused_moe(seed) -> None:

@@ -9,6 +9,8 @@ of 16), BLOCK_N2 output rows of down per program and token (all k slots at once)
 unrolled chunk, `x_prep` / `x_q8` how GEMM 1 and the dense GEMV read x (prepared in the weights' layout / as
 int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2, `slots2` how many of a token's k
 slots GEMM 2 holds at once (a power of two; default all), and `reduce` does not apply (GEMM 2 sums the slots).
+On the tile paths `BLOCK_M2` (default BLOCK_M) gives GEMM 2 M-blocks a power-of-two multiple of GEMM 1's: each
+expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens.
 Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type of
 the gate projection.
 """
@@ -40,6 +42,11 @@ def normalize_config(cfg: Config) -> Config:
     path = cfg.get("path", "tile")
     if path not in PATHS:
         raise ValueError(f"unknown quantized MoE kernel path {path!r}; expected one of {PATHS}")
+    m2 = cfg.get("BLOCK_M2")
+    if m2 is not None:
+        m1 = cfg.get("BLOCK_M", 16)
+        if path not in ("tile", "tile64") or m2 < m1 or m2 % m1 or (m2 // m1) & (m2 // m1 - 1):
+            raise ValueError(f"BLOCK_M2 must be a power-of-two multiple of BLOCK_M on the tile paths, got {cfg}")
     if path == "dequant":
         return {"path": path}
     if path == "gemv_dot":

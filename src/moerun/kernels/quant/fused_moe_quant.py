@@ -161,15 +161,17 @@ def _gemm2_gemv_kernel(
 
 
 @triton.jit
-def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr):
+def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr,
+                EXPERT_DIV: tl.constexpr):
     """(expert, flat pair index, validity, row of the intermediate) of each column of M-block pid_m.
 
-    Sorted: block_expert_ptr holds each block's expert (-1 when unused) and the intermediate has one row per
-    padded position. PER_SLOT: block pid_m is token-slot pid_m alone (column 0; the others are masked),
-    block_expert_ptr is the flat topk ids and the intermediate has one row per slot.
+    Sorted: block_expert_ptr holds the expert of each run of EXPERT_DIV blocks (-1 when unused; the runs were padded
+    to EXPERT_DIV * BLOCK_M rows) and the intermediate has one row per padded position. PER_SLOT: block pid_m is
+    token-slot pid_m alone (column 0; the others are masked), block_expert_ptr is the flat topk ids and the
+    intermediate has one row per slot.
     """
     cols = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m // EXPERT_DIV).to(tl.int64)
     if PER_SLOT:
         row_ok = cols == 0
         pair = tl.where(row_ok, pid_m, num_pairs)
@@ -215,13 +217,20 @@ def _gemm1_tile_kernel(
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
     PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
+    EXPERT_DIV: tl.constexpr = 1,  # runs padded to EXPERT_DIV blocks (GEMM 2's larger BLOCK_M)
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     # Unused blocks (past the padded length too) have expert -1.
-    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
+    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT,
+                                             EXPERT_DIV)  # fmt: skip
     if expert < 0:
         return
+    if EXPERT_DIV > 1:
+        # A block of padding alone (runs put their pairs first): its rows are left unwritten, and GEMM 2 masks
+        # the outputs of those rows (each output column depends on its own intermediate row only).
+        if tl.load(sorted_ids_ptr + pid_m * BLOCK_M) >= num_pairs:
+            return
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n = (offs_n % I).to(tl.int64)
@@ -270,7 +279,7 @@ def _gemm1_tile_kernel(
     if PER_SLOT:
         tl.store(out_ptrs, act, mask=row_ok[None, :] & (offs_n[:, None] < I))
     else:
-        # Padding rows had zero inputs, so they store zeros, which GEMM 2 relies on.
+        # Padding rows had zero inputs, so they store zeros (GEMM 2 masks their outputs in any case).
         tl.store(out_ptrs, act, mask=offs_n[:, None] < I)
 
 
@@ -306,7 +315,7 @@ def _gemm2_tile_kernel(
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT)
+    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT, 1)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -326,7 +335,7 @@ def _gemm2_tile_kernel(
         for q in range(0, KQ):
             k = q * 64 + offs_k  # [64, 1]
             w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
-            # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
+            # No row mask: an output column depends on its own intermediate row only, and padding's are masked.
             at = tl.load(a_cols + k, mask=k < I, other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
             acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
     else:
@@ -339,7 +348,7 @@ def _gemm2_tile_kernel(
                     aa = tl.load(a_cols + k0, mask=row_ok[None, :] & (k0 < I), other=0.0)  # [32, BLOCK_M]
                     ab = tl.load(a_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < I), other=0.0)
                 elif EVEN_K:
-                    # Padding rows of the sorted intermediate hold zeros, so they need no row mask.
+                    # No row mask: an output column depends on its own intermediate row only, and padding's are masked.
                     aa = tl.load(a_cols + k0)
                     ab = tl.load(a_cols + k0 + 32)
                 else:
@@ -431,12 +440,16 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
     atomic = cfg["reduce"] == "atomic"
     block_m = cfg["BLOCK_M"]
     per_slot = cfg["path"] == "gemv_dot"
+    # GEMM 2 may take M-blocks a power-of-two multiple of GEMM 1's: the runs are padded to its size, and GEMM 1
+    # covers each of its blocks in `div` blocks of its own.
+    block_m2 = block_m if per_slot else cfg.get("BLOCK_M2", block_m)
+    div = block_m2 // block_m
     if per_slot:
         flat_ids = ids.reshape(-1)
         sorted_ids, block_expert, num_pid_m, group_m = flat_ids, flat_ids, slots, 1
         inter_rows = slots
     else:
-        align = align_tokens(ids, E, block_m)
+        align = align_tokens(ids, E, block_m2)
         sorted_ids, block_expert, group_m = align.sorted_ids, align.block_expert, cfg["GROUP_M"]
         num_pid_m = block_expert.numel()
         inter_rows = sorted_ids.numel()
@@ -444,11 +457,11 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
                INDIRECT=tables is not None, PAIR64=cfg["path"] == "tile64", INTERPRET=interpreting())
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
-    _gemm1_tile_kernel[(num_pid_m * triton.cdiv(I, bn1),)](
+    _gemm1_tile_kernel[(num_pid_m * div * triton.cdiv(I, bn1),)](
         x, inter, sorted_ids, block_expert, *gw.kernel_args(), *uw.kernel_args(),
-        *(tables[:2] if tables else (ids, ids)), slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m,
+        *(tables[:2] if tables else (ids, ids)), slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m * div,
         x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
-        PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, **dot,
+        PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, EXPERT_DIV=div, **dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
@@ -456,7 +469,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
     _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
         inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(), tables[2] if tables else ids,
         slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
-        QW=int(w2.qtype), BLOCK_M=block_m, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
+        QW=int(w2.qtype), BLOCK_M=block_m2, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
         GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip

@@ -146,13 +146,17 @@ def test_default_config_paths() -> None:
 
 
 def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
-    # a part's tuned config serves M up to its largest bucket; past it (and for other parts) the default does
+    # a part's tuned bucket serves M from a quarter of it up to it; past its largest bucket, below a quarter of its
+    # smallest (and for other parts) the default does
     import json
 
     from moerun.kernels.quant import configs
 
     tuned = {"path": "gemv_v2", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1}
-    (tmp_path / "quant_gemv_FAKE.json").write_text(json.dumps({configs.matmul_key("Q4_K", 64, 256): {"2": tuned}}))
+    tile = {"path": "tile64", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+            "num_stages": 3}  # fmt: skip
+    (tmp_path / "quant_gemv_FAKE.json").write_text(json.dumps({configs.matmul_key("Q4_K", 64, 256): {"2": tuned},
+                                                              configs.matmul_key("Q6_K", 64, 512): {"512": tile}}))
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     configs.load_matmul_table.cache_clear()
@@ -164,6 +168,11 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
             configs.default_matmul_config(3, 64, False, "Q4_K")
         assert configs.get_matmul_config("Q6_K", 64, 256, 1, "FAKE") == \
             configs.default_matmul_config(1, 64, False, "Q6_K")
+        for m in (128, 300, 512):
+            assert configs.get_matmul_config("Q6_K", 64, 512, m, "FAKE") == tile
+        for m in (1, 8, 127, 513):
+            assert configs.get_matmul_config("Q6_K", 64, 512, m, "FAKE") == \
+                configs.default_matmul_config(m, 64, False, "Q6_K")
         # the MoE table of decode buckets says nothing about prefill sizes
         moe = {"1": {**tuned, "BLOCK_N2": 4, "BLOCK_K2": 256}, "8": {**tuned, "BLOCK_N2": 8, "BLOCK_K2": 256}}
         (tmp_path / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(moe))

@@ -175,11 +175,12 @@ def load_matmul_table(device: str) -> dict[str, dict[int, Config]]:
 
 @functools.cache
 def get_matmul_config(qtype: str, n: int, k: int, m: int, device: str | None = None) -> Config:
-    """Tuned config of one weight part [n, k] of type qtype at m rows of x (the smallest tuned M bucket >= m),
-    else default_matmul_config. Memoised: every quantized projection asks on every call."""
+    """Tuned config of one weight part [n, k] of type qtype at m rows of x: the smallest tuned M bucket >= m when
+    it is at most 4 m (so a prefill bucket never serves a few decode rows), else default_matmul_config.
+    Memoised: every quantized projection asks on every call."""
     if not interpreting():
         by_m = load_matmul_table(device or _current_device_name()).get(matmul_key(qtype, n, k), {})
-        fits = [b for b in by_m if b >= m]
+        fits = [b for b in by_m if m <= b <= 4 * m]
         if fits:
             return by_m[min(fits)]
     return default_matmul_config(m, n, qtype=qtype)

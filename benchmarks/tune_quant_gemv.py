@@ -5,10 +5,13 @@ asked for, it checks each candidate config (the gemv path, the gemv_v2 path with
 is, prepared in the weights' layout or quantized to int8; the shipped config too) once against dequantise +
 float32 matmul, then times it: a CUDA graph runs the part over enough copies of the weight to
 overflow L2 (as a decode step streams each weight once), replayed through triton.testing.do_bench, divided by
-the copies. The winners are merged into src/moerun/kernels/configs/quant_gemv_<device>.json, which
-configs.get_matmul_config reads; a log of every candidate goes to --log-dir.
+the copies. Each winner is merged into src/moerun/kernels/configs/quant_gemv_<device>.json as its part and M
+finish (so a run cut short keeps what it found), which configs.get_matmul_config reads; the log of every
+candidate goes to --log-dir as it is measured. --families tiles tunes prefill-sized M on the tl.dot tiles (a
+tuned bucket serves M from a quarter of it up to it).
 
     python benchmarks/tune_quant_gemv.py --preset qwen3-30b-a3b-q4_k_m --quick [--families x_q8]
+    python benchmarks/tune_quant_gemv.py --part Q4_K 4608 2048 --m 128 512 2048 8192 --families tiles --quick
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from moerun.kernels.quant.configs import (
 from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 from moerun.kernels.quant.repack import pack
 from moerun.kernels.quant.synthetic import random_quantized
+from moerun.kernels.quant.tile64 import tile64_supported
 from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,8 +89,9 @@ def candidates(qtype: str, N: int, K: int, M: int, quick: bool, families: str = 
     shipped = load_matmul_table(device_name()).get(matmul_key(qtype, N, K), {}).get(M)
     if shipped:
         out.append(dict(shipped))
-    if families == "tiles":
-        out += _tiles("tile", 3) + _tiles("tile64", 3) + _tiles("tile64", 4)
+    if families == "tiles":  # the two-plane tile step never beat tile64 on the types tile64 decodes
+        out += [] if tile64_supported(QuantType[qtype]) else _tiles("tile", 3)
+        out += _tiles("tile64", 3) + _tiles("tile64", 4)
     elif families == "all":
         out += [_gemv(16, 1024, 4), _gemv(32, 1024, 4)]
     if qtype in ("Q4_K", "Q6_K", "Q8_0") and families == "x_q8":
@@ -193,19 +198,24 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     entries: dict[str, dict[int, Config]] = {}
     log: list[dict] = []
+    log_path = Path(args.log_dir) / f"tune_quant_gemv_{device_name()}.jsonl"
+    log_path.write_text("")
     seen = set()
     for name, qtype, N, K in parts:
         if (qtype, N, K) in seen:
             continue
         seen.add((qtype, N, K))
         for M in args.m:
+            logged = len(log)
             best = tune_part(name, qtype, N, K, M, args, log)
+            with log_path.open("a") as f:  # every candidate, as each part and M finishes
+                f.write("".join(json.dumps(row) + "\n" for row in log[logged:]))
             if best is not None:
                 entries.setdefault(matmul_key(qtype, N, K), {})[M] = best
-    log_path = Path(args.log_dir) / f"tune_quant_gemv_{device_name()}.jsonl"
-    log_path.write_text("".join(json.dumps(row) + "\n" for row in log))
+                if DEVICE == "cuda":  # merged as each part and M finishes, so a run cut short keeps what it found
+                    write_table({matmul_key(qtype, N, K): {M: best}}, Path(args.out_dir))
     if entries and DEVICE == "cuda":
-        print(f"wrote {write_table(entries, Path(args.out_dir))}")
+        print(f"wrote {matmul_table_path(device_name(), Path(args.out_dir))}")
     print(f"tuning took {time.perf_counter() - start:.0f} s")
 
 

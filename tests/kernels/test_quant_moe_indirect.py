@@ -25,6 +25,8 @@ if DEVICE.type == "cuda":
         "gemv": {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum"},
         "gemv_dot": {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "reduce": "sum"},
         "tile": {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 4, "reduce": "atomic"},
+        "tile-m2": {"path": "tile", "BLOCK_M": 16, "BLOCK_M2": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 4,
+                    "reduce": "atomic"},  # GEMM 2 in blocks of two of GEMM 1's
     }
 else:  # the interpreter runs programs one by one: one N-tile covers the test's rows
     CONFIGS = {
@@ -34,6 +36,7 @@ else:  # the interpreter runs programs one by one: one N-tile covers the test's 
         "gemv": {"path": "gemv", "BLOCK_N": 256, "BLOCK_K": 512, "BLOCK_N2": 256, "BLOCK_K2": 256, "reduce": "sum"},
         "gemv_dot": {"path": "gemv_dot", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "sum"},
         "tile": {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "atomic"},
+        "tile-m2": {"path": "tile", "BLOCK_M": 16, "BLOCK_M2": 32, "BLOCK_N": 256, "BLOCK_K": 256, "reduce": "atomic"},
     }
 E, H, I, K = 5, 256, 256, 2  # noqa: E741
 SLOTS = {3: 0, 1: 1}  # expert -> pool slot; the other experts are read from the store
@@ -62,7 +65,8 @@ def table(store: PackedWeight, pool: PackedWeight) -> torch.Tensor:
     return rows.to(DEVICE)
 
 
-@pytest.mark.parametrize("path,T", [("gemv_v2", 3), ("gemv_v2_int8", 3), ("gemv", 2), ("gemv_dot", 2), ("tile", 9)])
+@pytest.mark.parametrize("path,T", [("gemv_v2", 3), ("gemv_v2_int8", 3), ("gemv", 2), ("gemv_dot", 2), ("tile", 9),
+                                    ("tile-m2", 9)])
 @pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K")], ids=lambda t: "-".join(t))
 def test_indirect_matches_stacked(seed, types, path, T) -> None:
     gate_t, down_t = (QuantType[t] for t in types)

@@ -78,6 +78,15 @@ def _bytes_float(word, b, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _scaled(f, scale, offset, INTERPRET: tl.constexpr):
+    """f scale - offset, rounded once: the GPU contracts it into one FMA; the interpreter, which would round the
+    product first, takes tl.fma (the Q8_0 product needs more than float32's 24 bits until the offset cancels it)."""
+    if INTERPRET:
+        return tl.fma(f, scale, -offset)
+    return f * scale - offset
+
+
+@triton.jit
 def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INTERPRET: tl.constexpr):
     """float32 [BN, 64] values of elements 64q .. 64q + 63 of `rows` ([BN, 1] int64 global row indices).
 
@@ -92,9 +101,9 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
         dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1]
         d0 = _half(dd, 0)
         d1 = _half(dd, 1)
-        # (byte - 128) d = f 2^16 d - (2^15 + 128) d for f = 0.5 + byte / 2^16; both products exact in float32
-        v0 = _bytes_float(tl.load(cp), b, 8, INTERPRET) * (65536.0 * d0) - 32896.0 * d0  # [BN, 8, 4]
-        v1 = _bytes_float(tl.load(cp + 8), b, 8, INTERPRET) * (65536.0 * d1) - 32896.0 * d1
+        # (byte - 128) d = f 2^16 d - (2^15 + 128) d for f = 0.5 + byte / 2^16: exact in one FMA
+        v0 = _scaled(_bytes_float(tl.load(cp), b, 8, INTERPRET), 65536.0 * d0, 32896.0 * d0, INTERPRET)  # [BN, 8, 4]
+        v1 = _scaled(_bytes_float(tl.load(cp + 8), b, 8, INTERPRET), 65536.0 * d1, 32896.0 * d1, INTERPRET)
     else:
         # Nibbles and top bits are masked in whole words (four elements an instruction), then split into bytes.
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
@@ -117,8 +126,8 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             dl0 = tl.where(first, d * (_byte(ws, 0) - 128.0), d * (_byte(ws, 1) - 128.0))  # [BN, 8, 1]
             dl1 = tl.where(first, d * (_byte(ws, 2) - 128.0), d * (_byte(ws, 3) - 128.0))
             # (c - 32) dl = f 256 dl - 160 dl for f = 0.5 + c / 256; 160 dl is exact in float32
-            v0 = _bytes_float(lo, b, 16, INTERPRET) * (256.0 * dl0) - 160.0 * dl0
-            v1 = _bytes_float(hi, b, 16, INTERPRET) * (256.0 * dl1) - 160.0 * dl1
+            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * dl0, 160.0 * dl0, INTERPRET)
+            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * dl1, 160.0 * dl1, INTERPRET)
         else:  # Q4_K, Q5_K: c (d sc) - dmin mn, sub-block p's scale byte p, min byte 2 + p
             tl.static_assert(QTYPE == 12 or QTYPE == 13, "decode_pair64: unsupported quant type")
             dd = tl.load(words + rows3 * (KQ // 4) + q // 4)  # [BN, 1, 1] d | dmin << 16
@@ -128,7 +137,7 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             # at most 2^-17 s or one float32 rounding of m), far below the bf16 rounding of the value that follows.
             s0 = d * _byte(w, 0)
             s1 = d * _byte(w, 1)
-            v0 = _bytes_float(lo, b, 16, INTERPRET) * (256.0 * s0) - (128.0 * s0 + dmin * _byte(w, 2))
-            v1 = _bytes_float(hi, b, 16, INTERPRET) * (256.0 * s1) - (128.0 * s1 + dmin * _byte(w, 3))
+            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * s0, 128.0 * s0 + dmin * _byte(w, 2), INTERPRET)
+            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * s1, 128.0 * s1 + dmin * _byte(w, 3), INTERPRET)
     v = tl.permute(tl.join(v0, v1), (0, 3, 1, 2))  # [BN, 2, 8, 4]: plane, word, byte
     return tl.reshape(v, (v.shape[0], 64))

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {device_name()}  quick={args.quick}  M={args.m}")
     print(f"{'part':>8} {'type':>5} {'M':>3} {'best us':>8} {'TB/s':>6} {'default us':>10} {'tried':>5}  best")
     start = time.perf_counter()
-    entries: dict[str, dict[int, Config]] = {}
+    tuned = 0
     log: list[dict] = []
     log_path = Path(args.log_dir) / f"tune_quant_gemv_{device_name()}.jsonl"
     log_path.write_text("")
@@ -210,11 +210,10 @@ def main(argv: list[str] | None = None) -> None:
             best = tune_part(name, qtype, N, K, M, args, log)
             with log_path.open("a") as f:  # every candidate, as each part and M finishes
                 f.write("".join(json.dumps(row) + "\n" for row in log[logged:]))
-            if best is not None:
-                entries.setdefault(matmul_key(qtype, N, K), {})[M] = best
-                if DEVICE == "cuda":  # merged as each part and M finishes, so a run cut short keeps what it found
-                    write_table({matmul_key(qtype, N, K): {M: best}}, Path(args.out_dir))
-    if entries and DEVICE == "cuda":
+            if best is not None and DEVICE == "cuda":  # merged as each part and M finishes: a run cut short
+                write_table({matmul_key(qtype, N, K): {M: best}}, Path(args.out_dir))  # keeps what it found
+                tuned += 1
+    if tuned:
         print(f"wrote {matmul_table_path(device_name(), Path(args.out_dir))}")
     print(f"tuning took {time.perf_counter() - start:.0f} s")
 

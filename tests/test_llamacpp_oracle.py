@@ -44,7 +44,8 @@ def test_llama_cpp_generates_the_same_greedy_tokens(checkpoint, tmp_path, ftype)
     assert ours == theirs
 
 
-@pytest.mark.parametrize("ftype", ["F32", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0"])
+@pytest.mark.parametrize("ftype", ["F32", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS",
+                                   "IQ4_NL"])
 def test_llama_cpp_logits_agree(checkpoint, tmp_path, ftype):
     path = tmp_path / f"m-{ftype}.gguf"
     quantize_model(checkpoint, path, ftype, progress=False)

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="write a qwen3moe GGUF from an HF checkpoint or re-quantize a GGUF")
     q.add_argument("src", help="HF checkpoint folder or GGUF file")
     q.add_argument("out", help="output .gguf path")
-    q.add_argument("--type", required=True, help="Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q3_K_M, Q2_K, Q4_0, F16, BF16, F32")
+    q.add_argument("--type", required=True,
+                   help="Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q3_K_M, Q2_K, Q4_0, IQ4_XS, IQ4_NL, F16, BF16, F32")
 
     b = sub.add_parser("bench", help="measure prefill and decode speed on a preset shape or a checkpoint")
     from moerun.bench.run import add_arguments

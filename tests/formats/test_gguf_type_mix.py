@@ -29,7 +29,8 @@ def test_use_more_bits_layers():
     assert chosen == [0, 1, 2, 3, 4, 5] + list(range(8, 42, 3)) + list(range(42, 48))
 
 
-@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0"])
+@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0",
+                                   "IQ4_XS", "IQ4_NL"])
 def test_never_quantized_tensors_stay_f32(ftype):
     for name in ("output_norm.weight",):
         assert mix(ftype, name) == T.F32
@@ -86,6 +87,19 @@ def test_q2_k():
     assert mix("Q2_K", "output.weight") == T.Q6_K
 
 
+@pytest.mark.parametrize("ftype,t", [("IQ4_XS", T.IQ4_XS), ("IQ4_NL", T.IQ4_NL)])
+def test_iq4(ftype, t):
+    assert mix(ftype, "output.weight") == T.Q6_K and mix(ftype, "token_embd.weight") == t
+    assert mix(ftype, "attn_v.weight", 20) == T.Q5_K  # n_head / n_head_kv = 8 >= 4
+    assert tensor_type("blk.0.attn_v.weight", (512, H), ftype, 0, N_LAYERS, N_EXPERT, n_gqa=2) == t
+    # without an importance matrix the first eighth of the down projections get Q5_K
+    assert [mix(ftype, "ffn_down_exps.weight", i) for i in (0, 5, 6, 47)] == [T.Q5_K, T.Q5_K, t, t]
+    for name in ("attn_q.weight", "attn_k.weight", "attn_output.weight", "ffn_gate_exps.weight"):
+        assert mix(ftype, name, 30) == t
+    assert mix(ftype, "attn_output.weight", 7, n_expert=8) == T.Q5_K
+    assert mix(ftype, "attn_v.weight", 7, n_expert=8) == T.Q8_0
+
+
 def test_eight_expert_rules():
     assert mix("Q4_K_M", "attn_v.weight", 7, n_expert=8) == T.Q8_0
     assert mix("Q4_K_M", "attn_k.weight", 7, n_expert=8) == T.Q8_0
@@ -101,6 +115,7 @@ def test_row_length_fallbacks():
     assert t("Q4_K_M", "attn_v.weight", 2080) == T.Q8_0  # Q6_K on layer 0 -> Q8_0
     assert t("Q5_K_M", "attn_q.weight", 2080) == T.Q5_1
     assert t("Q3_K_M", "ffn_up_exps.weight", 2080) == T.Q4_0
+    assert t("IQ4_XS", "attn_q.weight", 2080) == T.IQ4_NL
     assert t("Q4_K_M", "attn_q.weight", 100) == T.F16
     assert t("Q8_0", "attn_q.weight", 100) == T.F16
     assert tensor_type("output.weight", (VOCAB, 2080), "Q4_K_M", None, N_LAYERS, N_EXPERT) == T.Q8_0

@@ -18,10 +18,12 @@ from moerun.formats.quants import QuantType, dequantize, fallback_type, quantize
 FIXTURE_DIR = Path(__file__).parents[1] / "data" / "quants"
 K_TYPES = [QuantType.Q2_K, QuantType.Q3_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K]
 LEGACY = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1]
+IQ4 = [QuantType.IQ4_NL, QuantType.IQ4_XS]
 
 # Relative RMSE (rmse / rms of the weights) on the fixture's weight-like matrix, as measured
 # (identical for llama.cpp and moerun): Q2_K 0.3092, Q3_K 0.1745, Q4_K 0.0843, Q5_K 0.0424,
-# Q6_K 0.0240, Q8_0 0.0081, Q4_0 0.1260, Q4_1 0.0912, Q5_0 0.0642, Q5_1 0.0442; ranges are +-10%.
+# Q6_K 0.0240, Q8_0 0.0081, Q4_0 0.1260, Q4_1 0.0912, Q5_0 0.0642, Q5_1 0.0442, IQ4_NL 0.0995,
+# IQ4_XS 0.1011; ranges are +-10%.
 REL_RMSE_RANGE = {
     QuantType.Q2_K: (0.278, 0.340),
     QuantType.Q3_K: (0.157, 0.192),
@@ -33,6 +35,8 @@ REL_RMSE_RANGE = {
     QuantType.Q4_1: (0.082, 0.100),
     QuantType.Q5_0: (0.058, 0.071),
     QuantType.Q5_1: (0.040, 0.049),
+    QuantType.IQ4_NL: (0.090, 0.110),
+    QuantType.IQ4_XS: (0.091, 0.111),
 }
 
 
@@ -76,7 +80,7 @@ def test_bit_exact_vs_gguf_on_fresh_data(qt: QuantType) -> None:
     assert np.array_equal(ours, ref.view(np.uint8).reshape(ours.shape)), f"{qt.name} seed={seed} shape={x.shape}"
 
 
-@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY, *IQ4], ids=lambda t: t.name)
 def test_bit_exact_vs_llamacpp_awkward_rows(qt: QuantType, fixture: dict[str, np.ndarray]) -> None:
     rows = fixture["rows"]
     expected = fixture[f"rows_{qt.name}"]
@@ -85,7 +89,7 @@ def test_bit_exact_vs_llamacpp_awkward_rows(qt: QuantType, fixture: dict[str, np
     assert bad.size == 0, f"{qt.name}: rows {bad.tolist()} differ from llama.cpp"
 
 
-@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY, *IQ4], ids=lambda t: t.name)
 def test_llamacpp_matrix_bit_exact_and_rmse(qt: QuantType, fixture: dict[str, np.ndarray], matrix: np.ndarray) -> None:
     # Bit-exact output is the target for every type; the RMSE check (within 10% of llama.cpp's)
     # is the weaker guarantee that still holds if the bytes ever drift.
@@ -109,10 +113,10 @@ def test_error_ranges_and_monotone_in_bits(matrix: np.ndarray) -> None:
 
 def test_random_gaussian_error_bounds() -> None:
     # Fresh N(0, 1) data each run. Measured: Q8_0 0.0053, Q6_K 0.0176, Q5_K 0.036, Q4_K 0.071,
-    # Q3_K 0.150, Q2_K 0.295; the bounds leave ~15% headroom.
+    # Q3_K 0.150, Q2_K 0.295, IQ4_NL 0.076, IQ4_XS 0.077; the bounds leave ~15% headroom.
     x = np.random.default_rng().standard_normal((16, 1024)).astype(np.float32)
     bounds = {QuantType.Q8_0: 0.0062, QuantType.Q6_K: 0.0205, QuantType.Q5_K: 0.042, QuantType.Q4_K: 0.082,
-              QuantType.Q3_K: 0.175, QuantType.Q2_K: 0.34}
+              QuantType.Q3_K: 0.175, QuantType.Q2_K: 0.34, QuantType.IQ4_NL: 0.088, QuantType.IQ4_XS: 0.089}
     for qt, bound in bounds.items():
         assert rel_rmse(x, qt) < bound, qt.name
 
@@ -155,7 +159,8 @@ def test_unsupported_type_raises_naming_it() -> None:
 def test_fallback_type_follows_llamacpp() -> None:
     assert fallback_type(QuantType.Q4_K, 2048) == QuantType.Q4_K
     expected = {QuantType.Q2_K: QuantType.Q4_0, QuantType.Q3_K: QuantType.Q4_0, QuantType.Q4_K: QuantType.Q5_0,
-                QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0}
+                QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0,
+                QuantType.IQ4_XS: QuantType.IQ4_NL}
     for qt, alt in expected.items():
         assert fallback_type(qt, 2080) == alt  # 2080 = 65 * 32: not whole super-blocks
         assert fallback_type(qt, 2050) == QuantType.F16

@@ -43,7 +43,7 @@ def random_blocks(rng: np.random.Generator, qt: QuantType, n_elems: int) -> np.n
 
 
 def test_geometry_matches_gguf() -> None:
-    assert len(SUPPORTED_TYPES) == 13
+    assert len(SUPPORTED_TYPES) == 15
     for qt in SUPPORTED_TYPES:
         gt = gguf.GGMLQuantizationType(int(qt))
         assert gt.name == qt.name
@@ -58,7 +58,7 @@ def test_tensor_nbytes() -> None:
 
 
 @pytest.mark.parametrize("bad", [gguf.GGMLQuantizationType.IQ2_XXS, gguf.GGMLQuantizationType.Q8_K,
-                                 gguf.GGMLQuantizationType.TQ1_0, gguf.GGMLQuantizationType.IQ4_NL])
+                                 gguf.GGMLQuantizationType.TQ1_0, gguf.GGMLQuantizationType.IQ3_S])
 def test_unsupported_type_is_named(bad: gguf.GGMLQuantizationType) -> None:
     with pytest.raises(ValueError, match=rf"blk\.3\.ffn_up_exps\.weight.*{bad.name}.*not supported"):
         tensor_nbytes((16, 256), bad, "blk.3.ffn_up_exps.weight")

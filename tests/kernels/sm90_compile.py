@@ -101,6 +101,9 @@ def _cases() -> dict[str, Callable[[], None]]:
     q5 = [pack(random_quantized(QuantType.Q5_K, (E, I, H), "cpu")) for _ in range(2)]
     q8_down = pack(random_quantized(QuantType.Q8_0, (E, H, I), "cpu"))
     q4_0 = pack(random_quantized(QuantType.Q4_0, (64, H), "cpu"))
+    iq4 = [pack(random_quantized(QuantType.IQ4_XS, (E, I, H), "cpu")) for _ in range(2)]
+    iq4_down = pack(random_quantized(QuantType.IQ4_NL, (E, H, I), "cpu"))
+    iq4_rows = pack(random_quantized(QuantType.IQ4_XS, (64, H), "cpu"))
     x64 = torch.randn(64, H, dtype=bf16)
     tables = ([expert_addresses(p) for p in q4], expert_addresses(q6_down))  # zero-copy offloading's address tables
     dense_rows = (w13.view(E, -1), w2.view(E, -1))
@@ -135,6 +138,9 @@ def _cases() -> dict[str, Callable[[], None]]:
             x64, [qk, v], config={"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
                                   "num_warps": 4, "num_stages": 3}),
         "quant matmul, Q4_0 (gemv path)": lambda: quant_matmul_triton(x1, [q4_0]),
+        "quant MoE, IQ4_XS gate/up and IQ4_NL down, decode and prefill": lambda: [
+            fused_moe_quant(x1, iq4, iq4_down, w1, ids1), fused_moe_quant(x64, iq4, iq4_down, w64, ids64)],
+        "quant matmul, IQ4_XS, decode and prefill": lambda: [quant_matmul_triton(x, [iq4_rows]) for x in (x1, x64)],
         "gemv, one step": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,
                                                      gemv.GemvConfig(block_n=4, block_k=256)),
         "gemv, split-K": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,

@@ -1,8 +1,9 @@
 """Regenerate llamacpp_quants.npz: llama.cpp's own quantizer output, the oracle for moerun's encoders.
 
-The fixture was generated with llama-cpp-python 0.3.36 (vendored llama.cpp commit 0c1e570,
-ggml 0.25.3, built with CMAKE_ARGS="-DGGML_NATIVE=OFF"); the versions actually used are stored
-in the file under `ggml_version`, `ggml_commit` and `llama_cpp_python_version`.
+The fixture was generated with llama-cpp-python 0.3.16 (vendored ggml commit 4227c9b, built with
+CMAKE_ARGS="-DGGML_NATIVE=OFF"); the versions actually used are stored in the file under
+`ggml_version`, `ggml_commit` and `llama_cpp_python_version`. Its legacy and K-quant entries are
+byte for byte those an earlier generation with llama-cpp-python 0.3.36 (commit 0c1e570) wrote.
 
 It calls `ggml_quantize_chunk` from libggml-base through ctypes without an importance matrix,
 i.e. the `quantize_row_*_ref` algorithms. Needs llama-cpp-python (slow to build, so CI only
@@ -28,10 +29,11 @@ ROW_LEN = 512
 MATRIX_SEED = 20240601
 MATRIX_SHAPE = (128, 2048)
 
-# GGML type ids of everything the fixture covers (legacy 32-element types and K-quants).
+# GGML type ids of everything the fixture covers (legacy 32-element types, K-quants, IQ4_NL / IQ4_XS).
 TYPES = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
     "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ4_NL": 20, "IQ4_XS": 23,
 }
 
 

@@ -13,8 +13,10 @@ writes (no importance matrix, no manual overrides), plus the converter's rule th
   Q4_K_M / Q5_K_M -> Q6_K on the ``use_more_bits`` layers.
 * ``attn_output``: with exactly 8 experts Q5_K for Q2_K / Q3_K_M / Q4_K_M; otherwise Q2_K -> Q3_K,
   Q3_K_M -> Q4_K.
+* IQ4_NL / IQ4_XS: ``attn_v`` Q5_K if n_head/n_head_kv >= 4, ``ffn_down`` Q5_K for layers < n/8 (the rule
+  without an importance matrix), ``attn_output`` Q5_K with exactly 8 experts.
 * Row-length fallback (ggml rows must be whole blocks): Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1,
-  Q6_K -> Q8_0, and F16 when even that does not fit.
+  Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and F16 when even that does not fit.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ F = LlamaFileType
 FILE_TYPES: dict[str, LlamaFileType] = {
     "F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0, "Q6_K": F.MOSTLY_Q6_K,
     "Q5_K_M": F.MOSTLY_Q5_K_M, "Q4_K_M": F.MOSTLY_Q4_K_M, "Q3_K_M": F.MOSTLY_Q3_K_M, "Q2_K": F.MOSTLY_Q2_K,
-    "Q4_0": F.MOSTLY_Q4_0,
+    "Q4_0": F.MOSTLY_Q4_0, "IQ4_XS": F.MOSTLY_IQ4_XS, "IQ4_NL": F.MOSTLY_IQ4_NL,
 }
 # llama_ftype_get_default_type
 DEFAULT_TYPE: dict[LlamaFileType, GGMLQuantizationType] = {
     F.ALL_F32: T.F32, F.MOSTLY_F16: T.F16, F.MOSTLY_BF16: T.BF16, F.MOSTLY_Q8_0: T.Q8_0, F.MOSTLY_Q6_K: T.Q6_K,
     F.MOSTLY_Q5_K_M: T.Q5_K, F.MOSTLY_Q4_K_M: T.Q4_K, F.MOSTLY_Q3_K_M: T.Q3_K, F.MOSTLY_Q2_K: T.Q2_K,
-    F.MOSTLY_Q4_0: T.Q4_0,
+    F.MOSTLY_Q4_0: T.Q4_0, F.MOSTLY_IQ4_XS: T.IQ4_XS, F.MOSTLY_IQ4_NL: T.IQ4_NL,
 }
 _FLOAT = (T.F32, T.F16, T.BF16)
 # tensor_type_fallback: a type whose block does not divide the row length
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
+_IQ4 = (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS)
 
 
 def file_type(ftype: str | LlamaFileType) -> LlamaFileType:
@@ -110,6 +113,8 @@ def _mix(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, shape: tuple[int,
             t = T.Q4_K if n_gqa >= 4 else T.Q3_K
         elif ft == F.MOSTLY_Q3_K_M:
             t = T.Q5_K if layer < 2 else T.Q4_K
+        elif ft in _IQ4 and n_gqa >= 4:
+            t = T.Q5_K
         elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layers):
             t = T.Q6_K
         return T.Q8_0 if n_expert == 8 else t
@@ -122,10 +127,12 @@ def _mix(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, shape: tuple[int,
             return T.Q5_K if layer < n_layers // 16 else T.Q4_K
         if ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layers):
             return T.Q6_K
+        if ft in _IQ4 and layer < n_layers // 8:
+            return T.Q5_K
         return t
     if cat == "attn_output":
         if n_expert == 8:
-            return T.Q5_K if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_M) else t
+            return T.Q5_K if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_M, *_IQ4) else t
         if ft == F.MOSTLY_Q2_K:
             return T.Q3_K
         if ft == F.MOSTLY_Q3_K_M:

@@ -5,6 +5,7 @@ from .quantize import fallback_type, quantize
 from .tensor import QuantizedTensor
 from .types import (
     FP16_FIELDS,
+    IQ4_VALUES,
     QK_K,
     SUPPORTED_TYPES,
     QuantType,
@@ -16,6 +17,7 @@ from .types import (
 
 __all__ = [
     "FP16_FIELDS",
+    "IQ4_VALUES",
     "QK_K",
     "SUPPORTED_TYPES",
     "QuantType",

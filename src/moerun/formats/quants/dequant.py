@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .types import QuantType, as_quant_type, tensor_nbytes
+from .types import IQ4_VALUES, QuantType, as_quant_type, tensor_nbytes
 
 # Every decoder reproduces the float32 operation order of the reference (ggml's
 # dequantize_row_* and gguf.quants): fp16 scales are widened exactly, per-sub-block
@@ -232,6 +232,44 @@ def _codes_q6_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.view(n, 16, 16)
 
 
+# ----------------------------------------------------------------------------- non-linear 4-bit types
+#
+# A 4-bit code selects one of the 16 levels IQ4_VALUES; in each 32-element (sub-)block, element j sits in the
+# low nibble of byte j and element j + 16 in its high nibble, as in Q4_0.
+
+
+def _iq4_levels(qs: torch.Tensor, out: torch.Tensor) -> None:
+    """The levels of the nibbles qs [..., 16] into out [..., 2, 16] (float32 views, exact)."""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=qs.device)
+    out[..., 0, :].copy_(table[torch.bitwise_and(qs, 0x0F).long()])
+    out[..., 1, :].copy_(table[torch.bitwise_right_shift(qs, 4).long()])
+
+
+def _codes_iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    o = out.view(-1, 2, 16)
+    _iq4_levels(blocks[:, 2:], o)
+    return o.view(-1, 1, 32)
+
+
+def _scales_iq4_xs(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Eight 6-bit scales (stored + 32) of the 32-element sub-blocks: low 4 bits in nibble j % 2 of byte 4 + j // 2,
+    # top 2 bits at bits 2j of the little-endian uint16 in bytes 2-3.
+    low = _bytes_t(blocks, 4, 8)  # [4, N]
+    low = torch.stack((torch.bitwise_and(low, 0x0F), torch.bitwise_right_shift(low, 4)), dim=1).reshape(8, -1)
+    high_word = _bytes_t(blocks, 2, 4).to(torch.int32)  # [2, N]
+    high_word = high_word[0] | (high_word[1] << 8)  # [N]
+    high = torch.stack([torch.bitwise_right_shift(high_word, 2 * j).bitwise_and_(3) for j in range(8)])  # [8, N]
+    sc = (low.to(torch.int32) | (high << 4)) - 32
+    dl = _f16(blocks, 0).view(1, -1) * sc  # [8, N]
+    return (dl.t().unsqueeze(-1),)  # [N, 8, 1]
+
+
+def _codes_iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    o = out.view(-1, 8, 2, 16)
+    _iq4_levels(blocks[:, 8:].view(-1, 8, 16), o)
+    return o.view(-1, 8, 32)
+
+
 # ----------------------------------------------------------------------------- plain floats
 
 
@@ -273,6 +311,8 @@ _DECODERS: dict[QuantType, _Decoder] = {
     QuantType.Q4_K: _Decoder(_scales_k4, _codes_q4_k),
     QuantType.Q5_K: _Decoder(_scales_k4, _codes_q5_k),
     QuantType.Q6_K: _Decoder(_scales_q6_k, _codes_q6_k),
+    QuantType.IQ4_NL: _Decoder(_scale_d, _codes_iq4_nl),
+    QuantType.IQ4_XS: _Decoder(_scales_iq4_xs, _codes_iq4_xs),
 }
 
 

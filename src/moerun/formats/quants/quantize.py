@@ -13,7 +13,7 @@ import enum
 
 import numpy as np
 
-from .types import QuantType, as_quant_type, check_row_length
+from .types import IQ4_VALUES, QuantType, as_quant_type, check_row_length
 
 _F32 = np.float32
 _GROUP_MAX_EPS = _F32(1e-15)  # sub-blocks whose |max| is below this are treated as all-zero
@@ -26,6 +26,7 @@ _K_FALLBACK = {
     QuantType.Q4_K: QuantType.Q5_0,
     QuantType.Q5_K: QuantType.Q5_1,
     QuantType.Q6_K: QuantType.Q8_0,
+    QuantType.IQ4_XS: QuantType.IQ4_NL,
 }
 
 
@@ -505,6 +506,77 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
 
 
+# ----------------------------------------------------------------------------- non-linear 4-bit types
+#
+# ggml's quantize_row_iq4_nl_impl without an importance matrix (weights x^2, 7 tries each side), vectorised over
+# 32-element sub-blocks held as columns [32, S]. Sums run in C loop order (_seq_sum), each term (w * q) * x.
+
+_IQ4 = np.array(IQ4_VALUES, dtype=np.float32)
+_IQ4_TRIES = 7
+
+
+def _iq4_index(v: np.ndarray) -> np.ndarray:
+    """ggml's best_index_int8 over IQ4_VALUES: the nearest level's index, the upper one on a tie (uint8)."""
+    mu = np.clip(np.searchsorted(_IQ4, v, side="right"), 1, 15)  # IQ4[mu - 1] <= v < IQ4[mu] inside the range
+    pick = np.where(v - _IQ4[mu - 1] < _IQ4[mu] - v, mu - 1, mu)
+    return np.where(v <= _IQ4[0], 0, np.where(v >= _IQ4[15], 15, pick)).astype(np.uint8)
+
+
+def _iq4_fit(x: np.ndarray, w: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sum w q x, sum w q q) [S] of sub-block columns x [32, S] at the levels nearest inv x."""
+    q = _IQ4[_iq4_index(inv * x)]  # [32, S]
+    wq = w * q
+    return _seq_sum(wq * x), _seq_sum(wq * q)
+
+
+def _iq4_scales(x: np.ndarray) -> np.ndarray:
+    """The best float32 scale [S] of each sub-block column of x [32, S] (0 for an all-zero one)."""
+    mx = _absmax_signed(x, 0)  # [S]
+    live = np.abs(mx) >= _GROUP_MAX_EPS
+    mx = np.where(live, mx, _F32(1))  # dead columns are computed on a harmless value and zeroed at the end
+    w = x * x
+    sumqx, sumq2 = _iq4_fit(x, w, _F32(1) / (-mx / _IQ4[0]))
+    d = sumqx / sumq2
+    best = d * sumqx
+    for itry in range(-_IQ4_TRIES, _IQ4_TRIES + 1):
+        sx, s2 = _iq4_fit(x, w, _F32(itry + IQ4_VALUES[0]) / mx)
+        better = (s2 > 0) & (sx * sx > best * s2)
+        d = np.where(better, sx / np.where(better, s2, _F32(1)), d)
+        best = np.where(better, d * sx, best)
+    return np.where(live, d, _F32(0)).astype(np.float32)
+
+
+def _iq4_pack(L: np.ndarray) -> np.ndarray:
+    """Codes [nb, 32 m] -> nibbles [nb, 16 m]: element j of each 32 in the low nibble of byte j, j + 16 high."""
+    L = L.reshape(L.shape[0], -1, 2, 16)
+    return (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(L.shape[0], -1)
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    cols = np.ascontiguousarray(x.T)  # [32, nb]
+    d = _iq4_scales(cols)  # [nb]
+    L = _iq4_index(_inv(d) * cols).T  # [nb, 32]
+    return np.concatenate([_fp16_bytes(d), _iq4_pack(L)], axis=1)
+
+
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    cols = _columns(x, 32)  # [32, nb * 8]
+    scales = _iq4_scales(cols).reshape(nb, 8)
+    max_scale = _absmax_signed(scales, 1)  # [nb]: the first of largest magnitude
+    d = -max_scale / _F32(32)
+    ls = np.clip(_nearest_int(_inv(d)[:, None] * scales), -32, 31)  # [nb, 8]
+    dl = d[:, None] * ls.astype(np.float32)
+    L = _iq4_index(_inv(dl).reshape(1, -1) * cols).T.reshape(nb, 256)
+    code = (ls + 32).astype(np.uint16)
+    low = (code & 0x0F).astype(np.uint8).reshape(nb, 4, 2)
+    high = np.zeros(nb, dtype=np.uint16)
+    for j in range(8):
+        high |= (code[:, j] >> 4) << (2 * j)
+    return np.concatenate([_fp16_bytes(d), high.reshape(nb, 1).view(np.uint8), low[:, :, 0] | (low[:, :, 1] << 4),
+                           _iq4_pack(L)], axis=1)  # fmt: skip
+
+
 _BLOCK_QUANTIZERS = {
     QuantType.Q8_0: _q8_0,
     QuantType.Q4_0: _q4_0,
@@ -516,4 +588,6 @@ _BLOCK_QUANTIZERS = {
     QuantType.Q4_K: _q4_k,
     QuantType.Q5_K: _q5_k,
     QuantType.Q6_K: _q6_k,
+    QuantType.IQ4_NL: _iq4_nl,
+    QuantType.IQ4_XS: _iq4_xs,
 }

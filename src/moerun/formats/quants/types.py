@@ -25,6 +25,8 @@ class QuantType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
 
     @property
@@ -44,7 +46,7 @@ class QuantType(enum.IntEnum):
 
     @property
     def is_k_quant(self) -> bool:
-        """True for the 256-element super-block types Q2_K..Q6_K."""
+        """True for the 256-element super-block types (Q2_K..Q6_K, IQ4_XS)."""
         return self.block_elems == QK_K
 
 
@@ -63,6 +65,8 @@ _GEOMETRY: dict[QuantType, tuple[int, int]] = {
     QuantType.Q4_K: (QK_K, 144),  # fp16 d, fp16 dmin, 12 scale bytes, 128 bytes nibbles
     QuantType.Q5_K: (QK_K, 176),  # fp16 d, fp16 dmin, 12 scale bytes, 32 bytes high bits, 128 bytes nibbles
     QuantType.Q6_K: (QK_K, 210),  # 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+    QuantType.IQ4_NL: (32, 18),  # fp16 d + 16 bytes of nibbles indexing IQ4_VALUES
+    QuantType.IQ4_XS: (QK_K, 136),  # fp16 d, 16 bits of scale high bits, 4 bytes scale low bits, 128 bytes nibbles
 }
 
 for _t, _geo in _GEOMETRY.items():
@@ -70,6 +74,9 @@ for _t, _geo in _GEOMETRY.items():
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(_t))] == _geo, _t
 
 SUPPORTED_TYPES: tuple[QuantType, ...] = tuple(_GEOMETRY)
+
+# The 16 non-linear levels a 4-bit code of IQ4_NL and IQ4_XS selects (ggml's kvalues_iq4nl), ascending.
+IQ4_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 # Byte offsets of the fp16 fields inside one block: the scale d, then dmin (K-quants) or m (Q4_1, Q5_1).
 FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
@@ -83,6 +90,8 @@ FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q4_K: (0, 2),
     QuantType.Q5_K: (0, 2),
     QuantType.Q6_K: (208,),
+    QuantType.IQ4_NL: (0,),
+    QuantType.IQ4_XS: (0,),
 }
 
 

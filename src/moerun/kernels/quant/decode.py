@@ -117,6 +117,26 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
         v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * tl.where(lo, dl_c, dl_d) - tl.where(
             lo, ml_c, ml_d
         )
+    elif QTYPE == 20 or QTYPE == 23:  # IQ4_NL, IQ4_XS: level(c) d, level(c) (d sc) with sc per 32
+        if QTYPE == 20:  # fp16 d per 32
+            sp = scale + rows * (KQ * 2) + q * 2
+            d0 = tl.load(sp).to(tl.float32)
+            d1 = tl.load(sp + 1).to(tl.float32)
+        else:  # signed bytes (sc 2q, sc 2q + 1, 0, 0), fp16 d per 256
+            w = tl.load(sub + rows * KQ + q)
+            d = tl.load(scale + rows * (KQ // 4) + q // 4).to(tl.float32)
+            d0 = d * (((((w >> 0) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+            d1 = d * (((((w >> 8) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+        # The 16 levels (IQ4_VALUES) as signed bytes of four int32 words, four levels a word: code c is byte c % 4
+        # of word c // 4, picked by two selects on bits 2 and 3 and a shift.
+        t0 = tl.where((c0 & 4) != 0, -152379953, -1079142271)  # levels 4..7 | 0..3
+        t0 = tl.where(c0 >= 8, tl.where((c0 & 4) != 0, 1901675829, 639175937), t0)  # levels 12..15 | 8..11
+        t1 = tl.where((c1 & 4) != 0, -152379953, -1079142271)
+        t1 = tl.where(c1 >= 8, tl.where((c1 & 4) != 0, 1901675829, 639175937), t1)
+        l0 = ((((t0 >> ((c0 & 3) * 8)) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        l1 = ((((t1 >> ((c1 & 3) * 8)) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        v0 = l0 * d0
+        v1 = l1 * d1
     else:  # Q6_K, Q3_K: (c - bias)(d sc), signed bytes sc of 16-element sub-blocks 4q..4q+3
         tl.static_assert(QTYPE == 14 or QTYPE == 11, "dequant_pair: unsupported quant type")
         if QTYPE == 14:

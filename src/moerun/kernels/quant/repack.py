@@ -7,7 +7,7 @@ plane 0 = elements 64q + l and plane 1 = elements 64q + 32 + l, l = 0..31 (decod
 
 codes  uint8, the low code bits of every element
        8-bit (Q8_0)         [.., K_pad]      byte 64q + 32p + l: element 64q + 32p + l as q8 + 128 (unsigned)
-       4-bit (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+       4-bit (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
                             [.., K_pad / 2]  byte 32q + l: element 64q + l (low nibble), 64q + 32 + l (high)
        2-bit (Q2_K, Q3_K)   [.., K_pad / 4]  byte 32h + l: elements 128h + 32j + l at bits 2j (j = 0..3)
 high   uint8, the top code bits
@@ -17,6 +17,7 @@ sub    int32 [.., K_pad / 64] (K-quants): pair q's sub-block scales as four litt
        Q4_K, Q5_K  6-bit scales of the 32-element sub-blocks 2q, 2q + 1, then their 6-bit mins
        Q6_K, Q3_K  signed scales of the 16-element sub-blocks 4q .. 4q + 3 (Q3_K's already minus 32)
        Q2_K        (min << 4) | scale of the 16-element sub-blocks 4q .. 4q + 3
+       IQ4_XS      signed scales (stored - 32) of the 32-element sub-blocks 2q, 2q + 1, then two zero bytes
 scale  float16 block scales
        K-quants          [.., K_pad / 256, C]  d (C = 1), or d, dmin (C = 2: Q2_K, Q4_K, Q5_K)
        32-element types  [.., K_pad / 32, C]   d (C = 1), or d, m (C = 2: Q4_1, Q5_1)
@@ -25,7 +26,9 @@ With c an element's unsigned code (low | high << low bits), sc and mn its sub-bl
 is, computed in float32 in this order, exactly what formats.quants.dequantize gives:
   Q8_0 (c - 128) d    Q4_0 (c - 8) d    Q5_0 (c - 16) d    Q4_1, Q5_1  c d + m
   Q4_K, Q5_K, Q2_K  c (d sc) - dmin mn    Q6_K (c - 32)(d sc)    Q3_K (c - 4)(d sc)
-Bytes per 256 elements against GGUF's: Q4_K 148/144, Q5_K 180/176, Q3_K 114/110, all others equal.
+  IQ4_NL  level(c) d    IQ4_XS  level(c) (d sc)    (level: the 16 non-linear values IQ4_VALUES)
+Bytes per 256 elements against GGUF's: Q4_K 148/144, Q5_K 180/176, Q3_K 114/110, IQ4_XS 146/136, all others
+equal.
 Float types (F32, F16, BF16) stay dense: `codes` is the [*lead, N, K] tensor in its own dtype.
 """
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.formats.quants import QK_K, QuantizedTensor, QuantType
+from moerun.formats.quants import IQ4_VALUES, QK_K, QuantizedTensor, QuantType
 
 _F16 = torch.float16
 # Rows are repacked in chunks of about this many elements, which bounds the temporaries on the GPU.
@@ -66,6 +69,8 @@ LAYOUTS: dict[QuantType, Layout] = {
     QuantType.Q4_K: Layout(4, 0, True, QK_K, 2),
     QuantType.Q5_K: Layout(4, 1, True, QK_K, 2),
     QuantType.Q6_K: Layout(4, 2, True, QK_K, 1),
+    QuantType.IQ4_NL: Layout(4, 0, False, 32, 1),
+    QuantType.IQ4_XS: Layout(4, 0, True, QK_K, 1),
 }
 PACKED_TYPES: tuple[QuantType, ...] = tuple(LAYOUTS)
 _DENSE_DTYPES = {QuantType.F32: torch.float32, QuantType.F16: torch.float16, QuantType.BF16: torch.bfloat16}
@@ -300,6 +305,22 @@ def _pack_q6_k(b):
             "scale": _f16(b, 208)}  # fmt: skip
 
 
+def _pack_iq4_nl(b):
+    return {"codes": _nibbles(_nibble_codes(b[..., 2:18])), "scale": _f16(b, 0)}
+
+
+def _pack_iq4_xs(b):
+    r, nb = b.shape[:2]
+    codes = _nibble_codes(b[..., 8:136].reshape(r, nb * 8, 16)).reshape(r, -1)  # [r, K] in element order
+    high = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)  # [r, nb] the 2-bit fields
+    low = torch.stack((b[..., 4:8] & 0x0F, b[..., 4:8] >> 4), dim=-1).reshape(r, nb, 8)  # [r, nb, 8]
+    shifts = 2 * torch.arange(8, device=b.device, dtype=torch.int32)
+    sc = (low.to(torch.int32) | (((high.unsqueeze(-1) >> shifts) & 3) << 4)) - 32  # [r, nb, 8] in [-32, 31]
+    sub = torch.zeros(r, nb, 4, 4, dtype=torch.uint8, device=b.device)  # pair q: bytes (sc 2q, sc 2q + 1, 0, 0)
+    sub[..., :2] = sc.to(torch.int8).view(torch.uint8).reshape(r, nb, 4, 2)
+    return {"codes": _nibbles(codes), "sub": _as_int32(sub.reshape(r, nb, 16)), "scale": _f16(b, 0)}
+
+
 _PACKERS: dict[QuantType, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {
     QuantType.Q8_0: _pack_q8_0,
     QuantType.Q4_0: _pack_q4_0,
@@ -311,6 +332,8 @@ _PACKERS: dict[QuantType, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {
     QuantType.Q4_K: _pack_q4_k,
     QuantType.Q5_K: _pack_q5_k,
     QuantType.Q6_K: _pack_q6_k,
+    QuantType.IQ4_NL: _pack_iq4_nl,
+    QuantType.IQ4_XS: _pack_iq4_xs,
 }
 
 
@@ -399,10 +422,18 @@ def unpack_reference(pw: PackedWeight) -> torch.Tensor:
         c = _unfields(codes, 2)
     if lay.high_bits:
         c = c | (_unfields(pw.high.reshape(rows, -1), lay.high_bits) << lay.code_bits)
+    qt = pw.qtype
+    if qt in (QuantType.IQ4_NL, QuantType.IQ4_XS):
+        c = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=c.device)[c.long()]  # the levels
     code = c.float()  # [rows, K_pad], exact small integers
     scale = pw.scale.reshape(rows, -1, lay.scale_fields).float()  # [rows, blocks, C]
-    qt = pw.qtype
-    if not lay.has_sub:
+    if qt == QuantType.IQ4_NL:
+        out = code.view(rows, -1, 32) * scale
+    elif qt == QuantType.IQ4_XS:
+        sub = pw.sub.reshape(rows, -1).contiguous().view(torch.int8).reshape(rows, k_pad // QK_K, 4, 4)
+        dl = scale * sub[..., :2].reshape(rows, -1, 8)  # [rows, SB, 8]
+        out = code.view(rows, -1, 8, 32) * dl.unsqueeze(-1)
+    elif not lay.has_sub:
         # 32-element blocks: one scale entry per block.
         v = code.view(rows, -1, 32)
         d = scale[:, :, 0:1]

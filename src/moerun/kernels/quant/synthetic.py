@@ -13,7 +13,7 @@ from moerun.formats.quants import FP16_FIELDS, QuantizedTensor, QuantType
 # gives weights of order 1 / sqrt(K) and activations of order one.
 _CODE_RANGE = {QuantType.Q8_0: 128, QuantType.Q4_0: 8, QuantType.Q4_1: 16, QuantType.Q5_0: 16, QuantType.Q5_1: 32,
                QuantType.Q2_K: 45, QuantType.Q3_K: 128, QuantType.Q4_K: 945, QuantType.Q5_K: 1953,
-               QuantType.Q6_K: 4096}  # fmt: skip
+               QuantType.Q6_K: 4096, QuantType.IQ4_NL: 127, QuantType.IQ4_XS: 4064}  # fmt: skip
 _MIN_RANGE = {QuantType.Q4_1: 1, QuantType.Q5_1: 1, QuantType.Q2_K: 15, QuantType.Q4_K: 63, QuantType.Q5_K: 63}
 _CHUNK_BLOCK_BYTES = 64 * 2**20
 

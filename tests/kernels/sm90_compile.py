@@ -138,9 +138,14 @@ def _cases() -> dict[str, Callable[[], None]]:
             x64, [qk, v], config={"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
                                   "num_warps": 4, "num_stages": 3}),
         "quant matmul, Q4_0 (gemv path)": lambda: quant_matmul_triton(x1, [q4_0]),
-        "quant MoE, IQ4_XS gate/up and IQ4_NL down, decode and prefill": lambda: [
-            fused_moe_quant(x1, iq4, iq4_down, w1, ids1), fused_moe_quant(x64, iq4, iq4_down, w64, ids64)],
-        "quant matmul, IQ4_XS, decode and prefill": lambda: [quant_matmul_triton(x, [iq4_rows]) for x in (x1, x64)],
+        "quant MoE, IQ4_XS gate/up and IQ4_NL down: int8 decode, tile64 and two-plane tiles": lambda: [
+            fused_moe_quant(x1, iq4, iq4_down, w1, ids1), fused_moe_quant(x64, iq4, iq4_down, w64, ids64),
+            fused_moe_quant(x64, iq4, iq4_down, w64, ids64, {"path": "tile", "BLOCK_M": 64, "BLOCK_N": 64,
+                                                             "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})],
+        "quant matmul, IQ4_XS: int8 decode, tile64, and the gemv path": lambda: [
+            quant_matmul_triton(x, [iq4_rows]) for x in (x1, x64)] + [quant_matmul_triton(
+                x1, [iq4_rows], config={"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4,
+                                         "num_stages": 2})],
         "gemv, one step": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,
                                                      gemv.GemvConfig(block_n=4, block_k=256)),
         "gemv, split-K": lambda: gemv.linear_triton(x1, torch.randn(64, H, dtype=bf16), None,

@@ -12,12 +12,16 @@ import torch.nn.functional as F
 
 from helpers import on_int8_grid
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
-from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.formats.quants import IQ4_VALUES, QuantType  # noqa: E402
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
 from moerun.kernels.quant.gemv_v2 import V2_TYPES  # noqa: E402
-from moerun.kernels.quant.int8_dot import dequantize_xq, quantize_x, quantize_x_reference, unpack_xq  # noqa: E402
+from moerun.kernels.quant.int8_dot import (  # noqa: E402
+    dequantize_xq, emulate_dp4a, quantize_x, quantize_x_reference, unpack_xq,
+)
+from moerun.kernels.quant.iq4_levels import iq4_levels  # noqa: E402
 from moerun.kernels.quant.matmul_quant import quant_matmul_triton  # noqa: E402
 from moerun.kernels.quant.repack import pack, padded_k  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
@@ -97,8 +101,9 @@ def test_matmul_random_x_is_w_times_rounded_x(seed, qt, dtype) -> None:
 @pytest.mark.parametrize("qt", V2_TYPES, ids=lambda t: t.name)
 def test_moe_exact_on_int8_grid(seed, qt, T, k) -> None:
     E, H, I = 9, 512, 256  # noqa: E741
-    # a Q5_K down would take an int8 intermediate (test_q5_k_reads_int8_only); its gate / up are checked here
-    down_t = QuantType.Q6_K if qt in (QuantType.Q4_K, QuantType.Q5_K) else qt
+    # a Q5_K or IQ4 down would take an int8 intermediate (test_q5_k_reads_int8_only); their gate / up are
+    # checked here
+    down_t = qt if qt in (QuantType.Q6_K, QuantType.Q8_0) else QuantType.Q6_K
     w13 = QuantizedWeight([random_quantized(qt, (E, I, H), DEVICE), random_quantized(qt, (E, I, H), DEVICE)])
     w2 = QuantizedWeight([random_quantized(down_t, (E, H, I), DEVICE)])
     weights, ids = route_reference(torch.randn(T, E), k, True)
@@ -183,3 +188,26 @@ def test_q5_k_reads_int8_only(seed) -> None:
         quant_matmul_triton(hidden, [pack(random_quantized(q5, (16, H), DEVICE))], config={**MATMUL, "x_q8": False})
     implied = fused_moe_quant(hidden, p13, p2, weights, ids, MOE)
     assert torch.equal(implied, fused_moe_quant(hidden, p13, p2, weights, ids, {**MOE, "inter_q8": True}))
+
+
+@triton.jit
+def _levels_kernel(w_ptr, lo_ptr, hi_ptr, UNSIGNED: tl.constexpr, EMULATE: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    lo, hi = iq4_levels(tl.load(w_ptr + offs), UNSIGNED, EMULATE)
+    tl.store(lo_ptr + offs, lo)
+    tl.store(hi_ptr + offs, hi)
+
+
+@pytest.mark.parametrize("unsigned", [False, True], ids=["signed", "plus_128"])
+def test_iq4_levels_of_packed_codes(seed, unsigned) -> None:
+    # byte b of a code word: low nibble a plane-0 code, high nibble a plane-1 code; each becomes its level
+    # (IQ4_VALUES) in byte b of the plane's word. On the GPU through prmt, in the interpreter through its emulation.
+    n = 512
+    w = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int64).to(torch.int32).to(DEVICE)
+    lo, hi = torch.empty_like(w), torch.empty_like(w)
+    _levels_kernel[(1,)](w, lo, hi, UNSIGNED=unsigned, EMULATE=emulate_dp4a(), N=n)
+    codes = w.cpu().view(torch.uint8).view(n, 4).long()
+    table = torch.tensor(IQ4_VALUES) + (128 if unsigned else 0)
+    as_bytes = torch.uint8 if unsigned else torch.int8
+    for got, nibbles in ((lo, codes & 15), (hi, codes >> 4)):
+        assert torch.equal(got.cpu().view(as_bytes).view(n, 4).long(), table[nibbles]), f"seed={seed}"

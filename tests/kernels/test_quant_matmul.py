@@ -101,11 +101,12 @@ def test_activation_dtypes(seed, dtype, path) -> None:
     assert_matches(seed, out, reference(x, t.dequantize()), dtype, str(dtype))
 
 
-@pytest.mark.parametrize("qt", [QuantType.Q8_0, QuantType.Q6_K, QuantType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QuantType.Q8_0, QuantType.Q6_K, QuantType.Q4_K, QuantType.IQ4_NL, QuantType.IQ4_XS],
+                         ids=lambda t: t.name)  # fmt: skip
 def test_tile64_decode_rounds_once(seed, qt) -> None:
-    # tile64 decodes a value as f s - offset in one FMA (exact for Q8_0 and Q6_K): in float32 it stays at float32
-    # accuracy against a float64 reference, in the interpreter too, where a product rounded before the offset
-    # cancels it would lose about 6 bits of a Q8_0 value
+    # tile64 decodes a value as f s - offset in one FMA (exact for Q8_0 and Q6_K; the IQ4 level exactly, then one
+    # product): in float32 it stays at float32 accuracy against a float64 reference, in the interpreter too, where
+    # a product rounded before the offset cancels it would lose about 6 bits of a Q8_0 value
     t = random_quantized(qt, (64, 256), DEVICE)
     x = torch.randn(16, 256, device=DEVICE)
     out = quant_matmul_triton(x, pack(t), config=CONFIGS["tile64"])

@@ -32,7 +32,8 @@ from moerun.kernels.tile_configs import (
 
 
 PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile", "tile64")
-V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # gate types whose decode default is gemv_v2 (gemv_v2.V2_TYPES)
+# gate types whose decode default is gemv_v2 with int8 x (gemv_v2.V2_TYPES) and prefill default tile64
+V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
 
 
 def normalize_config(cfg: Config) -> Config:

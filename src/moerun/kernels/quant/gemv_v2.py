@@ -1,5 +1,5 @@
-"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q5_K, Q6_K, Q8_0): fewer instructions per weight, two
-launches, the k-slot sum inside GEMM 2.
+"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q5_K, Q6_K, Q8_0; IQ4_NL, IQ4_XS with int8 x): fewer
+instructions per weight, two launches, the k-slot sum inside GEMM 2.
 
 Weights are read as int32 words, a "group" of contiguous words per thread and row: a Q4_K pair q (8 words:
 byte b of word j holds element 64q + 4j + b in its low nibble, 64q + 32 + 4j + b in its high nibble, see
@@ -46,16 +46,16 @@ from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quanti
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
-V2_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0)
-# The float-x variant reads these; Q5_K takes int8 x only (config key x_q8; as a down projection GEMM 1 writes its
-# intermediate as int8 for it, whatever inter_q8 says).
+V2_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS)
+# The float-x variant reads these; Q5_K and the IQ4 types take int8 x only (config key x_q8; as a down projection
+# GEMM 1 writes its intermediate as int8 for them, whatever inter_q8 says).
 FLOAT_X_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
 PartTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down: [E, 4] int64 array addresses
 
 
 def v2_supported(gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> bool:
-    """True when the v2 kernels read these types: gate and up of one type, each of Q4_K, Q5_K, Q6_K, Q8_0."""
+    """True when the v2 kernels read these types: gate and up of one type, each of V2_TYPES."""
     return gate.qtype == up.qtype and all(p.qtype in V2_TYPES for p in (gate, up, down))
 
 
@@ -598,14 +598,14 @@ def _matmul_v2_kernel(
 
 
 def _check_int8_x(cfg: Config, *qtypes: QuantType) -> None:
-    """Raises unless cfg reads x as int8 where a type has no float-x variant (Q5_K)."""
+    """Raises unless cfg reads x as int8 where a type has no float-x variant (Q5_K, IQ4_NL, IQ4_XS)."""
     for qt in qtypes:
         if qt not in FLOAT_X_TYPES and not cfg.get("x_q8"):
             raise ValueError(f"{qt.name} weights on the gemv_v2 path need int8 x: set the config key x_q8")
 
 
 def _words_per_group(qtype: QuantType) -> int:
-    """int32 words per group: a Q4_K or Q5_K pair (64 elements) or a Q8_0 block (32), half a Q6_K pair (32)."""
+    """int32 words per group: a Q4_K, Q5_K or IQ4 pair (64 elements) or a Q8_0 block (32), half a Q6_K pair (32)."""
     return 4 if qtype == QuantType.Q6_K else 8
 
 
@@ -674,9 +674,9 @@ def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config, x_int8: Int8Rows | None = None,
                    second: tuple[PackedWeight, int] | None = None) -> None:  # fmt: skip
-    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a Q4_K/Q5_K/Q6_K/Q8_0 w;
+    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
-    prepare_x. ``second`` = (w_b, col_off_b): another Q4_K/Q5_K/Q6_K/Q8_0 part of the same K in the same launch, with
+    prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
     the same config (not x_prep, whose layout depends on the type)."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
@@ -688,7 +688,7 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
     if second is not None:
         wb, col_b = second
         if cfg.get("x_prep") or wb.k_pad != w.k_pad or wb.qtype not in V2_TYPES:
-            raise ValueError("a second part needs a Q4_K/Q5_K/Q6_K/Q8_0 weight of the same K and a config without "
+            raise ValueError("a second part needs a weight of a gemv_v2 type and the same K, and a config without "
                              "x_prep")
         chunks_b = chunking(wb.k_pad // _group_elems(wb.qtype), cfg["BLOCK_K"], wb.qtype)
         vc, vh, vs, vd = _arrays(wb)

@@ -22,6 +22,22 @@ def q4_k_scales(sub, scale, rows3, g3, KQ, ok3):
 
 
 @triton.jit
+def iq4_scales(QT: tl.constexpr, sub, scale, rows3, g3, KQ, ok3):
+    """IQ4_NL (QT 20) / IQ4_XS (23) pair g: the float32 scale of its plane-0 and plane-1 32-element blocks
+    [R0, R1, G] (IQ4_XS: d times the signed sub-block scale, rounded once as the GGUF decoder rounds it)."""
+    if QT == 20:  # fp16 d per 32 elements, two a pair
+        sp = scale + rows3 * (KQ * 2) + 2 * g3
+        d0 = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
+        d1 = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
+    else:  # signed bytes (sc 2g, sc 2g + 1, 0, 0), fp16 d per 256 elements
+        sw = tl.load(sub + rows3 * KQ + g3, mask=ok3, other=0)
+        d = tl.load(scale + rows3 * (KQ // 4) + g3 // 4, mask=ok3, other=0.0).to(tl.float32)
+        d0 = d * ((sw << 24) >> 24).to(tl.float32)
+        d1 = d * ((sw << 16) >> 24).to(tl.float32)
+    return d0, d1
+
+
+@triton.jit
 def q6_k_scales(sub, scale, rows3, g3, KQ, ok3):
     """Q6_K group g = half h = g % 2 of pair g // 2: (d, scale of its plane-0 and plane-1 16-element sub-blocks)
     as float32 [R0, R1, G]."""

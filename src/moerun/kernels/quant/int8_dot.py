@@ -8,8 +8,10 @@ tiles in registers. Here x [T, K] becomes, once per call (one launch, `quantize_
   xs  float32 [T, K_pad / 16]  sums of every 16 consecutive values of x^ = dx * xq (the min / code-bias terms)
 A weight word's four code bytes (Q4_K: a nibble plane masked out; Q6_K: the merged 6-bit codes; Q8_0: the
 bytes, sign restored) meet the x word of the same four elements in one dp4a, so a Q4_K word of eight weights
-costs two logic operations and two dp4a. Sub-block scales are applied per group as in gemv_v2:
+costs two logic operations and two dp4a; an IQ4_NL / IQ4_XS word's codes become two words of signed levels by
+byte permutes first (iq4_levels.py). Sub-block scales are applied per group as in gemv_v2:
   Q4_K  d sc dx sum(c xq) - dmin mn X      Q6_K  d sc (dx sum(c xq) - 32 X)      Q8_0  d dx sum((c - 128) xq)
+  IQ4_NL  d dx sum(level(c) xq)            IQ4_XS  (d sc) dx sum(level(c) xq)
 The kernels compute W x^ exactly (to float32 rounding): it differs from W x by x's rounding to int8, at most half
 a step of its block's scale per element, which is what llama.cpp's CUDA decode computes too (q8_1 activations).
 In Triton's interpreter, and on GPUs other than NVIDIA's (whose PTX this inline assembly is), dp4a is emulated
@@ -26,7 +28,8 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
-from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
+from moerun.kernels.quant.group_scales import iq4_scales, q4_k_scales, q6_k_codes, q6_k_scales
+from moerun.kernels.quant.iq4_levels import iq4_levels
 
 X_BLOCK = 32  # x values per int8 scale
 
@@ -139,8 +142,8 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
         db = da
         X0 = da
         X1 = da
-    elif QT == 12 or QT == 13:  # Q4_K, Q5_K pair g: plane p holds elements 64g + 32p + 4j + b
-        xa = tl.load(xq_row + 16 * g4 + j4)
+    elif (QT == 12 or QT == 13) or (QT == 20 or QT == 23):  # Q4_K, Q5_K, IQ4 pair g: plane p elements 64g + 32p
+        xa = tl.load(xq_row + 16 * g4 + j4)  # + 4j + b
         xb = tl.load(xq_row + 16 * g4 + 8 + j4)
         da = tl.load(dx_row + 2 * g3)
         db = tl.load(dx_row + 2 * g3 + 1)
@@ -162,8 +165,8 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
 def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3, xa, xb, da, db, X0,
            X1, EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32 (Q4_K, Q5_K,
-    Q6_K, Q8_0). Arguments as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4 words, ok4 / ok3
-    row masks."""
+    Q6_K, Q8_0, IQ4_NL, IQ4_XS). Arguments as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4
+    words, ok4 / ok3 row masks."""
     if QT == 8:  # Q8_0: codes c + 128; xor 0x80 per byte gives c as a signed byte
         w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8]
         isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
@@ -184,8 +187,15 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
         d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
+    elif QT == 20 or QT == 23:  # IQ4_NL / IQ4_XS pair: the levels of the low nibbles plane 0, high plane 1
+        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+        l0, l1 = iq4_levels(w, False, EMULATE_DP4A)  # signed levels, four a word
+        i0 = tl.sum(dp4a(l0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a(l1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
+        d0, d1 = iq4_scales(QT, sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        part = d0 * da * i0.to(tl.float32) + d1 * db * i1.to(tl.float32)
     else:  # Q6_K half pair (4 words): high bits merged into each code byte, as gemv_v2 does
-        tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q5_K, Q6_K and Q8_0")
+        tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS")
         c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
         i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), EMULATE_DP4A), axis=3)

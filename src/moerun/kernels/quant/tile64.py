@@ -1,5 +1,5 @@
-"""The in-register decode of the "tile64" prefill step: a whole pair (64 inputs) of a Q4_K, Q5_K, Q6_K or Q8_0
-weight a step, for the tile kernels of fused_moe_quant.py and matmul_quant.py (their constexpr PAIR64).
+"""The in-register decode of the "tile64" prefill step: a whole pair (64 inputs) of a Q4_K, Q5_K, Q6_K, Q8_0,
+IQ4_NL or IQ4_XS weight a step, for the tile kernels of fused_moe_quant.py and matmul_quant.py (their constexpr PAIR64).
 
 Their other step decodes a pair as two [BLOCK_N, 32] planes (decode.dequant_pair), each multiplied in its own
 32-deep tl.dot; compiled for sm_90 each of those dots waits for the one before it. decode_pair64 reads a pair's code
@@ -22,6 +22,9 @@ Placing the code at 0.5 + c / 256 rather than 2^23 + c lets the offset fold into
 addend would round away the code's bits): one float instruction a value fewer. This is exact for Q6_K and Q8_0.
 For Q4_K and Q5_K the addend 128 s + m is rounded once, by half its float32 ulp: 2^-17 s where the scale's term
 leads, about one float32 rounding of the value where the minimum's does.
+
+IQ4_NL and IQ4_XS codes become their levels + 128 by byte permutes (iq4_levels.py), then the level itself by one
+exact FMA (f 2^16 - 32896) and the value by one product with the plane's scale, as the GGUF decoder rounds it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
+from moerun.kernels.quant.iq4_levels import iq4_levels
 
-TILE64_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0)
+TILE64_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS)
 
 
 def tile64_supported(*qtypes: QuantType) -> bool:
@@ -54,7 +58,7 @@ def _byte(word, i):
 
 @triton.jit
 def _bytes_float(word, b, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
-    """0.5 + byte / 2^(23 - SHIFT) as float32, for byte b of int32 `word` (word [BN, W, 1], b [1, 1, 4] -> [BN, W,
+    """0.5 + byte / 2^(24 - SHIFT) as float32, for byte b of int32 `word` (word [BN, W, 1], b [1, 1, 4] -> [BN, W,
     4]): the byte laid under the exponent bits of 0.5 at bit SHIFT (16 for codes below 128, 8 for whole bytes).
 
     On the GPU that is one PRMT (bytes 0x00 ... byte ... 0x3F), where shift, mask and OR take three instructions;
@@ -104,6 +108,22 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
         # (byte - 128) d = f 2^16 d - (2^15 + 128) d for f = 0.5 + byte / 2^16: exact in one FMA
         v0 = _scaled(_bytes_float(tl.load(cp), b, 8, INTERPRET), 65536.0 * d0, 32896.0 * d0, INTERPRET)  # [BN, 8, 4]
         v1 = _scaled(_bytes_float(tl.load(cp + 8), b, 8, INTERPRET), 65536.0 * d1, 32896.0 * d1, INTERPRET)
+    elif QTYPE == 20 or QTYPE == 23:  # IQ4_NL, IQ4_XS: level(c) times the plane's scale
+        cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
+        u0, u1 = iq4_levels(cw, True, INTERPRET)  # levels + 128, four a word
+        if QTYPE == 20:  # fp16 d of each 32-element block, both of the pair in one word
+            dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1]
+            d0 = _half(dd, 0)
+            d1 = _half(dd, 1)
+        else:  # d (d per 256) times the signed scale of sub-block 2q + p
+            idx = rows3 * (KQ // 4) + q // 4
+            d = _half(tl.load(words + idx // 2), idx % 2)  # [BN, 1, 1]
+            sw = tl.load(sub + rows3 * KQ + q)  # bytes (sc 2q, sc 2q + 1, 0, 0)
+            d0 = d * ((sw << 24) >> 24).to(tl.float32)
+            d1 = d * ((sw << 16) >> 24).to(tl.float32)
+        # level = f 2^16 - (2^15 + 128) for f = 0.5 + (level + 128) / 2^16: exact, then one rounding times d
+        v0 = (_bytes_float(u0, b, 8, INTERPRET) * 65536.0 - 32896.0) * d0  # [BN, 8, 4]
+        v1 = (_bytes_float(u1, b, 8, INTERPRET) * 65536.0 - 32896.0) * d1
     else:
         # Nibbles and top bits are masked in whole words (four elements an instruction), then split into bytes.
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]

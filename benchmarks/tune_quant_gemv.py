@@ -46,7 +46,8 @@ from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (name, type, N, K) of the quantized parts of a decode step. Qwen3-30B-A3B in llama.cpp's Q4_K_M mix: q|k in
 # Q4_K; v in Q6_K on the layers that get more bits (else Q4_K, merged into q|k|v); o_proj in Q4_K; lm_head Q6_K.
-# Q5_K_M is the same mix with Q5_K in place of Q4_K; Qwen3-235B-A22B has hidden 4096 and 64 query heads.
+# Q5_K_M is the same mix with Q5_K in place of Q4_K; Qwen3-235B-A22B has hidden 4096 and 64 query heads. IQ4_XS:
+# q|k and o_proj in IQ4_XS, v in Q5_K (n_head / n_head_kv >= 4), lm_head Q6_K.
 PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
     "qwen3-30b-a3b-q4_k_m": [("q|k", "Q4_K", 4608, 2048), ("q|k|v", "Q4_K", 5120, 2048), ("v", "Q6_K", 512, 2048),
                              ("o_proj", "Q4_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
@@ -54,11 +55,16 @@ PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
                              ("o_proj", "Q5_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
     "qwen3-235b-a22b-q4_k_m": [("q|k", "Q4_K", 8704, 4096), ("q|k|v", "Q4_K", 9216, 4096), ("v", "Q6_K", 512, 4096),
                                ("o_proj", "Q4_K", 4096, 8192), ("lm_head", "Q6_K", 151936, 4096)],
+    "qwen3-30b-a3b-iq4_xs": [("q|k", "IQ4_XS", 4608, 2048), ("v", "Q5_K", 512, 2048), ("o_proj", "IQ4_XS", 2048, 4096),
+                             ("lm_head", "Q6_K", 151936, 2048)],
     "qwen3-30b-a3b-q8_0": [("q|k|v", "Q8_0", 5120, 2048), ("o_proj", "Q8_0", 2048, 4096),
                            ("lm_head", "Q8_0", 151936, 2048)],
     "qwen3-30b-a3b-q6_k": [("q|k|v", "Q6_K", 5120, 2048), ("o_proj", "Q6_K", 2048, 4096),
                            ("lm_head", "Q6_K", 151936, 2048)],
 }  # fmt: skip
+# Types the gemv_v2 path reads with float x, and with int8 x (gemv_v2.FLOAT_X_TYPES, V2_TYPES).
+FLOAT_X = ("Q4_K", "Q6_K", "Q8_0")
+INT8_X = FLOAT_X + ("Q5_K", "IQ4_NL", "IQ4_XS")
 # Weight copies read per timed graph: together at least this many bytes, so L2 (50-60 MB) cannot hold them.
 STREAM_BYTES = 3 * 64 * 2**20
 MAX_COPIES = 32
@@ -84,7 +90,7 @@ def _tiles(path: str, stages: int) -> list[Config]:
 
 def candidates(qtype: str, N: int, K: int, M: int, quick: bool, families: str = "all") -> list[Config]:
     """Configs to try, the default first, then the shipped one; gemv_v2 only for the types it reads.
-    families="x_q8": only the int8-x gemv_v2 configs beside those two; "tiles": the tile and tile64 paths."""
+    families="x_q8": only the int8-x gemv_v2 configs beside those two; "tiles": only the tile and tile64 paths."""
     out = [default_matmul_config(M, N, interpret=False, qtype=qtype)]
     shipped = load_matmul_table(device_name()).get(matmul_key(qtype, N, K), {}).get(M)
     if shipped:
@@ -94,17 +100,14 @@ def candidates(qtype: str, N: int, K: int, M: int, quick: bool, families: str = 
         out += _tiles("tile64", 3) + _tiles("tile64", 4)
     elif families == "all":
         out += [_gemv(16, 1024, 4), _gemv(32, 1024, 4)]
-    if qtype in ("Q4_K", "Q6_K", "Q8_0") and families == "x_q8":
-        bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
-            ((2, 4, 8, 16, 32, 64), (256, 512, 1024, 2048, 4096), (1, 2, 4, 8))
-        out += [_v2(bn, bk, w, x_q8=True) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
-    elif qtype in ("Q4_K", "Q6_K", "Q8_0"):
-        bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
-            ((2, 4, 8, 16, 32, 64), (256, 512, 1024, 2048, 4096), (1, 2, 4, 8))
+    bns, bks, ws = ((4, 8, 16, 32), (512, 1024, 2048), (2, 4)) if quick else \
+        ((2, 4, 8, 16, 32, 64), (256, 512, 1024, 2048, 4096), (1, 2, 4, 8))
+    if families == "all" and qtype in FLOAT_X:
         out += [_v2(bn, bk, w) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
         out.append(_v2(8, min(K, 4096), 8))
         # x read in the weights' layout, prepared by one more launch (pays where x is reloaded a lot: long N)
         out += [_v2(bn, bk, 4, True) for bn, bk in itertools.product(bns, bks[:2]) if bk <= K]
+    if families in ("all", "x_q8") and qtype in INT8_X:
         # x quantized to int8 by one more launch, dp4a dot products (int8_dot.py)
         out += [_v2(bn, bk, w, x_q8=True) for bn, bk, w in itertools.product(bns, bks, ws) if bk <= K]
     unique: list[Config] = []

@@ -35,3 +35,21 @@ def test_bench_moe_tiny(tmp_path) -> None:
     rows = json.loads((tmp_path / "bench_moe.json").read_text())["rows"]
     assert sorted({r["M"] for r in rows}) == [1, 4]
     assert (tmp_path / "bench_moe.md").exists()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q3_K"])
+def test_quant_gemv_tuner_families(qtype) -> None:
+    # each family tries what it names: "tiles" prefill tiles only, "x_q8" int8-x decode configs only (beside the
+    # default and the shipped config), and no type gets a float-x config the kernels refuse for it
+    candidates = runpy.run_path(str(SCRIPTS / "tune_quant_gemv.py"))["candidates"]
+    tiles = candidates(qtype, 4608, 2048, 512, True, "tiles")
+    assert tiles and all(c["path"] in ("tile", "tile64") for c in tiles)
+    for family in ("x_q8", "all"):
+        decode = candidates(qtype, 4608, 2048, 1, True, family)[1:]  # past the default
+        v2 = [c for c in decode if c["path"] == "gemv_v2"]
+        if qtype in ("Q5_K", "IQ4_XS"):  # int8 x only
+            assert v2 and all(c.get("x_q8") for c in v2)
+        if family == "x_q8":
+            assert all(c.get("x_q8") for c in v2) and all(c["path"] == "gemv_v2" for c in decode)
+    if qtype == "Q3_K":  # no gemv_v2 decode for it
+        assert not [c for c in candidates(qtype, 4608, 2048, 1, True, "all") if c["path"] == "gemv_v2"]

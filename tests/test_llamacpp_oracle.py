@@ -59,3 +59,30 @@ def test_llama_cpp_logits_agree(checkpoint, tmp_path, ftype):
     bound = {"F32": 2e-3, "Q2_K": 0.12}.get(ftype, 0.03)  # F32: llama.cpp keeps its KV cache in F16
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < bound
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.85
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ4_NL"])
+def test_llama_cpp_quantizes_to_the_same_file(tmp_path_factory, ftype):
+    # llama.cpp's own quantizer (llama_model_quantize, no importance matrix) from the F32 file: every tensor gets the
+    # same type and the same bytes as moerun's. 8 query heads on 2 kv heads and 16 layers reach the type mix's
+    # n_head / n_head_kv >= 4 and per-layer rules.
+    import ctypes
+
+    import gguf
+
+    from moerun.formats.gguf.reader import GGUFFile
+
+    folder = tmp_path_factory.mktemp("hf16")
+    build_checkpoint(folder, seed=3, **{**SHAPE, "num_attention_heads": 8, "num_hidden_layers": 16})
+    write_small_tokenizer(folder)
+    f32, ours, theirs = (folder / f"{n}.gguf" for n in ("f32", "ours", "theirs"))
+    quantize_model(folder, f32, "F32", progress=False)
+    quantize_model(folder, ours, ftype, progress=False)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(gguf.LlamaFileType[f"MOSTLY_{ftype}"])
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(theirs).encode(), ctypes.byref(params)) == 0
+    with GGUFFile(ours) as a, GGUFFile(theirs) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for name, info in a.tensors.items():
+            assert info.type_name == b.tensors[name].type_name, name
+            assert bytes(a.tensor_bytes(name)) == bytes(b.tensor_bytes(name)), name

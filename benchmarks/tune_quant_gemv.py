@@ -64,7 +64,7 @@ PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
 }  # fmt: skip
 # Types the gemv_v2 path reads with float x, and with int8 x (gemv_v2.FLOAT_X_TYPES, V2_TYPES).
 FLOAT_X = ("Q4_K", "Q6_K", "Q8_0")
-INT8_X = FLOAT_X + ("Q5_K", "IQ4_NL", "IQ4_XS")
+INT8_X = FLOAT_X + ("Q5_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K")
 # Weight copies read per timed graph: together at least this many bytes, so L2 (50-60 MB) cannot hold them.
 STREAM_BYTES = 3 * 64 * 2**20
 MAX_COPIES = 32

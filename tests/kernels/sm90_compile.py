@@ -104,6 +104,9 @@ def _cases() -> dict[str, Callable[[], None]]:
     iq4 = [pack(random_quantized(QuantType.IQ4_XS, (E, I, H), "cpu")) for _ in range(2)]
     iq4_down = pack(random_quantized(QuantType.IQ4_NL, (E, H, I), "cpu"))
     iq4_rows = pack(random_quantized(QuantType.IQ4_XS, (64, H), "cpu"))
+    low_bits = [[pack(random_quantized(t, (E, I, H), "cpu")) for _ in range(2)] for t in (QuantType.Q3_K,
+                                                                                           QuantType.Q5_1)]
+    low_down = [pack(random_quantized(t, (E, H, I), "cpu")) for t in (QuantType.Q2_K, QuantType.Q4_0)]
     x64 = torch.randn(64, H, dtype=bf16)
     tables = ([expert_addresses(p) for p in q4], expert_addresses(q6_down))  # zero-copy offloading's address tables
     dense_rows = (w13.view(E, -1), w2.view(E, -1))
@@ -121,7 +124,9 @@ def _cases() -> dict[str, Callable[[], None]]:
             staged=StagedPairs(torch.zeros(ids1.numel(), dtype=torch.int32), lambda: None)),
         "decode attention, two launches": lambda: decode_attention_triton(q, k_cache, v_cache, slots, lens, 0.125,
                                                                           single_launch=False),
-        "quant MoE, decode, Q5_K gate/up and Q8_0 down (gemv path)": lambda: fused_moe_quant(x1, q5, q8_down, w1, ids1),
+        "quant MoE, decode, Q5_K gate/up and Q8_0 down (gemv path)": lambda: fused_moe_quant(
+            x1, q5, q8_down, w1, ids1, {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4,
+                                        "num_stages": 2, "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}),
         "quant MoE, decode, int8 x and intermediate": lambda: fused_moe_quant(
             x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": True}),
         "quant MoE, decode, x prepared": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_prep": True}),
@@ -137,11 +142,15 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant matmul, tile64 tiles": lambda: quant_matmul_triton(
             x64, [qk, v], config={"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
                                   "num_warps": 4, "num_stages": 3}),
-        "quant matmul, Q4_0 (gemv path)": lambda: quant_matmul_triton(x1, [q4_0]),
+        "quant matmul, Q4_0 (gemv path, and the int8 decode)": lambda: [quant_matmul_triton(
+            x1, [q4_0], config={"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}),
+            quant_matmul_triton(x1, [q4_0])],
         "quant MoE, IQ4_XS gate/up and IQ4_NL down: int8 decode, tile64 and two-plane tiles": lambda: [
             fused_moe_quant(x1, iq4, iq4_down, w1, ids1), fused_moe_quant(x64, iq4, iq4_down, w64, ids64),
             fused_moe_quant(x64, iq4, iq4_down, w64, ids64, {"path": "tile", "BLOCK_M": 64, "BLOCK_N": 64,
                                                              "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})],
+        "quant MoE, int8 decode of Q3_K / Q2_K and Q5_1 / Q4_0": lambda: [
+            fused_moe_quant(x1, gu, down, w1, ids1) for gu, down in zip(low_bits, low_down)],
         "quant matmul, IQ4_XS: int8 decode, tile64, and the gemv path": lambda: [
             quant_matmul_triton(x, [iq4_rows]) for x in (x1, x64)] + [quant_matmul_triton(
                 x1, [iq4_rows], config={"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4,

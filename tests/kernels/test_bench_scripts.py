@@ -37,7 +37,7 @@ def test_bench_moe_tiny(tmp_path) -> None:
     assert (tmp_path / "bench_moe.md").exists()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q3_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q3_K", "F16"])
 def test_quant_gemv_tuner_families(qtype) -> None:
     # each family tries what it names: "tiles" prefill tiles only, "x_q8" int8-x decode configs only (beside the
     # default and the shipped config), and no type gets a float-x config the kernels refuse for it
@@ -47,9 +47,9 @@ def test_quant_gemv_tuner_families(qtype) -> None:
     for family in ("x_q8", "all"):
         decode = candidates(qtype, 4608, 2048, 1, True, family)[1:]  # past the default
         v2 = [c for c in decode if c["path"] == "gemv_v2"]
-        if qtype in ("Q5_K", "IQ4_XS"):  # int8 x only
+        if qtype in ("Q5_K", "IQ4_XS", "Q3_K"):  # int8 x only
             assert v2 and all(c.get("x_q8") for c in v2)
         if family == "x_q8":
             assert all(c.get("x_q8") for c in v2) and all(c["path"] == "gemv_v2" for c in decode)
-    if qtype == "Q3_K":  # no gemv_v2 decode for it
+    if qtype == "F16":  # a float part: no gemv_v2 decode for it
         assert not [c for c in candidates(qtype, 4608, 2048, 1, True, "all") if c["path"] == "gemv_v2"]

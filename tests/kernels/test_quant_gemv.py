@@ -12,7 +12,7 @@ from helpers import check_graphed_moe
 
 pytest.importorskip("triton")
 
-from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.formats.quants import QuantizedTensor, QuantType  # noqa: E402
 from moerun.kernels.quant.configs import default_moe_config, normalize_config  # noqa: E402
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, chunking  # noqa: E402
@@ -124,8 +124,12 @@ def test_prepared_x_padded_rows(seed) -> None:
     check(seed, 3, 5, 96, 160, 3, QuantType.Q8_0, None, torch.float32, V2_PREP)
 
 
-def test_other_types_fall_back_to_gemv(seed) -> None:
-    check(seed, 2, 3, 256, 256, 2, QuantType.Q3_K, None, torch.bfloat16, V2)
+def test_int8_only_types_refuse_float_x(seed) -> None:
+    # Q3_K, like every type outside FLOAT_X_TYPES, is read with int8 x only (test_int8_dot.py checks its values): a
+    # float-x config is refused with the reason, the same config with int8 x runs
+    with pytest.raises(ValueError, match="Q3_K weights on the gemv_v2 path need int8 x"):
+        check(seed, 2, 3, 256, 256, 2, QuantType.Q3_K, None, torch.bfloat16, V2)
+    check(seed, 2, 3, 256, 256, 2, QuantType.Q3_K, None, torch.bfloat16, {**V2, "x_q8": True})
 
 
 def test_chunking_covers_every_group() -> None:
@@ -145,14 +149,15 @@ def test_chunking_covers_every_group() -> None:
 
 
 def test_decode_default_by_gate_type() -> None:
-    # On the GPU, decode takes gemv_v2 for the types it reads and the gemv path for the others.
-    for qtype, path in (("Q4_K", "gemv_v2"), ("Q5_K", "gemv_v2"), ("Q6_K", "gemv_v2"), ("Q8_0", "gemv_v2"),
-                        ("Q3_K", "gemv")):  # fmt: skip
-        assert default_moe_config(1, 8, interpret=False, qtype=qtype)["path"] == path
+    # On the GPU, decode takes gemv_v2 with int8 x for every packed type, the gemv path when the type is not given.
+    for qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q3_K", "Q2_K", "Q4_0", "Q5_1", "IQ4_XS"):
+        cfg = default_moe_config(1, 8, interpret=False, qtype=qtype)
+        assert cfg["path"] == "gemv_v2" and cfg["x_q8"], qtype
+    assert default_moe_config(1, 8, interpret=False)["path"] == "gemv"
     # up to 8 pairs a token's tiles; up to 64 (M = 8 at top-8) wider ones writing an int8 intermediate
     assert not default_moe_config(1, 8, interpret=False, qtype="Q5_K").get("inter_q8")
     assert default_moe_config(8, 8, interpret=False, qtype="Q5_K")["inter_q8"]
-    assert default_moe_config(8, 8, interpret=False, qtype="Q3_K")["path"] == "tile"
+    assert default_moe_config(8, 8, interpret=False, qtype="Q3_K")["inter_q8"]
     # beyond, prefill tiles: tile64 for the types it decodes
     assert default_moe_config(16, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
     assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
@@ -182,10 +187,11 @@ def test_matmul_v2_each_type(seed, qt, M, x_prep) -> None:
 
 
 def test_matmul_v2_parts_with_fallback_type(seed) -> None:
-    # q | k | v of three types: Q4_K and Q6_K on gemv_v2, Q5_0 on the gemv path, each into its own columns.
+    # q | k | v of three types: Q4_K and Q6_K on gemv_v2, an F16 part in torch, each into its own columns.
     K = 256
+    dense = torch.randn(16, K).half()
     parts = [random_quantized(QuantType.Q4_K, (64, K), DEVICE), random_quantized(QuantType.Q6_K, (16, K), DEVICE),
-             random_quantized(QuantType.Q5_0, (16, K), DEVICE)]  # fmt: skip
+             QuantizedTensor(dense.view(torch.uint8).reshape(-1), QuantType.F16, (16, K)).to(DEVICE)]  # fmt: skip
     w = QuantizedWeight(parts)
     x = torch.randn(2, K, device=DEVICE, dtype=torch.float32)
     out = quant_matmul_triton(x, packed_parts(w), config=MATMUL_V2)
@@ -217,13 +223,15 @@ def test_qwen3_30b_shape_cuda_graph(seed, qt, T, cfg) -> None:
 @pytest.mark.parametrize("x_q8", [False, True], ids=["x", "int8_x"])
 def test_matmul_v2_two_parts_in_one_launch(seed, monkeypatch, x_q8) -> None:
     # Consecutive parts of the types gemv_v2 reads (q|k Q4_K, v Q6_K) run as one launch, bit for bit the separate
-    # launches (MOERUN_QUANT_JOINT=0) under the same config; then Q8_0 alone, its successor Q5_0 being on the gemv
-    # path. N = 40 and 24 end inside a program's rows.
+    # launches (MOERUN_QUANT_JOINT=0) under the same config; then Q8_0 alone, its successor being an F16 part
+    # (torch). N = 40 and 24 end inside a program's rows.
     from moerun.kernels.quant import gemv_v2
 
     K = 512
+    dense = torch.randn(16, K).half()
     parts = [random_quantized(qt, (n, K), DEVICE) for qt, n in
-             ((QuantType.Q4_K, 48), (QuantType.Q6_K, 40), (QuantType.Q8_0, 24), (QuantType.Q5_0, 16))]  # fmt: skip
+             ((QuantType.Q4_K, 48), (QuantType.Q6_K, 40), (QuantType.Q8_0, 24))]  # fmt: skip
+    parts.append(QuantizedTensor(dense.view(torch.uint8).reshape(-1), QuantType.F16, (16, K)).to(DEVICE))
     packed = packed_parts(QuantizedWeight(parts))
     x = torch.randn(2, K, device=DEVICE).bfloat16()
     bias = torch.randn(sum(p.shape[0] for p in parts), device=DEVICE).bfloat16()

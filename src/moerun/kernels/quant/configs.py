@@ -32,8 +32,11 @@ from moerun.kernels.tile_configs import (
 
 
 PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile", "tile64")
-# gate types whose decode default is gemv_v2 with int8 x (gemv_v2.V2_TYPES) and prefill default tile64
-V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
+# Gate types whose decode default is gemv_v2 with int8 x (gemv_v2.V2_TYPES), and those whose prefill default is
+# tile64 (tile64.TILE64_TYPES).
+V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                    "Q3_K")
+TILE64_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
 
 
 def normalize_config(cfg: Config) -> Config:
@@ -110,7 +113,7 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
         # enough loads are in flight per SM; GEMM 2 takes a 768-long row (I) in one step.
         cfg = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2,
                "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}  # fmt: skip
-    elif qtype in V2_DEFAULT_TYPES:
+    elif qtype in TILE64_DEFAULT_TYPES:
         # Prefill of the types tile64 decodes: its fastest tiles in the H200 measurements of Q4_K_M, Q5_K_M, Q6_K
         # and Q8_0 layers at the 30B shape (blocks of 16 tokens at M <= 64, 32 at M <= 512, 128 above; 1.2-2.4x
         # faster than the tile path's defaults); a fixed summation order, as below.
@@ -208,7 +211,7 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None, qtype: 
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
-    if qtype in V2_DEFAULT_TYPES:  # tile64 decodes these (BLOCK_K stays for the tile path of other parts)
+    if qtype in TILE64_DEFAULT_TYPES:  # tile64 decodes these (BLOCK_K stays for the tile path of other parts)
         return {"path": "tile64", "BLOCK_K": 128, "num_stages": 3, **cfg}
     return {"path": "tile", "BLOCK_K": 128, "num_stages": 3, **cfg}
 

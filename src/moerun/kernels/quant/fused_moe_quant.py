@@ -6,8 +6,8 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
             [BLOCK_N, pairs, 32] weight tiles and FMAs them into an accumulator of that shape, reduced at the end.
   gemv_dot  decode, same grid, but the decoded [BLOCK_N, 32] planes go through tl.dot against the slot's
             activations padded to BLOCK_M columns: tensor cores take the multiply-adds off the FMA pipe.
-  gemv_v2   decode, Q4_K / Q5_K / Q6_K / Q8_0 (gemv_v2.py): int32 word loads, sub-block scales folded into per-group
-            sums, the k-slot sum inside GEMM 2; other types take the gemv path with the same config.
+  gemv_v2   decode, every packed type (gemv_v2.py; int8 x for those outside FLOAT_X_TYPES): int32 word loads,
+            sub-block scales folded into per-group sums, the k-slot sum inside GEMM 2.
   tile      prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
             that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
   dequant   prefill: the layer's experts decoded to the activation dtype in one launch per part
@@ -508,7 +508,7 @@ def fused_moe_quant(
     ``tables`` = (one [E, 4] int64 table per w13 part, one for w2): expert e's arrays are read at the addresses
     of row e (``expert_addresses``), which may lie in any allocation, device or pinned host memory (read over
     PCIe); w13 and w2 then only give the types, shapes and pointer types (any number of experts). The decode
-    paths run gemv_v2 (Q4_K / Q5_K / Q6_K / Q8_0) or gemv_dot, prefill the tile path. ``x_int8``: hidden already
+    paths run gemv_v2 or gemv_dot, prefill the tile path. ``x_int8``: hidden already
     rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)

@@ -1,5 +1,5 @@
-"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q5_K, Q6_K, Q8_0; IQ4_NL, IQ4_XS with int8 x): fewer
-instructions per weight, two launches, the k-slot sum inside GEMM 2.
+"""Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q6_K, Q8_0; with int8 x also Q5_K, Q4_0, Q4_1, Q5_0,
+Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS): fewer instructions per weight, two launches, the k-slot sum inside GEMM 2.
 
 Weights are read as int32 words, a "group" of contiguous words per thread and row: a Q4_K pair q (8 words:
 byte b of word j holds element 64q + 4j + b in its low nibble, 64q + 32 + 4j + b in its high nibble, see
@@ -46,9 +46,10 @@ from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quanti
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.tile_configs import Config
 
-V2_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS)
-# The float-x variant reads these; Q5_K and the IQ4 types take int8 x only (config key x_q8; as a down projection
-# GEMM 1 writes its intermediate as int8 for them, whatever inter_q8 says).
+V2_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS,
+            QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q2_K, QuantType.Q3_K)
+# The float-x variant reads these; the others take int8 x only (config key x_q8; as a down projection GEMM 1 writes
+# its intermediate as int8 for them, whatever inter_q8 says).
 FLOAT_X_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
 PartTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down: [E, 4] int64 array addresses
@@ -598,15 +599,16 @@ def _matmul_v2_kernel(
 
 
 def _check_int8_x(cfg: Config, *qtypes: QuantType) -> None:
-    """Raises unless cfg reads x as int8 where a type has no float-x variant (Q5_K, IQ4_NL, IQ4_XS)."""
+    """Raises unless cfg reads x as int8 where a type has no float-x variant (all but FLOAT_X_TYPES)."""
     for qt in qtypes:
         if qt not in FLOAT_X_TYPES and not cfg.get("x_q8"):
             raise ValueError(f"{qt.name} weights on the gemv_v2 path need int8 x: set the config key x_q8")
 
 
 def _words_per_group(qtype: QuantType) -> int:
-    """int32 words per group: a Q4_K, Q5_K or IQ4 pair (64 elements) or a Q8_0 block (32), half a Q6_K pair (32)."""
-    return 4 if qtype == QuantType.Q6_K else 8
+    """int32 words per group: a pair (64 elements) of the 4-bit types, a Q8_0 block (32), or half a pair (32) of
+    Q6_K, Q3_K and Q2_K, whose scales cover 16 elements."""
+    return 4 if qtype in (QuantType.Q6_K, QuantType.Q3_K, QuantType.Q2_K) else 8
 
 
 def _group_elems(qtype: QuantType) -> int:

@@ -22,19 +22,46 @@ def q4_k_scales(sub, scale, rows3, g3, KQ, ok3):
 
 
 @triton.jit
-def iq4_scales(QT: tl.constexpr, sub, scale, rows3, g3, KQ, ok3):
-    """IQ4_NL (QT 20) / IQ4_XS (23) pair g: the float32 scale of its plane-0 and plane-1 32-element blocks
-    [R0, R1, G] (IQ4_XS: d times the signed sub-block scale, rounded once as the GGUF decoder rounds it)."""
-    if QT == 20:  # fp16 d per 32 elements, two a pair
+def block32_scales(QT: tl.constexpr, scale, rows3, g3, KQ, ok3):
+    """Pair g of a type with a scale per 32-element block (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, IQ4_NL 20): (d0, m0, d1,
+    m1) of its plane-0 and plane-1 blocks as float32 [R0, R1, G]; m is the fp16 offset of Q4_1 / Q5_1, else 0."""
+    if QT == 3 or QT == 7:  # (d, m) per block
+        sp = scale + (rows3 * (KQ * 2) + 2 * g3) * 2
+        d0 = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
+        m0 = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
+        d1 = tl.load(sp + 2, mask=ok3, other=0.0).to(tl.float32)
+        m1 = tl.load(sp + 3, mask=ok3, other=0.0).to(tl.float32)
+    else:  # d per block
         sp = scale + rows3 * (KQ * 2) + 2 * g3
         d0 = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
         d1 = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
-    else:  # signed bytes (sc 2g, sc 2g + 1, 0, 0), fp16 d per 256 elements
-        sw = tl.load(sub + rows3 * KQ + g3, mask=ok3, other=0)
-        d = tl.load(scale + rows3 * (KQ // 4) + g3 // 4, mask=ok3, other=0.0).to(tl.float32)
-        d0 = d * ((sw << 24) >> 24).to(tl.float32)
-        d1 = d * ((sw << 16) >> 24).to(tl.float32)
-    return d0, d1
+        m0 = tl.zeros_like(d0)
+        m1 = m0
+    return d0, m0, d1, m1
+
+
+@triton.jit
+def iq4_xs_scales(sub, scale, rows3, g3, KQ, ok3):
+    """IQ4_XS pair g: the float32 scale of its plane-0 and plane-1 32-element sub-blocks [R0, R1, G]: d times the
+    signed sub-block scale, rounded once as the GGUF decoder rounds it."""
+    sw = tl.load(sub + rows3 * KQ + g3, mask=ok3, other=0)  # signed bytes (sc 2g, sc 2g + 1, 0, 0)
+    d = tl.load(scale + rows3 * (KQ // 4) + g3 // 4, mask=ok3, other=0.0).to(tl.float32)  # fp16 d per 256
+    return d * ((sw << 24) >> 24).to(tl.float32), d * ((sw << 16) >> 24).to(tl.float32)
+
+
+@triton.jit
+def q2_k_scales(sub, scale, rows3, g3, KQ, ok3):
+    """Q2_K group g = half h = g % 2 of pair g // 2: (d, dmin, scale and min of its plane-0 and plane-1
+    16-element sub-blocks) as float32 [R0, R1, G]; the sub-block bytes are (min << 4) | scale."""
+    sw = tl.load(sub + rows3 * KQ + g3 // 2, mask=ok3, other=0)  # [R0, R1, G]
+    h3 = g3 % 2
+    b0 = (sw >> (8 * h3)) & 0xFF  # sub-block h
+    b1 = (sw >> (16 + 8 * h3)) & 0xFF  # sub-block 2 + h
+    sp = scale + (rows3 * (KQ // 4) + g3 // 8) * 2  # d, dmin per 256 elements
+    d = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
+    dmin = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
+    return d, dmin, (b0 & 15).to(tl.float32), (b1 & 15).to(tl.float32), (b0 >> 4).to(tl.float32), \
+        (b1 >> 4).to(tl.float32)
 
 
 @triton.jit
@@ -47,6 +74,24 @@ def q6_k_scales(sub, scale, rows3, g3, KQ, ok3):
     sc1 = ((sw << (8 - 8 * h3)) >> 24).to(tl.float32)  # byte 2 + h
     d = tl.load(scale + rows3 * (KQ // 4) + g3 // 8, mask=ok3, other=0.0).to(tl.float32)
     return d, sc0, sc1
+
+
+@triton.jit
+def q3_k_codes(QT: tl.constexpr, codes, high, rows4, g4, j4, KQ, ok4):
+    """Q2_K (QT 10) / Q3_K (11) group g's code words [R0, R1, G, 4], the 2-bit codes (and Q3_K's third bit) of its
+    plane-0 and plane-1 16-element halves as bytes: (plane-0 codes, plane-1 codes), four a word."""
+    q4 = g4 // 2
+    # Element 64q + 32p + 16h + 4j + b: byte 32 (q // 2) + 16h + 4j + b of the codes at bits 2 (2 (q % 2) + p)
+    w = tl.load(codes + rows4 * (KQ * 4) + (q4 // 2) * 8 + (g4 % 2) * 4 + j4, mask=ok4, other=0)
+    s = 4 * (q4 % 2)
+    c0 = (w >> s) & 0x03030303
+    c1 = (w >> (s + 2)) & 0x03030303
+    if QT == 11:  # the third bit: byte 32 (q // 4) + 16h + 4j + b of the high array, bit 2 (q % 4) + p
+        hw = tl.load(high + rows4 * (KQ * 2) + (q4 // 4) * 8 + (g4 % 2) * 4 + j4, mask=ok4, other=0)
+        t = 2 * (q4 % 4)
+        c0 = c0 | (((hw >> t) & 0x01010101) << 2)
+        c1 = c1 | (((hw >> (t + 1)) & 0x01010101) << 2)
+    return c0, c1
 
 
 @triton.jit

@@ -12,6 +12,9 @@ costs two logic operations and two dp4a; an IQ4_NL / IQ4_XS word's codes become 
 byte permutes first (iq4_levels.py). Sub-block scales are applied per group as in gemv_v2:
   Q4_K  d sc dx sum(c xq) - dmin mn X      Q6_K  d sc (dx sum(c xq) - 32 X)      Q8_0  d dx sum((c - 128) xq)
   IQ4_NL  d dx sum(level(c) xq)            IQ4_XS  (d sc) dx sum(level(c) xq)
+  Q4_0 / Q5_0  d (dx sum(c xq) - 8 / 16 X)  Q4_1 / Q5_1  d dx sum(c xq) + m X
+  Q3_K  d sc (dx sum(c xq) - 4 X)           Q2_K  d sc dx sum(c xq) - dmin mn X
+(X the sum of x^ over the elements a scale covers: 16 for Q6_K, Q3_K and Q2_K, 32 for the others).
 The kernels compute W x^ exactly (to float32 rounding): it differs from W x by x's rounding to int8, at most half
 a step of its block's scale per element, which is what llama.cpp's CUDA decode computes too (q8_1 activations).
 In Triton's interpreter, and on GPUs other than NVIDIA's (whose PTX this inline assembly is), dp4a is emulated
@@ -28,7 +31,9 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
-from moerun.kernels.quant.group_scales import iq4_scales, q4_k_scales, q6_k_codes, q6_k_scales
+from moerun.kernels.quant.group_scales import (
+    block32_scales, iq4_xs_scales, q2_k_scales, q3_k_codes, q4_k_scales, q6_k_codes, q6_k_scales,
+)
 from moerun.kernels.quant.iq4_levels import iq4_levels
 
 X_BLOCK = 32  # x values per int8 scale
@@ -142,14 +147,14 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
         db = da
         X0 = da
         X1 = da
-    elif (QT == 12 or QT == 13) or (QT == 20 or QT == 23):  # Q4_K, Q5_K, IQ4 pair g: plane p elements 64g + 32p
-        xa = tl.load(xq_row + 16 * g4 + j4)  # + 4j + b
+    elif not ((QT == 14 or QT == 10) or QT == 11):  # a pair g (8 words): plane p holds elements 64g + 32p + 4j + b
+        xa = tl.load(xq_row + 16 * g4 + j4)
         xb = tl.load(xq_row + 16 * g4 + 8 + j4)
         da = tl.load(dx_row + 2 * g3)
         db = tl.load(dx_row + 2 * g3 + 1)
         X0 = tl.load(xs_row + 4 * g3) + tl.load(xs_row + 4 * g3 + 1)
         X1 = tl.load(xs_row + 4 * g3 + 2) + tl.load(xs_row + 4 * g3 + 3)
-    else:  # Q6_K group (q, h) = (g // 2, g % 2): plane p holds elements 64q + 32p + 16h + 4j + b
+    else:  # Q6_K, Q3_K, Q2_K group (q, h) = (g // 2, g % 2): plane p holds elements 64q + 32p + 16h + 4j + b
         first = 16 * (g4 // 2) + 4 * (g4 % 2)
         xa = tl.load(xq_row + first + j4)
         xb = tl.load(xq_row + first + 8 + j4)
@@ -164,8 +169,8 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
 @triton.jit
 def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3, xa, xb, da, db, X0,
            X1, EMULATE_DP4A: tl.constexpr):  # fmt: skip
-    """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32 (Q4_K, Q5_K,
-    Q6_K, Q8_0, IQ4_NL, IQ4_XS). Arguments as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4
+    """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32 (every packed
+    type: gemv_v2.V2_TYPES). Arguments as gemv_v2._v2_dot's: rows4 / rows3 row indices, g4 / g3 groups, j4
     words, ok4 / ok3 row masks."""
     if QT == 8:  # Q8_0: codes c + 128; xor 0x80 per byte gives c as a signed byte
         w = tl.load(codes + rows4 * (KQ * 16) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8]
@@ -192,15 +197,43 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         l0, l1 = iq4_levels(w, False, EMULATE_DP4A)  # signed levels, four a word
         i0 = tl.sum(dp4a(l0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         i1 = tl.sum(dp4a(l1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
-        d0, d1 = iq4_scales(QT, sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        if QT == 20:
+            d0, _, d1, _ = block32_scales(QT, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        else:
+            d0, d1 = iq4_xs_scales(sub, scale, rows3, g3, KQ, ok3)
         part = d0 * da * i0.to(tl.float32) + d1 * db * i1.to(tl.float32)
-    else:  # Q6_K half pair (4 words): high bits merged into each code byte, as gemv_v2 does
-        tl.static_assert(QT == 14, "q8_dot reads Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS")
-        c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
-        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
-        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), EMULATE_DP4A), axis=3)
-        d, sc0, sc1 = q6_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
-        part = d * (sc0 * (da * i0.to(tl.float32) - 32.0 * X0) + sc1 * (db * i1.to(tl.float32) - 32.0 * X1))
+    elif (QT == 2 or QT == 3) or (QT == 6 or QT == 7):  # Q4_0, Q4_1, Q5_0, Q5_1 pair: 32-element blocks 2g, 2g + 1
+        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+        c0 = w & 0x0F0F0F0F
+        c1 = (w >> 4) & 0x0F0F0F0F
+        if QT == 6 or QT == 7:  # the fifth bits, laid out as Q5_K's
+            hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
+            s = 2 * (g4 % 4)
+            c0 = c0 | (((hw >> s) & 0x01010101) << 4)
+            c1 = c1 | (((hw >> (s + 1)) & 0x01010101) << 4)
+        i0 = da * tl.sum(dp4a(c0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3).to(tl.float32)  # [R0, R1, G]
+        i1 = db * tl.sum(dp4a(c1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3).to(tl.float32)
+        d0, m0, d1, m1 = block32_scales(QT, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+        if QT == 3 or QT == 7:  # c d + m
+            part = d0 * i0 + m0 * X0 + d1 * i1 + m1 * X1
+        else:  # (c - 8) d, (c - 16) d
+            bias = 8.0 if QT == 2 else 16.0
+            part = d0 * (i0 - bias * X0) + d1 * (i1 - bias * X1)
+    else:  # Q6_K, Q3_K, Q2_K half pair (4 words): codes of 16-element sub-blocks, high bits merged into each byte
+        tl.static_assert((QT == 14 or QT == 10) or QT == 11, "q8_dot: a type without an int8-x decode")
+        if QT == 14:
+            c0, c1 = q6_k_codes(codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 4] int32 each
+        else:
+            c0, c1 = q3_k_codes(QT, codes, high, rows4, g4, j4, KQ, ok4)
+        i0 = da * tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), EMULATE_DP4A), axis=3).to(tl.float32)  # [R0, R1, G]
+        i1 = db * tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), EMULATE_DP4A), axis=3).to(tl.float32)
+        if QT == 10:  # Q2_K: c (d sc) - dmin mn
+            d, dmin, sc0, sc1, mn0, mn1 = q2_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+            part = d * (sc0 * i0 + sc1 * i1) - dmin * (mn0 * X0 + mn1 * X1)
+        else:  # Q6_K, Q3_K: (c - bias)(d sc), bias 32 / 4
+            bias = 32.0 if QT == 14 else 4.0
+            d, sc0, sc1 = q6_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+            part = d * (sc0 * (i0 - bias * X0) + sc1 * (i1 - bias * X1))
     return tl.sum(part, axis=2)
 
 

@@ -3,12 +3,12 @@
 Three paths, by config:
   gemv     few rows of x: one program per (N-tile, row of x) streams its weight rows once, FMAs into a
            [BLOCK_N, pairs, 32] accumulator (decode.py's 3-D form) and reduces at the end.
-  gemv_v2  the same grid with gemv_v2.py's word loads and per-group scales (Q4_K, Q5_K, Q6_K, Q8_0; other types take
-           the gemv path with the same blocks).
+  gemv_v2  the same grid with gemv_v2.py's word loads and per-group scales (every packed type, int8 x for those
+           outside FLOAT_X_TYPES; float parts take torch).
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.
   tile64   the same grid, one 64-input pair decoded and multiplied a step, every load issued ahead by Triton's
-           pipeliner (tile64.py; Q4_K, Q5_K, Q6_K, Q8_0, other types take the tile path with the same blocks).
+           pipeliner (tile64.py: Q4_K, Q5_K, Q6_K, Q8_0, IQ4; other types take the tile path, same blocks).
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
 output columns; parts that are float types use torch. Two consecutive gemv_v2 parts (q|k Q4_K and v Q6_K in a
 Q4_K_M file) share one launch under the first one's config (``MOERUN_QUANT_JOINT=0``: one launch each; a Q4_K_M

@@ -48,8 +48,8 @@ from moerun.ops.moe_reference import route_reference  # noqa: E402
 from moerun.ops.quant import packed_parts  # noqa: E402
 
 DEFAULT_MS = tuple(2**i for i in range(13))  # 1 .. 4096
-# Pseudo-types for mixed layers: (gate, up, down).
-MIXES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q5_K", "Q6_K")}
+# Pseudo-types for mixed layers: (gate, up, down), as most layers of those files hold them.
+MIXES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q5_K", "Q6_K"), "Q3_K_M": ("Q3_K", "Q3_K", "Q4_K")}
 L2_BYTES = 60e6
 
 

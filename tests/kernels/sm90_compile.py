@@ -149,8 +149,9 @@ def _cases() -> dict[str, Callable[[], None]]:
             fused_moe_quant(x1, iq4, iq4_down, w1, ids1), fused_moe_quant(x64, iq4, iq4_down, w64, ids64),
             fused_moe_quant(x64, iq4, iq4_down, w64, ids64, {"path": "tile", "BLOCK_M": 64, "BLOCK_N": 64,
                                                              "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})],
-        "quant MoE, int8 decode of Q3_K / Q2_K and Q5_1 / Q4_0": lambda: [
-            fused_moe_quant(x1, gu, down, w1, ids1) for gu, down in zip(low_bits, low_down)],
+        "quant MoE, int8 decode and tile64 of Q3_K / Q2_K and Q5_1 / Q4_0": lambda: [
+            fused_moe_quant(x, gu, down, w, ids) for gu, down in zip(low_bits, low_down)
+            for x, w, ids in ((x1, w1, ids1), (x64, w64, ids64))],
         "quant matmul, IQ4_XS: int8 decode, tile64, and the gemv path": lambda: [
             quant_matmul_triton(x, [iq4_rows]) for x in (x1, x64)] + [quant_matmul_triton(
                 x1, [iq4_rows], config={"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4,

@@ -161,7 +161,8 @@ def test_decode_default_by_gate_type() -> None:
     # beyond, prefill tiles: tile64 for the types it decodes
     assert default_moe_config(16, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
     assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
-    assert default_moe_config(512, 8, interpret=False, qtype="Q3_K")["path"] == "tile"
+    assert default_moe_config(512, 8, interpret=False, qtype="Q3_K")["path"] == "tile64"
+    assert default_moe_config(512, 8, interpret=False)["path"] == "tile"
 
 
 # ----------------------------------------------------------------------------------------------- matmul

@@ -101,11 +101,10 @@ def test_activation_dtypes(seed, dtype, path) -> None:
     assert_matches(seed, out, reference(x, t.dequantize()), dtype, str(dtype))
 
 
-@pytest.mark.parametrize("qt", [QuantType.Q8_0, QuantType.Q6_K, QuantType.Q4_K, QuantType.IQ4_NL, QuantType.IQ4_XS],
-                         ids=lambda t: t.name)  # fmt: skip
+@pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
 def test_tile64_decode_rounds_once(seed, qt) -> None:
-    # tile64 decodes a value as f s - offset in one FMA (exact for Q8_0 and Q6_K; the IQ4 level exactly, then one
-    # product): in float32 it stays at float32 accuracy against a float64 reference, in the interpreter too, where
+    # tile64 decodes a value as f s - offset in one FMA (exact for Q8_0, Q6_K, Q3_K, Q4_0, Q5_0; the IQ4 level
+    # exactly, then one product; for the others the offset rounded once): in float32 it stays at float32 accuracy against a float64 reference, in the interpreter too, where
     # a product rounded before the offset cancels it would lose about 6 bits of a Q8_0 value
     t = random_quantized(qt, (64, 256), DEVICE)
     x = torch.randn(16, 256, device=DEVICE)
@@ -156,7 +155,8 @@ def test_default_config_paths() -> None:
     assert default_matmul_config(1, 4096, interpret=False, qtype="Q4_K")["x_q8"]
     assert default_matmul_config(1, 4096, interpret=False, qtype="Q5_K")["x_q8"]
     assert default_matmul_config(512, 4096, interpret=False, qtype="Q4_K")["path"] == "tile64"
-    assert default_matmul_config(512, 4096, interpret=False, qtype="Q3_K")["path"] == "tile"
+    assert default_matmul_config(512, 4096, interpret=False, qtype="Q3_K")["path"] == "tile64"
+    assert default_matmul_config(512, 4096, interpret=False)["path"] == "tile"
 
 
 def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:

@@ -33,10 +33,10 @@ from moerun.kernels.tile_configs import (
 
 PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile", "tile64")
 # Gate types whose decode default is gemv_v2 with int8 x (gemv_v2.V2_TYPES), and those whose prefill default is
-# tile64 (tile64.TILE64_TYPES).
+# tile64 (tile64.TILE64_TYPES): every packed type.
 V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                     "Q3_K")
-TILE64_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
+TILE64_DEFAULT_TYPES = V2_DEFAULT_TYPES
 
 
 def normalize_config(cfg: Config) -> Config:

@@ -1,9 +1,9 @@
-"""The in-register decode of the "tile64" prefill step: a whole pair (64 inputs) of a Q4_K, Q5_K, Q6_K, Q8_0,
-IQ4_NL or IQ4_XS weight a step, for the tile kernels of fused_moe_quant.py and matmul_quant.py (their constexpr PAIR64).
+"""The in-register decode of the "tile64" prefill step: a whole pair (64 inputs) of a weight of any packed type
+(repack.py) a step, for the tile kernels of fused_moe_quant.py and matmul_quant.py (their constexpr PAIR64).
 
 Their other step decodes a pair as two [BLOCK_N, 32] planes (decode.dequant_pair), each multiplied in its own
 32-deep tl.dot; compiled for sm_90 each of those dots waits for the one before it. decode_pair64 reads a pair's code
-bytes as int32 words (8 words of a row for the 4-bit types), masks the nibbles and top bits four elements an
+bytes as int32 words (8 words of a row a plane), masks the nibbles and top bits four elements an
 instruction, turns each byte into a float with one PRMT on the GPU (0.5 + byte / 256: the byte under the exponent
 bits of 0.5), scales and offsets it with one FMA, and joins the two planes' [BLOCK_N, 8, 4] (word, byte) tiles
 into element order, so the [BLOCK_N, 64] tile enters one tl.dot as the left operand (out^T = W x^T).
@@ -19,9 +19,9 @@ decode: on an H200 the Q4_K_M layer is 10% faster at M = 1024 and 2048. The same
 runs at the bf16 kernel's speed (benchmarks/RESULTS.md): what remains is the decode's integer and float work.
 
 Placing the code at 0.5 + c / 256 rather than 2^23 + c lets the offset fold into the FMA's addend (at 2^23 the
-addend would round away the code's bits): one float instruction a value fewer. This is exact for Q6_K and Q8_0.
-For Q4_K and Q5_K the addend 128 s + m is rounded once, by half its float32 ulp: 2^-17 s where the scale's term
-leads, about one float32 rounding of the value where the minimum's does.
+addend would round away the code's bits): one float instruction a value fewer. This is exact for Q6_K, Q8_0, Q3_K,
+Q4_0 and Q5_0. For Q4_K, Q5_K, Q2_K, Q4_1 and Q5_1 the addend 128 s + m (128 d - m) is rounded once, by half its
+float32 ulp: 2^-17 s where the scale's term leads, about one float32 rounding of the value where the minimum's does.
 
 IQ4_NL and IQ4_XS codes become their levels + 128 by byte permutes (iq4_levels.py), then the level itself by one
 exact FMA (f 2^16 - 32896) and the value by one product with the plane's scale, as the GGUF decoder rounds it.
@@ -35,7 +35,8 @@ import triton.language as tl
 from moerun.formats.quants import QuantType
 from moerun.kernels.quant.iq4_levels import iq4_levels
 
-TILE64_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS)
+TILE64_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS,
+                QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q2_K, QuantType.Q3_K)
 
 
 def tile64_supported(*qtypes: QuantType) -> bool:
@@ -124,6 +125,58 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
         # level = f 2^16 - (2^15 + 128) for f = 0.5 + (level + 128) / 2^16: exact, then one rounding times d
         v0 = (_bytes_float(u0, b, 8, INTERPRET) * 65536.0 - 32896.0) * d0  # [BN, 8, 4]
         v1 = (_bytes_float(u1, b, 8, INTERPRET) * 65536.0 - 32896.0) * d1
+    elif (QTYPE == 2 or QTYPE == 3) or (QTYPE == 6 or QTYPE == 7):  # Q4_0, Q4_1, Q5_0, Q5_1: blocks 2q, 2q + 1
+        cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
+        lo = cw & 0x0F0F0F0F
+        hi = (cw >> 4) & 0x0F0F0F0F
+        if QTYPE == 6 or QTYPE == 7:  # fifth bits, laid out as Q5_K's
+            hw = tl.load(high.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 2) + (q // 4) * 8 + wi) >> ((q % 4) * 2)
+            lo = lo | ((hw & 0x01010101) << 4)
+            hi = hi | ((hw & 0x02020202) << 3)
+        if QTYPE == 3 or QTYPE == 7:  # c d + m = f 256 d - (128 d - m): the addend rounded once, as Q4_K's
+            dm0 = tl.load(words + rows3 * (KQ * 2) + 2 * q)  # [BN, 1, 1] d | m << 16 of block 2q
+            dm1 = tl.load(words + rows3 * (KQ * 2) + 2 * q + 1)
+            d0 = _half(dm0, 0)
+            d1 = _half(dm1, 0)
+            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * d0, 128.0 * d0 - _half(dm0, 1), INTERPRET)
+            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * d1, 128.0 * d1 - _half(dm1, 1), INTERPRET)
+        else:  # (c - 8) d = f 256 d - 136 d, (c - 16) d = f 256 d - 144 d: exact in one FMA
+            dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1] d of blocks 2q, 2q + 1
+            d0 = _half(dd, 0)
+            d1 = _half(dd, 1)
+            offset = 136.0 if QTYPE == 2 else 144.0
+            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * d0, offset * d0, INTERPRET)
+            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * d1, offset * d1, INTERPRET)
+    elif QTYPE == 10 or QTYPE == 11:  # Q2_K, Q3_K: 2-bit codes, byte 32(q // 2) + l at bits 4(q % 2) + 2p
+        cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 4) + (q // 2) * 8 + wi) >> ((q % 2) * 4)
+        lo = cw & 0x03030303
+        hi = (cw >> 2) & 0x03030303
+        w = tl.load(sub + rows3 * KQ + q)  # [BN, 1, 1] the bytes of 16-element sub-blocks 2p + i // 4
+        first = wi < 4
+        if QTYPE == 11:  # Q3_K: third bits, byte 32(q // 4) + l of `high`, bit 2(q % 4) + p; (c - 4)(d sc)
+            hw = tl.load(high.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 2) + (q // 4) * 8 + wi) >> ((q % 4) * 2)
+            lo = lo | ((hw & 0x01010101) << 2)
+            hi = hi | ((hw & 0x02020202) << 1)
+            idx = rows3 * (KQ // 4) + q // 4  # fp16 d of the super-block
+            d = _half(tl.load(words + idx // 2), idx % 2)  # [BN, 1, 1]
+            ws = w ^ -2139062144  # 0x80808080: the signed scale + 128
+            dl0 = tl.where(first, d * (_byte(ws, 0) - 128.0), d * (_byte(ws, 1) - 128.0))  # [BN, 8, 1]
+            dl1 = tl.where(first, d * (_byte(ws, 2) - 128.0), d * (_byte(ws, 3) - 128.0))
+            # (c - 4) dl = f 256 dl - 132 dl for f = 0.5 + c / 256; 132 dl is exact in float32
+            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * dl0, 132.0 * dl0, INTERPRET)
+            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * dl1, 132.0 * dl1, INTERPRET)
+        else:  # Q2_K: c (d sc) - dmin mn, bytes (mn << 4) | sc; the addend rounded once, as Q4_K's
+            dd = tl.load(words + rows3 * (KQ // 4) + q // 4)  # [BN, 1, 1] d | dmin << 16
+            d = _half(dd, 0)
+            dmin = _half(dd, 1)
+            b0 = tl.where(first, w & 0xFF, (w >> 8) & 0xFF)  # [BN, 8, 1] sub-block byte of plane 0
+            b1 = tl.where(first, (w >> 16) & 0xFF, (w >> 24) & 0xFF)
+            s0 = d * (b0 & 15).to(tl.float32)
+            s1 = d * (b1 & 15).to(tl.float32)
+            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * s0, 128.0 * s0 + dmin * (b0 >> 4).to(tl.float32),
+                         INTERPRET)  # fmt: skip
+            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * s1, 128.0 * s1 + dmin * (b1 >> 4).to(tl.float32),
+                         INTERPRET)  # fmt: skip
     else:
         # Nibbles and top bits are masked in whole words (four elements an instruction), then split into bytes.
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]

@@ -104,8 +104,9 @@ def test_activation_dtypes(seed, dtype, path) -> None:
 @pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
 def test_tile64_decode_rounds_once(seed, qt) -> None:
     # tile64 decodes a value as f s - offset in one FMA (exact for Q8_0, Q6_K, Q3_K, Q4_0, Q5_0; the IQ4 level
-    # exactly, then one product; for the others the offset rounded once): in float32 it stays at float32 accuracy against a float64 reference, in the interpreter too, where
-    # a product rounded before the offset cancels it would lose about 6 bits of a Q8_0 value
+    # exactly, then one product; for the others the offset rounded once): in float32 it stays at float32 accuracy
+    # against a float64 reference, in the interpreter too, where a product rounded before the offset cancels it
+    # would lose about 6 bits of a Q8_0 value
     t = random_quantized(qt, (64, 256), DEVICE)
     x = torch.randn(16, 256, device=DEVICE)
     out = quant_matmul_triton(x, pack(t), config=CONFIGS["tile64"])

@@ -47,13 +47,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (name, type, N, K) of the quantized parts of a decode step. Qwen3-30B-A3B in llama.cpp's Q4_K_M mix: q|k in
 # Q4_K; v in Q6_K on the layers that get more bits (else Q4_K, merged into q|k|v); o_proj in Q4_K; lm_head Q6_K.
 # Q5_K_M is the same mix with Q5_K in place of Q4_K; Qwen3-235B-A22B has hidden 4096 and 64 query heads. IQ4_XS:
-# q|k and o_proj in IQ4_XS, v in Q5_K (n_head / n_head_kv >= 4), lm_head Q6_K.
+# q|k and o_proj in IQ4_XS, v in Q5_K (n_head / n_head_kv >= 4), lm_head Q6_K. Q3_K_M (the mix that fits the 235B
+# model on one H200): q|k in Q3_K, v (Q4_K after the first two layers) and o_proj in Q4_K, lm_head Q6_K.
 PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
     "qwen3-30b-a3b-q4_k_m": [("q|k", "Q4_K", 4608, 2048), ("q|k|v", "Q4_K", 5120, 2048), ("v", "Q6_K", 512, 2048),
                              ("o_proj", "Q4_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
     "qwen3-30b-a3b-q5_k_m": [("q|k", "Q5_K", 4608, 2048), ("q|k|v", "Q5_K", 5120, 2048), ("v", "Q6_K", 512, 2048),
                              ("o_proj", "Q5_K", 2048, 4096), ("lm_head", "Q6_K", 151936, 2048)],
     "qwen3-235b-a22b-q4_k_m": [("q|k", "Q4_K", 8704, 4096), ("q|k|v", "Q4_K", 9216, 4096), ("v", "Q6_K", 512, 4096),
+                               ("o_proj", "Q4_K", 4096, 8192), ("lm_head", "Q6_K", 151936, 4096)],
+    "qwen3-30b-a3b-q3_k_m": [("q|k", "Q3_K", 4608, 2048), ("v", "Q4_K", 512, 2048), ("o_proj", "Q4_K", 2048, 4096),
+                             ("lm_head", "Q6_K", 151936, 2048)],
+    "qwen3-235b-a22b-q3_k_m": [("q|k", "Q3_K", 8704, 4096), ("v", "Q4_K", 512, 4096),
                                ("o_proj", "Q4_K", 4096, 8192), ("lm_head", "Q6_K", 151936, 4096)],
     "qwen3-30b-a3b-iq4_xs": [("q|k", "IQ4_XS", 4608, 2048), ("v", "Q5_K", 512, 2048), ("o_proj", "IQ4_XS", 2048, 4096),
                              ("lm_head", "Q6_K", 151936, 2048)],

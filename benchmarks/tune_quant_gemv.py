@@ -37,6 +37,7 @@ from moerun.kernels.quant.configs import (
     matmul_key,
     matmul_table_path,
 )
+from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, V2_TYPES
 from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 from moerun.kernels.quant.repack import pack
 from moerun.kernels.quant.synthetic import random_quantized
@@ -67,9 +68,9 @@ PRESETS: dict[str, list[tuple[str, str, int, int]]] = {
     "qwen3-30b-a3b-q6_k": [("q|k|v", "Q6_K", 5120, 2048), ("o_proj", "Q6_K", 2048, 4096),
                            ("lm_head", "Q6_K", 151936, 2048)],
 }  # fmt: skip
-# Types the gemv_v2 path reads with float x, and with int8 x (gemv_v2.FLOAT_X_TYPES, V2_TYPES).
-FLOAT_X = ("Q4_K", "Q6_K", "Q8_0")
-INT8_X = FLOAT_X + ("Q5_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K")
+# Types the gemv_v2 path reads with float x, and with int8 x.
+FLOAT_X = tuple(t.name for t in FLOAT_X_TYPES)
+INT8_X = tuple(t.name for t in V2_TYPES)
 # Weight copies read per timed graph: together at least this many bytes, so L2 (50-60 MB) cannot hold them.
 STREAM_BYTES = 3 * 64 * 2**20
 MAX_COPIES = 32

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.quant.repack import PACKED_TYPES
 from moerun.kernels.tile_configs import (
     CONFIG_DIR,
     Config,
@@ -32,11 +33,8 @@ from moerun.kernels.tile_configs import (
 
 
 PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile", "tile64")
-# Gate types whose decode default is gemv_v2 with int8 x (gemv_v2.V2_TYPES), and those whose prefill default is
-# tile64 (tile64.TILE64_TYPES): every packed type.
-V2_DEFAULT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
-                    "Q3_K")
-TILE64_DEFAULT_TYPES = V2_DEFAULT_TYPES
+# Gate types whose decode default is gemv_v2 with int8 x and whose prefill default is tile64: every packed type.
+PACKED_TYPE_NAMES = tuple(t.name for t in PACKED_TYPES)
 
 
 def normalize_config(cfg: Config) -> Config:
@@ -94,14 +92,14 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
         if pairs <= 16:
             return normalize_config({"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "sum"})
         return normalize_config({"path": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "reduce": "atomic"})
-    if pairs <= 8 and qtype in V2_DEFAULT_TYPES:
+    if pairs <= 8 and qtype in PACKED_TYPE_NAMES:
         # Decode, gemv_v2 with x rounded to int8 (dp4a): GEMM 1 at one token is 384 programs of (slot, 16 rows);
         # GEMM 2 256 programs of (token, 8 rows x 8 slots), the slot sum inside. Every H200 table tuned so far
         # (Q4_K_M, Q6_K, Q8_0 at the 30B shape, Q4_K_M at the 235B shape) picked int8 x at M = 1, 1.3-1.6x
         # faster than float x with these tiles.
         cfg: Config = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1,
                        "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1, "x_q8": True}  # fmt: skip
-    elif pairs <= 64 and qtype in V2_DEFAULT_TYPES:
+    elif pairs <= 64 and qtype in PACKED_TYPE_NAMES:
         # A few tokens: three of those four tables picked this tile at M = 4 and 8 (GEMM 1 writing its output as
         # int8 for GEMM 2), the fourth (Q6_K) int8 x with a float intermediate; at M = 8 they ran 1.5-2.1x faster
         # than the tile path, the default there before.
@@ -113,7 +111,7 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
         # enough loads are in flight per SM; GEMM 2 takes a 768-long row (I) in one step.
         cfg = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2,
                "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}  # fmt: skip
-    elif qtype in TILE64_DEFAULT_TYPES:
+    elif qtype in PACKED_TYPE_NAMES:
         # Prefill of the types tile64 decodes: its fastest tiles in the H200 measurements of Q4_K_M, Q5_K_M, Q6_K
         # and Q8_0 layers at the 30B shape (blocks of 16 tokens at M <= 64, 32 at M <= 512, 128 above; 1.2-2.4x
         # faster than the tile path's defaults); a fixed summation order, as below.
@@ -200,7 +198,7 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None, qtype: 
         return {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 1}  # fmt: skip
     if m <= 4:
-        if qtype in V2_DEFAULT_TYPES:
+        if qtype in PACKED_TYPE_NAMES:
             return dict(MATMUL_V2_DECODE)
         return {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
     if m <= 16:
@@ -211,7 +209,7 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None, qtype: 
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
-    if qtype in TILE64_DEFAULT_TYPES:  # tile64 decodes these (BLOCK_K stays for the tile path of other parts)
+    if qtype in PACKED_TYPE_NAMES:  # tile64 decodes these (BLOCK_K stays for the tile path of other parts)
         return {"path": "tile64", "BLOCK_K": 128, "num_stages": 3, **cfg}
     return {"path": "tile", "BLOCK_K": 128, "num_stages": 3, **cfg}
 

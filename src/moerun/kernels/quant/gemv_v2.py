@@ -43,11 +43,10 @@ from moerun.kernels.fused_moe import _silu_mul
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
-from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
 from moerun.kernels.tile_configs import Config
 
-V2_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS,
-            QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q2_K, QuantType.Q3_K)
+V2_TYPES = PACKED_TYPES  # every type with a repacked layout
 # The float-x variant reads these; the others take int8 x only (config key x_q8; as a down projection GEMM 1 writes
 # its intermediate as int8 for them, whatever inter_q8 says).
 FLOAT_X_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)

@@ -77,6 +77,23 @@ def q6_k_scales(sub, scale, rows3, g3, KQ, ok3):
 
 
 @triton.jit
+def pair_codes(QT: tl.constexpr, codes, high, rows4, g4, j4, KQ, ok4):
+    """Pair g's code words [R0, R1, G, 8] of a 4-bit type (Q4_K 12, Q4_0 2, Q4_1 3) or of one with a fifth bit
+    (Q5_K 13, Q5_0 6, Q5_1 7): (plane-0 codes, plane-1 codes), four unsigned codes a word."""
+    w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
+    c0 = w & 0x0F0F0F0F  # low nibbles: plane 0
+    c1 = (w >> 4) & 0x0F0F0F0F  # high nibbles: plane 1
+    if QT == 13 or (QT == 6 or QT == 7):
+        # Pair q's fifth bits are bits 2 (q % 4) (plane 0) and 2 (q % 4) + 1 (plane 1) of the bytes of word j of
+        # group q // 4 of the high array (KQ * 2 words a row).
+        hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
+        s = 2 * (g4 % 4)  # [1, 1, G, 1]
+        c0 = c0 | (((hw >> s) & 0x01010101) << 4)
+        c1 = c1 | (((hw >> (s + 1)) & 0x01010101) << 4)
+    return c0, c1
+
+
+@triton.jit
 def q3_k_codes(QT: tl.constexpr, codes, high, rows4, g4, j4, KQ, ok4):
     """Q2_K (QT 10) / Q3_K (11) group g's code words [R0, R1, G, 4], the 2-bit codes (and Q3_K's third bit) of its
     plane-0 and plane-1 16-element halves as bytes: (plane-0 codes, plane-1 codes), four a word."""

@@ -32,7 +32,7 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import (
-    block32_scales, iq4_xs_scales, q2_k_scales, q3_k_codes, q4_k_scales, q6_k_codes, q6_k_scales,
+    block32_scales, iq4_xs_scales, pair_codes, q2_k_scales, q3_k_codes, q4_k_scales, q6_k_codes, q6_k_scales,
 )
 from moerun.kernels.quant.iq4_levels import iq4_levels
 
@@ -177,21 +177,6 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)
         part = (d * da) * isum.to(tl.float32)
-    elif QT == 12 or QT == 13:  # Q4_K / Q5_K pair: low nibbles plane 0, high nibbles plane 1
-        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        c0 = w & 0x0F0F0F0F
-        c1 = (w >> 4) & 0x0F0F0F0F
-        if QT == 13:  # Q5_K: a fifth bit per code from the high array, scales as Q4_K's
-            # Pair q's fifth bits are bits 2 (q % 4) (plane 0) and 2 (q % 4) + 1 (plane 1) of the bytes of word j
-            # of group q // 4 of the high array (KQ * 2 words a row).
-            hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
-            s = 2 * (g4 % 4)  # [1, 1, G, 1]
-            c0 = c0 | (((hw >> s) & 0x01010101) << 4)
-            c1 = c1 | (((hw >> (s + 1)) & 0x01010101) << 4)
-        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
-        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
-        d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
-        part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
     elif QT == 20 or QT == 23:  # IQ4_NL / IQ4_XS pair: the levels of the low nibbles plane 0, high plane 1
         w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
         l0, l1 = iq4_levels(w, False, EMULATE_DP4A)  # signed levels, four a word
@@ -202,23 +187,23 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         else:
             d0, d1 = iq4_xs_scales(sub, scale, rows3, g3, KQ, ok3)
         part = d0 * da * i0.to(tl.float32) + d1 * db * i1.to(tl.float32)
-    elif (QT == 2 or QT == 3) or (QT == 6 or QT == 7):  # Q4_0, Q4_1, Q5_0, Q5_1 pair: 32-element blocks 2g, 2g + 1
-        w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        c0 = w & 0x0F0F0F0F
-        c1 = (w >> 4) & 0x0F0F0F0F
-        if QT == 6 or QT == 7:  # the fifth bits, laid out as Q5_K's
-            hw = tl.load(high + rows4 * (KQ * 2) + (g4 // 4) * 8 + j4, mask=ok4, other=0)
-            s = 2 * (g4 % 4)
-            c0 = c0 | (((hw >> s) & 0x01010101) << 4)
-            c1 = c1 | (((hw >> (s + 1)) & 0x01010101) << 4)
-        i0 = da * tl.sum(dp4a(c0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3).to(tl.float32)  # [R0, R1, G]
-        i1 = db * tl.sum(dp4a(c1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3).to(tl.float32)
-        d0, m0, d1, m1 = block32_scales(QT, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
-        if QT == 3 or QT == 7:  # c d + m
-            part = d0 * i0 + m0 * X0 + d1 * i1 + m1 * X1
-        else:  # (c - 8) d, (c - 16) d
-            bias = 8.0 if QT == 2 else 16.0
-            part = d0 * (i0 - bias * X0) + d1 * (i1 - bias * X1)
+    elif (QT == 12 or QT == 13) or ((QT == 2 or QT == 3) or (QT == 6 or QT == 7)):
+        # a pair of 4-bit (Q5: + fifth bit) codes, sub-blocks (Q4_K, Q5_K) or blocks (Q4_0 ... Q5_1) of 32
+        c0, c1 = pair_codes(QT, codes, high, rows4, g4, j4, KQ, ok4)  # [R0, R1, G, 8] int32 each
+        i0 = tl.sum(dp4a(c0, tl.broadcast_to(xa, c0.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
+        i1 = tl.sum(dp4a(c1, tl.broadcast_to(xb, c0.shape), EMULATE_DP4A), axis=3)
+        if QT == 12 or QT == 13:  # c (d sc) - dmin mn
+            d, dmin, sc0, sc1, mn0, mn1 = q4_k_scales(sub, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+            part = d * (sc0 * da * i0.to(tl.float32) + sc1 * db * i1.to(tl.float32)) - dmin * (mn0 * X0 + mn1 * X1)
+        else:
+            i0 = da * i0.to(tl.float32)
+            i1 = db * i1.to(tl.float32)
+            d0, m0, d1, m1 = block32_scales(QT, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
+            if QT == 3 or QT == 7:  # c d + m
+                part = d0 * i0 + m0 * X0 + d1 * i1 + m1 * X1
+            else:  # (c - 8) d, (c - 16) d
+                bias = 8.0 if QT == 2 else 16.0
+                part = d0 * (i0 - bias * X0) + d1 * (i1 - bias * X1)
     else:  # Q6_K, Q3_K, Q2_K half pair (4 words): codes of 16-element sub-blocks, high bits merged into each byte
         tl.static_assert((QT == 14 or QT == 10) or QT == 11, "q8_dot: a type without an int8-x decode")
         if QT == 14:

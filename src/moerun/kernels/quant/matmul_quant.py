@@ -8,7 +8,7 @@ Three paths, by config:
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.
   tile64   the same grid, one 64-input pair decoded and multiplied a step, every load issued ahead by Triton's
-           pipeliner (tile64.py: Q4_K, Q5_K, Q6_K, Q8_0, IQ4; other types take the tile path, same blocks).
+           pipeliner (tile64.py; every packed type).
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
 output columns; parts that are float types use torch. Two consecutive gemv_v2 parts (q|k Q4_K and v Q6_K in a
 Q4_K_M file) share one launch under the first one's config (``MOERUN_QUANT_JOINT=0``: one launch each; a Q4_K_M

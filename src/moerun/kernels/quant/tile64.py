@@ -34,9 +34,9 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.quant.iq4_levels import iq4_levels
+from moerun.kernels.quant.repack import PACKED_TYPES
 
-TILE64_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS,
-                QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q2_K, QuantType.Q3_K)
+TILE64_TYPES = PACKED_TYPES  # every type with a repacked layout
 
 
 def tile64_supported(*qtypes: QuantType) -> bool:
@@ -125,28 +125,6 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
         # level = f 2^16 - (2^15 + 128) for f = 0.5 + (level + 128) / 2^16: exact, then one rounding times d
         v0 = (_bytes_float(u0, b, 8, INTERPRET) * 65536.0 - 32896.0) * d0  # [BN, 8, 4]
         v1 = (_bytes_float(u1, b, 8, INTERPRET) * 65536.0 - 32896.0) * d1
-    elif (QTYPE == 2 or QTYPE == 3) or (QTYPE == 6 or QTYPE == 7):  # Q4_0, Q4_1, Q5_0, Q5_1: blocks 2q, 2q + 1
-        cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
-        lo = cw & 0x0F0F0F0F
-        hi = (cw >> 4) & 0x0F0F0F0F
-        if QTYPE == 6 or QTYPE == 7:  # fifth bits, laid out as Q5_K's
-            hw = tl.load(high.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 2) + (q // 4) * 8 + wi) >> ((q % 4) * 2)
-            lo = lo | ((hw & 0x01010101) << 4)
-            hi = hi | ((hw & 0x02020202) << 3)
-        if QTYPE == 3 or QTYPE == 7:  # c d + m = f 256 d - (128 d - m): the addend rounded once, as Q4_K's
-            dm0 = tl.load(words + rows3 * (KQ * 2) + 2 * q)  # [BN, 1, 1] d | m << 16 of block 2q
-            dm1 = tl.load(words + rows3 * (KQ * 2) + 2 * q + 1)
-            d0 = _half(dm0, 0)
-            d1 = _half(dm1, 0)
-            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * d0, 128.0 * d0 - _half(dm0, 1), INTERPRET)
-            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * d1, 128.0 * d1 - _half(dm1, 1), INTERPRET)
-        else:  # (c - 8) d = f 256 d - 136 d, (c - 16) d = f 256 d - 144 d: exact in one FMA
-            dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1] d of blocks 2q, 2q + 1
-            d0 = _half(dd, 0)
-            d1 = _half(dd, 1)
-            offset = 136.0 if QTYPE == 2 else 144.0
-            v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * d0, offset * d0, INTERPRET)
-            v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * d1, offset * d1, INTERPRET)
     elif QTYPE == 10 or QTYPE == 11:  # Q2_K, Q3_K: 2-bit codes, byte 32(q // 2) + l at bits 4(q % 2) + 2p
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 4) + (q // 2) * 8 + wi) >> ((q % 2) * 4)
         lo = cw & 0x03030303
@@ -177,13 +155,15 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
                          INTERPRET)  # fmt: skip
             v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * s1, 128.0 * s1 + dmin * (b1 >> 4).to(tl.float32),
                          INTERPRET)  # fmt: skip
-    else:
+    else:  # 4-bit codes: Q4_K, Q5_K, Q6_K, and the 32-element-block types Q4_0, Q4_1, Q5_0, Q5_1
         # Nibbles and top bits are masked in whole words (four elements an instruction), then split into bytes.
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
         lo = cw & 0x0F0F0F0F
         hi = (cw >> 4) & 0x0F0F0F0F
-        w = tl.load(sub + rows3 * KQ + q)  # [BN, 1, 1] four sub-block bytes
-        if QTYPE == 13:  # Q5_K: fifth bits, byte 32(q // 4) + l of `high`, bit 2(q % 4) + p
+        if QTYPE == 12 or (QTYPE == 13 or QTYPE == 14):
+            w = tl.load(sub + rows3 * KQ + q)  # [BN, 1, 1] four sub-block bytes
+        if QTYPE == 13 or (QTYPE == 6 or QTYPE == 7):
+            # Q5_K, Q5_0, Q5_1: fifth bits, byte 32(q // 4) + l of `high`, bit 2(q % 4) + p
             hw = tl.load(high.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 2) + (q // 4) * 8 + wi) >> ((q % 4) * 2)
             lo = lo | ((hw & 0x01010101) << 4)
             hi = hi | ((hw & 0x02020202) << 3)
@@ -201,6 +181,21 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
             # (c - 32) dl = f 256 dl - 160 dl for f = 0.5 + c / 256; 160 dl is exact in float32
             v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * dl0, 160.0 * dl0, INTERPRET)
             v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * dl1, 160.0 * dl1, INTERPRET)
+        elif (QTYPE == 2 or QTYPE == 3) or (QTYPE == 6 or QTYPE == 7):  # blocks 2q, 2q + 1
+            if QTYPE == 3 or QTYPE == 7:  # c d + m = f 256 d - (128 d - m): the addend rounded once, as Q4_K's
+                dm0 = tl.load(words + rows3 * (KQ * 2) + 2 * q)  # [BN, 1, 1] d | m << 16 of block 2q
+                dm1 = tl.load(words + rows3 * (KQ * 2) + 2 * q + 1)
+                d0 = _half(dm0, 0)
+                d1 = _half(dm1, 0)
+                v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * d0, 128.0 * d0 - _half(dm0, 1), INTERPRET)
+                v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * d1, 128.0 * d1 - _half(dm1, 1), INTERPRET)
+            else:  # (c - 8) d = f 256 d - 136 d, (c - 16) d = f 256 d - 144 d: exact in one FMA
+                dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1] d of blocks 2q, 2q + 1
+                d0 = _half(dd, 0)
+                d1 = _half(dd, 1)
+                offset = 136.0 if QTYPE == 2 else 144.0
+                v0 = _scaled(_bytes_float(lo, b, 16, INTERPRET), 256.0 * d0, offset * d0, INTERPRET)
+                v1 = _scaled(_bytes_float(hi, b, 16, INTERPRET), 256.0 * d1, offset * d1, INTERPRET)
         else:  # Q4_K, Q5_K: c (d sc) - dmin mn, sub-block p's scale byte p, min byte 2 + p
             tl.static_assert(QTYPE == 12 or QTYPE == 13, "decode_pair64: unsupported quant type")
             dd = tl.load(words + rows3 * (KQ // 4) + q // 4)  # [BN, 1, 1] d | dmin << 16

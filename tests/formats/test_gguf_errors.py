@@ -92,8 +92,8 @@ def test_tensor_layout_errors(tmp_path):
 
 def test_tensor_type_errors(tmp_path):
     data = bytes(128)
-    _fails(tmp_path, assemble([ARCH], [info("w", [256], T.IQ2_XXS, 0)], data),
-           "tensor 'w' has ggml type IQ2_XXS \\(id 16\\), which moerun does not support; supported types: F32, F16")
+    _fails(tmp_path, assemble([ARCH], [info("w", [256], T.Q8_K, 0)], data),
+           "tensor 'w' has ggml type Q8_K \\(id 15\\), which moerun does not support; supported types: F32, F16")
     _fails(tmp_path, assemble([ARCH], [info("w", [8], 77, 0)], data),
            "tensor 'w' has unknown ggml type id 77 .*supported types: .*Q6_K")
 

@@ -150,7 +150,10 @@ def test_k_quant_row_not_multiple_of_256_raises() -> None:
 
 
 def test_unsupported_type_raises_naming_it() -> None:
-    with pytest.raises(ValueError, match=r"'tok\.w'.*IQ2_XXS \(id 16\) is not supported"):
+    with pytest.raises(ValueError, match=r"'tok\.w'.*Q8_1 \(id 9\) is not supported"):
+        quantize(np.zeros((1, 32), np.float32), gguf.GGMLQuantizationType.Q8_1, "tok.w")
+    # Types moerun reads but does not write say so.
+    with pytest.raises(ValueError, match=r"'tok\.w': moerun reads IQ2_XXS but does not write it.*writes Q8_0"):
         quantize(np.zeros((1, 256), np.float32), gguf.GGMLQuantizationType.IQ2_XXS, "tok.w")
     with pytest.raises(ValueError, match="Q8_K"):
         quantize(np.zeros((1, 256), np.float32), "Q8_K")

@@ -39,11 +39,13 @@ def random_blocks(rng: np.random.Generator, qt: QuantType, n_elems: int) -> np.n
     raw = rng.integers(0, 256, (n_blocks, qt.block_bytes), dtype=np.uint8)
     for off in FP16_FIELDS[qt]:
         raw[:, off : off + 2] = finite_half_bits(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+    if qt == QuantType.IQ1_M:  # d's bits 12-15 are the top nibble of the last scale word: keep its exponent finite
+        raw[:, 55] &= np.uint8(0xBF)
     return raw.reshape(-1)
 
 
 def test_geometry_matches_gguf() -> None:
-    assert len(SUPPORTED_TYPES) == 15
+    assert len(SUPPORTED_TYPES) == 26
     for qt in SUPPORTED_TYPES:
         gt = gguf.GGMLQuantizationType(int(qt))
         assert gt.name == qt.name
@@ -57,8 +59,8 @@ def test_tensor_nbytes() -> None:
     assert tensor_nbytes((7,), 0) == 28
 
 
-@pytest.mark.parametrize("bad", [gguf.GGMLQuantizationType.IQ2_XXS, gguf.GGMLQuantizationType.Q8_K,
-                                 gguf.GGMLQuantizationType.TQ1_0, gguf.GGMLQuantizationType.IQ3_S])
+@pytest.mark.parametrize("bad", [gguf.GGMLQuantizationType.Q8_1, gguf.GGMLQuantizationType.Q8_K,
+                                 gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.Q1_0])
 def test_unsupported_type_is_named(bad: gguf.GGMLQuantizationType) -> None:
     with pytest.raises(ValueError, match=rf"blk\.3\.ffn_up_exps\.weight.*{bad.name}.*not supported"):
         tensor_nbytes((16, 256), bad, "blk.3.ffn_up_exps.weight")
@@ -192,7 +194,26 @@ def test_quantized_tensor_validates() -> None:
         QuantizedTensor(torch.zeros(100, dtype=torch.uint8), QuantType.Q4_K, (1, 512))
     with pytest.raises(ValueError, match="row length 100"):
         QuantizedTensor(torch.zeros(100, dtype=torch.uint8), QuantType.Q4_K, (1, 100))
-    with pytest.raises(ValueError, match="IQ2_XS"):
-        QuantizedTensor(torch.zeros(74, dtype=torch.uint8), gguf.GGMLQuantizationType.IQ2_XS, (1, 256))
+    with pytest.raises(ValueError, match="Q8_K"):
+        QuantizedTensor(torch.zeros(292, dtype=torch.uint8), gguf.GGMLQuantizationType.Q8_K, (1, 256))
+    assert QuantizedTensor(torch.zeros(74, dtype=torch.uint8), gguf.GGMLQuantizationType.IQ2_XS, (1, 256)).nbytes == 74
     flat = QuantizedTensor(torch.zeros(2 * 34, dtype=torch.uint8), "Q8_0", (2, 32))
     assert flat.raw.shape == (2, 34)
+
+
+def test_grids_and_sign_patterns_match_gguf() -> None:
+    from moerun.formats.quants.grids import GRID_OF, grid_table, sign_patterns
+
+    for qt, (owner, entries, width) in GRID_OF.items():
+        cls = getattr(gguf.quants, owner)
+        cls.init_grid()
+        assert torch.equal(grid_table(qt).float(), torch.from_numpy(cls.grid.reshape(entries, width)))
+    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    assert torch.equal(sign_patterns(), torch.from_numpy(ksigns.copy()))
+
+
+def test_read_only_types_are_listed() -> None:
+    from moerun.formats.quants import QUANTIZABLE_TYPES
+
+    assert QuantType.Q4_K in QUANTIZABLE_TYPES and QuantType.IQ4_XS in QUANTIZABLE_TYPES
+    assert QuantType.IQ2_XXS not in QUANTIZABLE_TYPES and QuantType.MXFP4 not in QUANTIZABLE_TYPES

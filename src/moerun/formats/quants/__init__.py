@@ -1,7 +1,7 @@
 """GGUF quantisation types: block geometry, torch dequantisation, numpy quantisation."""
 
 from .dequant import dequantize
-from .quantize import fallback_type, quantize
+from .quantize import QUANTIZABLE_TYPES, fallback_type, quantize
 from .tensor import QuantizedTensor
 from .types import (
     FP16_FIELDS,
@@ -19,6 +19,7 @@ __all__ = [
     "FP16_FIELDS",
     "IQ4_VALUES",
     "QK_K",
+    "QUANTIZABLE_TYPES",
     "SUPPORTED_TYPES",
     "QuantType",
     "QuantizedTensor",

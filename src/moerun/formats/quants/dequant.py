@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .grids import grid_table, sign_patterns
 from .types import IQ4_VALUES, QuantType, as_quant_type, tensor_nbytes
 
 # Every decoder reproduces the float32 operation order of the reference (ggml's
@@ -270,6 +271,240 @@ def _codes_iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return o.view(-1, 8, 32)
 
 
+# ----------------------------------------------------------------------------- grid types (IQ3, IQ2, IQ1)
+#
+# Every value is d x (a small odd integer from the sub-block scale) x a grid value x a sign, times a power of two:
+# each factor is exact and so is every product in float32 (at most 22 significant bits), so the values equal
+# gguf's whatever the order of the products. The codes written are the signed grid values (for IQ1, 8 x the grid
+# value +- 1, the delta being +-1/8); the scales carry d, the sub-block factor and the power of two.
+
+
+def _u32(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes start:stop of every block as little-endian int32 words: [N, (stop - start) / 4]."""
+    return blocks[:, start:stop].clone().view(torch.int32)  # a fresh copy, so the words are aligned
+
+
+def _u16(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes start:stop of every block as little-endian uint16 words widened to int32: [N, (stop - start) / 2]."""
+    return blocks[:, start:stop].clone().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _nibbles_t(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes [n, m] -> [n, 2m] int32: low nibble of byte i at 2i, high nibble at 2i + 1."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def _signed_grid(qtype: QuantType, index: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """Grid entries of `index` [...] with the sign bits `negative` [..., width] (bool) applied: [..., width] int8."""
+    g = grid_table(qtype, index.device)[index.long()]
+    return torch.where(negative, -g, g)
+
+
+def _sign_bits(signs: torch.Tensor) -> torch.Tensor:
+    """Sign bytes [...] -> [..., 8] bool: bit j set means value j is negative."""
+    shifts = torch.arange(8, device=signs.device, dtype=torch.int32)
+    return ((signs.to(torch.int32).unsqueeze(-1) >> shifts) & 1).bool()
+
+
+def _pattern_bits(fields: torch.Tensor) -> torch.Tensor:
+    """7-bit sign-pattern indices [...] -> [..., 8] bool through ksigns (the eighth sign keeps the parity even)."""
+    return _sign_bits(sign_patterns(fields.device)[fields.long()])
+
+
+def _odd_scale(blocks: torch.Tensor, odd: torch.Tensor, mult: float) -> tuple[torch.Tensor, ...]:
+    """d (fp16 at byte 0) x odd [N, S] x mult -> ([N, S, 1],): the scale of each of the S sub-blocks."""
+    return ((_f16(blocks, 0).view(-1, 1) * odd * mult).unsqueeze(-1),)
+
+
+def _scales_iq2_xxs(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Per 32 elements: d (0.5 + ls) / 4 = d (2 ls + 1) / 8, ls the top 4 bits of the group's second word.
+    ls = _u32(blocks, 2, 66)[:, 1::2] >> 28 & 15  # [N, 8]
+    return _odd_scale(blocks, 2 * ls + 1, 0.125)
+
+
+def _codes_iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # Per 32 elements two words: four grid indices (bytes), then four 7-bit sign patterns and the scale.
+    n = blocks.shape[0]
+    idx = blocks[:, 2:66].reshape(n, 8, 2, 4)[:, :, 0]  # [n, 8, 4]
+    signs = _u32(blocks, 2, 66)[:, 1::2].unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=blocks.device) & 127
+    o = out.view(n, 8, 4, 8)
+    o.copy_(_signed_grid(QuantType.IQ2_XXS, idx, _pattern_bits(signs)))
+    return out.view(n, 8, 32)
+
+
+def _scales_iq2_16(blocks: torch.Tensor, at: int) -> tuple[torch.Tensor, ...]:
+    """IQ2_XS, IQ2_S: 4-bit scales of the 16-element sub-blocks in the nibbles of bytes at:at + 8 -> d (2 s + 1) / 8."""
+    return _odd_scale(blocks, 2 * _nibbles_t(blocks[:, at : at + 8]) + 1, 0.125)  # [N, 16, 1]
+
+
+def _codes_iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # 32 uint16: a 9-bit grid index and a 7-bit sign pattern for each 8 elements.
+    n = blocks.shape[0]
+    q = _u16(blocks, 2, 66)  # [n, 32]
+    o = out.view(n, 32, 8)
+    o.copy_(_signed_grid(QuantType.IQ2_XS, q & 511, _pattern_bits(q >> 9)))
+    return out.view(n, 16, 16)
+
+
+def _codes_iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # 32 low index bytes, 32 sign bytes (one per 8 elements), 8 bytes of 2-bit index tops (four a byte).
+    n = blocks.shape[0]
+    qh = blocks[:, 66:74].to(torch.int32).unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], device=blocks.device) & 3
+    idx = blocks[:, 2:34].to(torch.int32) | (qh.reshape(n, 32) << 8)  # [n, 32]
+    o = out.view(n, 32, 8)
+    o.copy_(_signed_grid(QuantType.IQ2_S, idx, _sign_bits(blocks[:, 34:66])))
+    return out.view(n, 16, 16)
+
+
+def _scales_iq3_xxs(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Per 32 elements: d (0.5 + ls) / 2 = d (2 ls + 1) / 4, ls the top 4 bits of the group's word.
+    return _odd_scale(blocks, 2 * (_u32(blocks, 66, 98) >> 28 & 15) + 1, 0.25)
+
+
+def _codes_iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # 64 grid indices (4 values each), then per 32 elements a word of four 7-bit sign patterns (8 values each).
+    n = blocks.shape[0]
+    words = _u32(blocks, 66, 98)  # [n, 8]
+    signs = words.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=blocks.device) & 127  # [n, 8, 4]
+    negative = _pattern_bits(signs).view(n, 8, 4, 2, 4)
+    o = out.view(n, 8, 4, 2, 4)
+    o.copy_(_signed_grid(QuantType.IQ3_XXS, blocks[:, 2:66].reshape(n, 8, 4, 2), negative))
+    return out.view(n, 8, 32)
+
+
+def _scales_iq3_s(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # 4-bit scales of the 32-element sub-blocks in the nibbles of the last 4 bytes: d (1 + 2 s).
+    return _odd_scale(blocks, 2 * _nibbles_t(blocks[:, 106:110]) + 1, 1.0)  # [N, 8, 1]
+
+
+def _codes_iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # 64 low index bytes, 8 bytes of index top bits (bit k % 8 of byte k // 8), 32 sign bytes (8 values each).
+    n = blocks.shape[0]
+    qh = blocks[:, 66:74].to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=blocks.device) & 1
+    idx = (blocks[:, 2:66].to(torch.int32) | (qh.reshape(n, 64) << 8)).view(n, 32, 2)  # [n, 32, 2]
+    negative = _sign_bits(blocks[:, 74:106]).view(n, 32, 2, 4)
+    o = out.view(n, 32, 2, 4)
+    o.copy_(_signed_grid(QuantType.IQ3_S, idx, negative))
+    return out.view(n, 8, 32)
+
+
+def _scales_iq1_s(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Per 32 elements: d (2 s + 1), s bits 12-14 of the group's uint16; the codes hold 8 (grid +- 1/8), so / 8.
+    return _odd_scale(blocks, 2 * (_u16(blocks, 34, 50) >> 12 & 7) + 1, 0.125)  # [N, 8, 1]
+
+
+def _iq1_levels(index: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
+    """8 x (grid value + delta) of IQ1 groups: index [...], minus [...] (delta -1/8, else +1/8) -> [..., 8] int8."""
+    g = grid_table(QuantType.IQ1_S, index.device)[index.long()] * 8
+    return g + torch.where(minus, -1, 1).to(torch.int8).unsqueeze(-1)
+
+
+def _codes_iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # 32 low index bytes; per 32 elements a uint16: four 3-bit index tops, the scale, the delta's sign (bit 15).
+    n = blocks.shape[0]
+    qh = _u16(blocks, 34, 50)  # [n, 8]
+    tops = qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=blocks.device) & 7  # [n, 8, 4]
+    idx = blocks[:, 2:34].to(torch.int32).view(n, 8, 4) | (tops << 8)
+    minus = (qh & 0x8000).bool().unsqueeze(-1).expand(n, 8, 4)
+    o = out.view(n, 8, 4, 8)
+    o.copy_(_iq1_levels(idx, minus))
+    return out.view(n, 8, 32)
+
+
+def _iq1_m_d(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ1_M's fp16 d, stored in the top nibbles of its four scale words (low bits first): [N] float32."""
+    sc = _u16(blocks, 48, 56)  # [N, 4]
+    bits = (sc[:, 0] >> 12) | (sc[:, 1] >> 8 & 0xF0) | (sc[:, 2] >> 4 & 0xF00) | (sc[:, 3] & 0xF000)
+    return bits.to(torch.int16).view(torch.float16).float()
+
+
+def _scales_iq1_m(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Sixteen 3-bit scales (bits 0, 3, 6, 9 of each word), one per 16 elements: d (2 s + 1), then / 8 as IQ1_S.
+    sc = _u16(blocks, 48, 56).unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=blocks.device) & 7
+    odd = 2 * sc.reshape(-1, 16) + 1  # [N, 16]
+    return ((_iq1_m_d(blocks).view(-1, 1) * odd * 0.125).unsqueeze(-1),)  # [N, 16, 1]
+
+
+def _codes_iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # 32 low index bytes; 16 bytes of a nibble per 8 elements: the index's top 3 bits, the delta's sign (bit 3).
+    n = blocks.shape[0]
+    nib = _nibbles_t(blocks[:, 32:48])  # [n, 32]
+    idx = blocks[:, 0:32].to(torch.int32) | ((nib & 7) << 8)
+    o = out.view(n, 32, 8)
+    o.copy_(_iq1_levels(idx, (nib & 8).bool()))
+    return out.view(n, 16, 16)
+
+
+# ----------------------------------------------------------------------------- ternary and FP4 types
+
+
+def _scales_tq(at: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    return lambda blocks: (_f16(blocks, at).view(-1, 1),)  # [N, 1]
+
+
+def _codes_tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # Bytes hold base-3 numbers scaled to 0..255; digit k is ((byte x 3^k mod 256) x 3) >> 8. Bytes 0-31 give
+    # five digits (elements 32k + l), bytes 32-47 five (160 + 16k + l), bytes 48-51 four (240 + 4k + l).
+    n = blocks.shape[0]
+    parts = []
+    for start, stop, digits in ((0, 32, 5), (32, 48, 5), (48, 52, 4)):
+        q = blocks[:, start:stop].to(torch.int32).unsqueeze(1)  # [n, 1, w]
+        pow3 = torch.tensor([3**k for k in range(digits)], device=blocks.device, dtype=torch.int32).view(1, -1, 1)
+        parts.append(((q * pow3 & 0xFF) * 3 >> 8).reshape(n, -1))
+    out.copy_(torch.cat(parts, dim=1) - 1)
+    return out
+
+
+def _codes_tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # Element 128h + 32k + l at bits 2k of byte 32h + l, stored as value + 1.
+    n = blocks.shape[0]
+    qs = blocks[:, 0:64].view(n, 2, 1, 32).to(torch.int32)
+    shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.int32).view(1, 1, 4, 1)
+    out.view(n, 2, 4, 32).copy_((qs >> shifts & 3) - 1)
+    return out
+
+
+# E2M1 values doubled (ggml's kvalues_mxfp4); the scales are halved to match.
+_FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _fp4(qs: torch.Tensor, out: torch.Tensor) -> None:
+    """FP4 nibbles qs [..., m] into out [..., 2, m]: low nibbles first, then high (float32 views, exact)."""
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=qs.device)
+    out[..., 0, :].copy_(table[torch.bitwise_and(qs, 0x0F).long()])
+    out[..., 1, :].copy_(table[torch.bitwise_right_shift(qs, 4).long()])
+
+
+def _scales_mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # E8M0 exponent e -> 2^(e - 128) as float32 bits (ggml_e8m0_to_fp32_half; e < 2 gives subnormals).
+    e = blocks[:, 0].to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return (bits.view(torch.float32).view(-1, 1, 1),)  # [N, 1, 1]
+
+
+def _codes_mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    o = out.view(-1, 2, 16)
+    _fp4(blocks[:, 1:17], o)
+    return o
+
+
+def _scales_nvfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Unsigned E4M3 (bias 7) per 16 elements, halved: (8 + man) 2^(exp - 11), subnormal man 2^-10; 0 and 0x7F
+    # (NaN) give 0. Bit 7 is ignored.
+    x = blocks[:, 0:4].to(torch.int32)  # [N, 4]
+    exp, man = x >> 3 & 15, (x & 7).float()
+    value = torch.where(exp == 0, man * 2.0**-10, torch.ldexp(man + 8, exp - 11))
+    value = torch.where((x == 0) | (x == 0x7F), torch.zeros_like(value), value)
+    return (value.unsqueeze(-1).unsqueeze(-1),)  # [N, 4, 1, 1]
+
+
+def _codes_nvfp4(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # Per 16 elements 8 bytes: element j in the low nibble of byte j, element 8 + j in its high nibble.
+    o = out.view(-1, 4, 2, 8)
+    _fp4(blocks[:, 4:36].reshape(-1, 4, 8), o)
+    return o
+
+
 # ----------------------------------------------------------------------------- plain floats
 
 
@@ -313,6 +548,17 @@ _DECODERS: dict[QuantType, _Decoder] = {
     QuantType.Q6_K: _Decoder(_scales_q6_k, _codes_q6_k),
     QuantType.IQ4_NL: _Decoder(_scale_d, _codes_iq4_nl),
     QuantType.IQ4_XS: _Decoder(_scales_iq4_xs, _codes_iq4_xs),
+    QuantType.IQ2_XXS: _Decoder(_scales_iq2_xxs, _codes_iq2_xxs),
+    QuantType.IQ2_XS: _Decoder(lambda b: _scales_iq2_16(b, 66), _codes_iq2_xs),
+    QuantType.IQ2_S: _Decoder(lambda b: _scales_iq2_16(b, 74), _codes_iq2_s),
+    QuantType.IQ3_XXS: _Decoder(_scales_iq3_xxs, _codes_iq3_xxs),
+    QuantType.IQ3_S: _Decoder(_scales_iq3_s, _codes_iq3_s),
+    QuantType.IQ1_S: _Decoder(_scales_iq1_s, _codes_iq1_s),
+    QuantType.IQ1_M: _Decoder(_scales_iq1_m, _codes_iq1_m),
+    QuantType.TQ1_0: _Decoder(_scales_tq(52), _codes_tq1_0),
+    QuantType.TQ2_0: _Decoder(_scales_tq(64), _codes_tq2_0),
+    QuantType.MXFP4: _Decoder(_scales_mxfp4, _codes_mxfp4),
+    QuantType.NVFP4: _Decoder(_scales_nvfp4, _codes_nvfp4),
 }
 
 

@@ -50,6 +50,12 @@ def quantize(array: np.ndarray, qtype: int | str | enum.Enum, tensor_name: str =
     if x.ndim == 0:
         where = f"tensor '{tensor_name}': " if tensor_name else ""
         raise ValueError(f"{where}expected an array with at least one dimension, got a scalar")
+    if qt.is_quantized and qt not in _BLOCK_QUANTIZERS:
+        where = f"tensor '{tensor_name}': " if tensor_name else ""
+        raise ValueError(
+            f"{where}moerun reads {qt.name} but does not write it (its quantizer needs llama.cpp's grid search or "
+            f"an importance matrix); it writes {', '.join(t.name for t in QUANTIZABLE_TYPES)}"
+        )
     check_row_length(x.shape[-1], qt, tensor_name)
     out_shape = (*x.shape[:-1], x.shape[-1] // qt.block_elems * qt.block_bytes)
     if not qt.is_quantized:
@@ -591,3 +597,6 @@ _BLOCK_QUANTIZERS = {
     QuantType.IQ4_NL: _iq4_nl,
     QuantType.IQ4_XS: _iq4_xs,
 }
+
+# The quantized types `quantize` writes (the others are read only).
+QUANTIZABLE_TYPES: tuple[QuantType, ...] = tuple(_BLOCK_QUANTIZERS)

@@ -25,9 +25,20 @@ class QuantType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
     IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
     IQ4_XS = 23
+    IQ1_M = 29
     BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+    NVFP4 = 40
 
     @property
     def block_elems(self) -> int:
@@ -46,7 +57,7 @@ class QuantType(enum.IntEnum):
 
     @property
     def is_k_quant(self) -> bool:
-        """True for the 256-element super-block types (Q2_K..Q6_K, IQ4_XS)."""
+        """True for the 256-element super-block types (Q2_K..Q6_K, the IQ types but IQ4_NL, TQ1_0, TQ2_0)."""
         return self.block_elems == QK_K
 
 
@@ -67,6 +78,18 @@ _GEOMETRY: dict[QuantType, tuple[int, int]] = {
     QuantType.Q6_K: (QK_K, 210),  # 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
     QuantType.IQ4_NL: (32, 18),  # fp16 d + 16 bytes of nibbles indexing IQ4_VALUES
     QuantType.IQ4_XS: (QK_K, 136),  # fp16 d, 16 bits of scale high bits, 4 bytes scale low bits, 128 bytes nibbles
+    # The grid types: an index selects 8 (IQ2, IQ1) or 4 (IQ3) values of a fixed table (formats/quants/grids.py).
+    QuantType.IQ2_XXS: (QK_K, 66),  # fp16 d, per 32 elements 4 x 8-bit grid index + 4 x 7-bit signs + 4-bit scale
+    QuantType.IQ2_XS: (QK_K, 74),  # fp16 d, 32 x (9-bit grid index | 7-bit signs), 8 bytes of 4-bit scales
+    QuantType.IQ2_S: (QK_K, 82),  # fp16 d, 32 index low bytes, 32 sign bytes, 8 bytes index high bits, 8 scales
+    QuantType.IQ3_XXS: (QK_K, 98),  # fp16 d, 64 x 8-bit grid index, per 32 elements 4 x 7-bit signs + 4-bit scale
+    QuantType.IQ3_S: (QK_K, 110),  # fp16 d, 64 index low bytes, 8 bytes index high bits, 32 sign bytes, 4 scales
+    QuantType.IQ1_S: (QK_K, 50),  # fp16 d, 32 index low bytes, 8 x uint16 (index high bits, scale, delta sign)
+    QuantType.IQ1_M: (QK_K, 56),  # 32 index low bytes, 16 bytes index high bits + delta signs, 8 bytes scales + d
+    QuantType.TQ1_0: (QK_K, 54),  # 48 bytes of five base-3 digits, 4 bytes of four, fp16 d
+    QuantType.TQ2_0: (QK_K, 66),  # 64 bytes of 2-bit codes, fp16 d
+    QuantType.MXFP4: (32, 17),  # e8m0 scale byte, 16 bytes of FP4 (E2M1) nibbles
+    QuantType.NVFP4: (64, 36),  # 4 x UE4M3 scale bytes (one per 16 elements), 32 bytes of FP4 nibbles
 }
 
 for _t, _geo in _GEOMETRY.items():
@@ -92,6 +115,17 @@ FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q6_K: (208,),
     QuantType.IQ4_NL: (0,),
     QuantType.IQ4_XS: (0,),
+    QuantType.IQ2_XXS: (0,),
+    QuantType.IQ2_XS: (0,),
+    QuantType.IQ2_S: (0,),
+    QuantType.IQ3_XXS: (0,),
+    QuantType.IQ3_S: (0,),
+    QuantType.IQ1_S: (0,),
+    QuantType.IQ1_M: (),  # its fp16 d is spread over the top nibbles of the four scale words
+    QuantType.TQ1_0: (52,),
+    QuantType.TQ2_0: (64,),
+    QuantType.MXFP4: (),  # power-of-two scale byte
+    QuantType.NVFP4: (),  # FP8 scale bytes
 }
 
 

@@ -45,7 +45,7 @@ from moerun.kernels.interpreter import interpreting  # noqa: E402
 from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
 from moerun.ops.moe_reference import route_reference  # noqa: E402
-from moerun.ops.quant import packed_parts  # noqa: E402
+from moerun.ops.quant import fused_moe_quantized, has_kernel_layout, packed_parts  # noqa: E402
 
 DEFAULT_MS = tuple(2**i for i in range(13))  # 1 .. 4096
 # Pseudo-types for mixed layers: (gate, up, down), as most layers of those files hold them.
@@ -304,10 +304,12 @@ def bench_type(name: str, types: tuple[str, str, str], args, ceilings: dict[str,
     layer_bytes = first[0].nbytes + first[1].nbytes
     copies = max(2, min(args.max_copies, math.ceil(4 * L2_BYTES / layer_bytes)))
     raw_layers = [first] + [build_layer(types, E, H, I, gen) for _ in range(copies - 1)]
-    layers = [(packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw_layers]
+    # Types without a repacked layout run from their GGUF blocks (ops/quant.py: dequantised as the layer runs).
+    blocks = not (has_kernel_layout(first[0]) and has_kernel_layout(first[1]))
+    layers = [] if blocks else [(packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw_layers]
     per_expert = expert_gguf_bytes(*first, E)
 
-    if args.tune and name in args.tune_types:
+    if args.tune and name in args.tune_types and not blocks:
         table = tune_type(name, types[0], layers, E, H, I, k, args)
         if table and DEVICE == "cuda":
             path = CONFIG_DIR / qconfigs.moe_config_file_name(types[0], E, H, I, device_name())
@@ -324,15 +326,21 @@ def bench_type(name: str, types: tuple[str, str, str], args, ceilings: dict[str,
         sets = make_sets(m, E, H, k, args.routing_sets)
         touched = statistics.mean(len(torch.unique(s[2])) for s in sets)
         qbytes = touched * per_expert
-        cfg = qconfigs.get_moe_config(types[0], E, H, I, k, m)
+        cfg = {"path": "blocks"} if blocks else qconfigs.get_moe_config(types[0], E, H, I, k, m)
         row: dict[str, Any] = {"type": name, "M": m, "experts_touched": touched, "gguf_bytes": qbytes,
                                "path": cfg["path"], "config": cfg}  # fmt: skip
         x, w, ids = sets[0]
         ref = fused_moe_triton(x, dense[0][0], dense[0][1], w, ids).float()
-        out = fused_moe_quant(x, *layers[0], w, ids).float()
-        row["max_rel_err_vs_bf16"] = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        out = (fused_moe_quantized(x, *raw_layers[0], w, ids) if blocks else fused_moe_quant(x, *layers[0], w, ids))
+        row["max_rel_err_vs_bf16"] = (out.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
 
-        sec, mode = time_quant(layers, sets, None, args)
+        if blocks:
+            n = 8 if m <= 256 else 4
+            calls = [(lambda s=s, lw=lw: fused_moe_quantized(s[0], lw[0], lw[1], s[1], s[2]))
+                     for s, lw in zip((sets * n)[:n], (raw_layers * n)[:n])]  # fmt: skip
+            sec, mode = timed_median(calls, args.budget_s, args.max_runs)
+        else:
+            sec, mode = time_quant(layers, sets, None, args)
         row["quant"] = {"us": 1e6 * sec, "mode": mode, "GBps": qbytes / sec / 1e9}
         per_graph = 8 if m <= 256 else 4
         calls = [(lambda s=s, d=d: fused_moe_triton(s[0], d[0], d[1], s[1], s[2]))

@@ -127,3 +127,32 @@ def on_int8_grid(T: int, K: int, dtype: torch.dtype, device: torch.device | str 
     scale = torch.pow(2.0, torch.randint(-8, -3, (T, (K + 31) // 32)).float()).repeat_interleave(32, dim=1)[:, :K]
     return (q * scale).to(dtype).to(device)
 
+
+def with_random_blocks(src, dst, qtype: str, seed: int, names: tuple[str, ...] = ("_exps.",)) -> None:
+    """A copy of the GGUF src whose tensors with any of `names` in their name hold random valid blocks of qtype
+    (written by gguf's writer): files of the types moerun reads but does not write."""
+    import gguf
+    import torch
+
+    from moerun.kernels.quant.synthetic import random_quantized
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    gen = torch.Generator().manual_seed(seed)
+    for t in reader.tensors:
+        if any(n in t.name for n in names):
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # [E, N, K] or [N, K]
+            data = random_quantized(qtype, shape, generator=gen).raw.numpy()  # [..., N, row bytes]
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

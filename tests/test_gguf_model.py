@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import build_checkpoint, reference_model, relative_error, write_small_tokenizer
+from helpers import build_checkpoint, reference_model, relative_error, with_random_blocks, write_small_tokenizer
 from moerun import LLM, SamplingParams
 from moerun.cli import main
 from moerun.config import ModelConfig
@@ -94,6 +94,40 @@ def test_quantized_gguf_matches_dequantized_reference(hf_checkpoint, tmp_path, f
     if ftype not in ("F32", "F16", "BF16"):
         quantized = [m for m in llm.model.modules() if m.__dict__.get("q_w13") or m.__dict__.get("q_weight")]
         assert quantized, "block-quantised tensors must stay quantised in memory"
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0",
+                                   "TQ2_0", "MXFP4", "NVFP4"])
+def test_read_only_types_match_dequantized_reference(hf_checkpoint, tmp_path, qtype):
+    # Types moerun reads but does not write: the experts and two attention projections of a Q8_0 file replaced by
+    # random valid blocks.
+    base, path = write(hf_checkpoint, tmp_path / "q8.gguf", "Q8_0"), tmp_path / f"m-{qtype}.gguf"
+    with_random_blocks(base, path, qtype, seed=11, names=("_exps.", "attn_q.", "attn_output."))
+    llm = LLM(str(path), device="cpu", max_model_len=128)
+    held = {t for m in llm.model.modules() for a in ("q_weight", "q_w13", "q_w2") if m.__dict__.get(a)
+            for t in m.__dict__[a].qtypes}  # fmt: skip
+    assert qtype in held, held
+    ref = reference_model(dequantized_checkpoint(path, hf_checkpoint, tmp_path / "deq"))
+    ids = [random.randrange(362) for _ in range(11)]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert relative_error(llm.logits(ids), expected) <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path):
+    # Dequantised from their blocks inside the captured decode step: the graphs give the eager tokens, and the
+    # logits are the CPU path's within bf16 rounding.
+    base, path = write(hf_checkpoint, tmp_path / "q8.gguf", "Q8_0"), tmp_path / "m-IQ2_XXS.gguf"
+    with_random_blocks(base, path, "IQ2_XXS", seed=11, names=("_exps.", "attn_q."))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ids = [random.randrange(362) for _ in range(9)]
+    graphed = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=True)
+    eager = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=False)
+    assert graphed.engine.runner.graphs
+    assert graphed.generate([ids], params)[0].token_ids == eager.generate([ids], params)[0].token_ids
+    cpu = LLM(str(path), device="cpu", max_model_len=128)
+    assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 3e-2
 
 
 def test_cli_generate_and_inspect_gguf(hf_checkpoint, tmp_path, capsys):

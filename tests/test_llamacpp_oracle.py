@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import build_checkpoint, write_small_tokenizer
+from helpers import build_checkpoint, with_random_blocks, write_small_tokenizer
 from moerun import LLM, SamplingParams
 from moerun.formats.convert import quantize_model
 
@@ -49,16 +49,33 @@ def test_llama_cpp_generates_the_same_greedy_tokens(checkpoint, tmp_path, ftype)
 def test_llama_cpp_logits_agree(checkpoint, tmp_path, ftype):
     path = tmp_path / f"m-{ftype}.gguf"
     quantize_model(checkpoint, path, ftype, progress=False)
+    # llama.cpp quantizes activations to 8 bits inside its quantized dot products (moerun does not), and near
+    # ties in routing then pick other experts: the coarser the type, the larger the gap
+    _check_logits(path, {"F32": 2e-3, "Q2_K": 0.12}.get(ftype, 0.03))  # F32: llama.cpp keeps its KV cache in F16
+
+
+def _check_logits(path, bound: float) -> None:
     ids = [5, 77, 200, 13, 9, 42, 300]
     ours = LLM(str(path), device="cpu", max_model_len=128).logits(ids).numpy()
     model = llama_cpp.Llama(model_path=str(path), n_ctx=128, verbose=False, logits_all=True)
     model.eval(ids)
     theirs = np.array(model.scores[: len(ids)])
-    # llama.cpp quantizes activations to 8 bits inside its quantized dot products (moerun does not), and near
-    # ties in routing then pick other experts: the coarser the type, the larger the gap
-    bound = {"F32": 2e-3, "Q2_K": 0.12}.get(ftype, 0.03)  # F32: llama.cpp keeps its KV cache in F16
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < bound
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.85
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0",
+                                   "TQ2_0", "MXFP4"])
+def test_llama_cpp_logits_agree_on_read_only_types(checkpoint, tmp_path, qtype):
+    # moerun does not write these types: the experts of a Q8_0 file are replaced by random valid blocks.
+    base, path = tmp_path / "q8.gguf", tmp_path / f"m-{qtype}.gguf"
+    quantize_model(checkpoint, base, "Q8_0", progress=False)
+    with_random_blocks(base, path, qtype, seed=7)
+    from moerun.formats.gguf.reader import GGUFFile
+
+    with GGUFFile(path) as f:
+        assert f.tensors["blk.0.ffn_up_exps.weight"].type_name == qtype
+    _check_logits(path, 0.03)
 
 
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ4_NL"])

@@ -63,6 +63,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
+    from moerun.kernels.quant.block_dequant import BLOCK_TYPES, block_dequantize
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
@@ -114,7 +115,13 @@ def _cases() -> dict[str, Callable[[], None]]:
                              "BLOCK_N2": 8, "BLOCK_K2": 1024, "num_warps2": 4, "num_stages2": 2, "reduce": "fused"})
     v2_moe = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "BLOCK_N2": 8, "BLOCK_K2": 256,
               "num_warps2": 4}
-    return {
+    blocks = {t: random_quantized(t, (4, 64, 512)) for t in BLOCK_TYPES}
+    cases = {
+        f"{t.name} experts dequantised from their blocks": lambda t=t: block_dequantize(
+            blocks[t].raw, t, (4, 64, 512), bf16, torch.tensor([3, 0])) for t in BLOCK_TYPES}
+    cases["IQ3_S weight dequantised from its blocks"] = lambda: block_dequantize(
+        blocks[QuantType.IQ3_S].raw, QuantType.IQ3_S, (4, 64, 512), bf16)
+    return cases | {
         "fused_moe, decode, k slots summed in GEMM 2": lambda: fused_moe_triton(x8[:4], w13, w2, w1.repeat(4, 1),
                                                                                 ids1.repeat(4, 1), fused_gemm2),
         "fused_moe through address tables (zero-copy)": lambda: fused_moe_indirect_triton(

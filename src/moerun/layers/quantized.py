@@ -66,6 +66,15 @@ class QuantizedWeight:
         """Expert e of a stacked [E, rows, cols] weight, dense [rows, cols]."""
         return torch.cat([p[e].dequantize(dtype) for p in self._stored()], dim=-2)
 
+    def experts(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ids [n] (repeats allowed) of a stacked [E, rows, cols] weight, dense [n, rows, cols], gathered on
+        the weight's device without a host synchronisation."""
+        if self.released:
+            raise ValueError("expert gathers read the GGUF blocks, which this weight released")
+        parts = [QuantizedTensor(p.raw.index_select(0, ids), p.qtype, (ids.numel(), *p.shape[-2:]), p.name)
+                 for p in self.parts]  # fmt: skip
+        return torch.cat([p.dequantize(dtype) for p in parts], dim=-2)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ids [T] of a [rows, cols] weight, dense [T, cols] (an embedding lookup)."""
         if self.released:

@@ -5,6 +5,12 @@ A QuantizedWeight (layers/quantized.py) is repacked on first use, on its own dev
 along the rows, so gate|up or q|k|v of one type become one tensor. `pack_model` does this up front (call it
 after loading a GGUF model on CUDA, before capturing CUDA graphs); with release_blocks it also drops the GGUF
 blocks of every weight that no embedding reads, so each weight is held once. The torch backend (CPU) dequantises.
+
+Types without a repacked layout (the grid types IQ1 ... IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: `has_kernel_layout`)
+keep their GGUF blocks on the Triton path too and are dequantised on each call, in one launch a part
+(kernels/quant/block_dequant.py): a linear layer whole; an MoE layer's touched experts once per (token, slot) when
+the step routes fewer pairs than the layer has experts (decode), else the whole layer. No host synchronisation
+either way, so CUDA graphs still capture them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerun.kernels.quant.repack import PackedWeight, cat_rows, pack
+from moerun.kernels.quant.repack import LAYOUTS, PackedWeight, cat_rows, pack
 from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
 
@@ -43,6 +49,13 @@ def packed_parts(weight: Weight) -> list[PackedWeight]:
     return packed
 
 
+def has_kernel_layout(weight: Weight) -> bool:
+    """Whether the quantized kernels read this weight (every part a float type or one with a repacked layout)."""
+    if not isinstance(weight, QuantizedWeight) or weight.__dict__.get("packed") is not None:
+        return True
+    return all(p.qtype in LAYOUTS or not p.qtype.is_quantized for p in weight.parts)
+
+
 def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[PackedWeight]:
     """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (never for a weight whose
     rows an embedding looks up)."""
@@ -53,7 +66,8 @@ def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[P
 
 
 def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
-    """Repack every QuantizedWeight of the model's layers (module.q_<attr>) now; returns how many.
+    """Repack every QuantizedWeight of the model's layers (module.q_<attr>) that has a repacked layout now;
+    returns how many.
 
     Embedding tables are left alone (they decode looked-up rows), unless another layer shares the weight,
     as a tied lm_head does; such a shared weight keeps its blocks for the lookups.
@@ -67,6 +81,8 @@ def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
             continue
         for name, value in list(module.__dict__.items()):
             if name.startswith("q_") and isinstance(value, QuantizedWeight) and id(value) not in seen:
+                if not has_kernel_layout(value):
+                    continue  # dequantised from its blocks on each call
                 seen.add(id(value))
                 pack_weight(value, release_blocks and id(value) not in looked_up)
     return len(seen)
@@ -81,6 +97,8 @@ def quant_matmul(
     rounded to int8 (rows of x [T, K], int8_input_pad's padding), read by the parts whose config rounds x."""
     if pick_backend(backend, x.device, "quantized matmul") == "torch":
         return F.linear(x, weight.dequantize(x.dtype), bias)
+    if not has_kernel_layout(weight):
+        return F.linear(x, dense_weight(weight, x.dtype), bias)
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
     K = x.shape[-1]
@@ -92,7 +110,7 @@ def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) 
     """The padded row length at which quant_matmul's Triton path rounds x [..., K] to int8 for some part of
     weight (its tuned or default config says so), else None: a producer of x may then hand it over already
     rounded (ops.rms_norm_int8)."""
-    if pick_backend(backend, x.device, "quantized matmul") == "torch":
+    if pick_backend(backend, x.device, "quantized matmul") == "torch" or not has_kernel_layout(weight):
         return None
     from moerun.kernels.quant.matmul_quant import int8_input_pad as pad_of
 
@@ -115,6 +133,11 @@ def fused_moe_quantized(
     hidden already rounded to int8, read if the chosen config rounds it."""
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
+    if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
+        if tables is not None:
+            raise ValueError("experts through address tables need the fused quantized kernels")
+        out = _moe_from_blocks(hidden, w13, w2, topk_weights, topk_ids)
+        return out if out_dtype is None else out.to(out_dtype)
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if fused_kernels_apply(p13, p2):
         return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype, tables=tables,
@@ -130,12 +153,56 @@ def fused_moe_quantized(
     return out if out_dtype is None else out.to(out_dtype)
 
 
+def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """The MoE of experts without a repacked layout, dequantised from their GGUF blocks as it runs: -> [T, H].
+
+    Fewer (token, slot) pairs than experts: each pair's expert is dequantised (repeats again) and the pairs run as
+    batched GEMVs. Otherwise the whole layer is dequantised for the dense fused kernels."""
+    from moerun.kernels.fused_moe import fused_moe_triton
+
+    T, k = topk_ids.shape
+    if T * k >= w13.shape[0]:
+        return fused_moe_triton(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype), topk_weights,
+                                topk_ids)  # fmt: skip
+    ids = topk_ids.reshape(-1).long()  # [T*k]
+    g13 = dense_weight(w13, hidden.dtype, ids)  # [T*k, 2I, H]
+    g2 = dense_weight(w2, hidden.dtype, ids)  # [T*k, H, I]
+    x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate_up = torch.bmm(g13, x).squeeze(-1)  # [T*k, 2I]
+    inter = gate_up.shape[-1] // 2
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T*k, I]
+    y = torch.bmm(g2, act.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    per_slot = y.float().view(T, k, -1) * topk_weights.float().unsqueeze(-1)  # [T, k, H]
+    return per_slot.sum(dim=1).to(hidden.dtype)
+
+
+def dense_weight(weight: Weight, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight dense in ``dtype`` on the Triton path ([N, K] / [E, N, K]; with ids [n] the stacked weight's
+    experts ids, [n, N, K]): GGUF parts of the types without a layout by one block-dequantising launch, other GGUF
+    parts by torch, repacked parts by the kernels' decoder."""
+    from moerun.kernels.quant.block_dequant import BLOCK_TYPES, block_dequantize
+    from moerun.kernels.quant.decode import dequantize_triton
+
+    if isinstance(weight, QuantizedWeight) and not weight.released:
+        dense = []
+        for p in weight.parts:
+            if p.qtype in BLOCK_TYPES:
+                dense.append(block_dequantize(p.raw, p.qtype, p.shape, dtype, ids))
+            else:
+                dense.append(p.dequantize(dtype) if ids is None else QuantizedWeight([p]).experts(ids, dtype))
+        return torch.cat(dense, dim=-2)
+    return torch.cat([dequantize_triton(p if ids is None else p[ids], dtype) for p in packed_parts(weight)], dim=-2)
+
+
 def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) -> int | None:
     """The padded row length at which the fused quantized MoE rounds hidden [T, H] to int8 (the config it picks
     for T tokens, k slots says so), else None: the router may then hand hidden over rounded (ops.route_fused_int8).
     Triton path only."""
     from moerun.kernels.quant.fused_moe_quant import int8_input_pad as pad_of
 
+    if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
+        return None
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if not fused_kernels_apply(p13, p2):
         return None

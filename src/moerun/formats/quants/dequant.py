@@ -62,6 +62,22 @@ def _bytes_t(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return torch.stack([blocks[:, j] for j in range(start, stop)])
 
 
+_TABLES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A small float32 lookup table on `device`, copied there once (no host copy inside a captured CUDA graph)."""
+    key = (values, device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
+def _steps(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """int32 [n]: 0, step, 2 step, ... (shift amounts; made by a kernel, never copied from the host)."""
+    return torch.arange(0, n * step, step, device=device, dtype=torch.int32)
+
+
 def _nibble_pair(src: torch.Tensor, lo_dst: torch.Tensor, hi_dst: torch.Tensor) -> None:
     """Low nibbles of `src` into lo_dst and high nibbles into hi_dst (float32 views, exact)."""
     lo_dst.copy_(torch.bitwise_and(src, 0x0F))
@@ -241,7 +257,7 @@ def _codes_q6_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def _iq4_levels(qs: torch.Tensor, out: torch.Tensor) -> None:
     """The levels of the nibbles qs [..., 16] into out [..., 2, 16] (float32 views, exact)."""
-    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=qs.device)
+    table = _table(IQ4_VALUES, qs.device)
     out[..., 0, :].copy_(table[torch.bitwise_and(qs, 0x0F).long()])
     out[..., 1, :].copy_(table[torch.bitwise_right_shift(qs, 4).long()])
 
@@ -326,7 +342,7 @@ def _codes_iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # Per 32 elements two words: four grid indices (bytes), then four 7-bit sign patterns and the scale.
     n = blocks.shape[0]
     idx = blocks[:, 2:66].reshape(n, 8, 2, 4)[:, :, 0]  # [n, 8, 4]
-    signs = _u32(blocks, 2, 66)[:, 1::2].unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=blocks.device) & 127
+    signs = _u32(blocks, 2, 66)[:, 1::2].unsqueeze(-1) >> _steps(4, 7, blocks.device) & 127
     o = out.view(n, 8, 4, 8)
     o.copy_(_signed_grid(QuantType.IQ2_XXS, idx, _pattern_bits(signs)))
     return out.view(n, 8, 32)
@@ -349,7 +365,7 @@ def _codes_iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def _codes_iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # 32 low index bytes, 32 sign bytes (one per 8 elements), 8 bytes of 2-bit index tops (four a byte).
     n = blocks.shape[0]
-    qh = blocks[:, 66:74].to(torch.int32).unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], device=blocks.device) & 3
+    qh = blocks[:, 66:74].to(torch.int32).unsqueeze(-1) >> _steps(4, 2, blocks.device) & 3
     idx = blocks[:, 2:34].to(torch.int32) | (qh.reshape(n, 32) << 8)  # [n, 32]
     o = out.view(n, 32, 8)
     o.copy_(_signed_grid(QuantType.IQ2_S, idx, _sign_bits(blocks[:, 34:66])))
@@ -365,7 +381,7 @@ def _codes_iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # 64 grid indices (4 values each), then per 32 elements a word of four 7-bit sign patterns (8 values each).
     n = blocks.shape[0]
     words = _u32(blocks, 66, 98)  # [n, 8]
-    signs = words.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=blocks.device) & 127  # [n, 8, 4]
+    signs = words.unsqueeze(-1) >> _steps(4, 7, blocks.device) & 127  # [n, 8, 4]
     negative = _pattern_bits(signs).view(n, 8, 4, 2, 4)
     o = out.view(n, 8, 4, 2, 4)
     o.copy_(_signed_grid(QuantType.IQ3_XXS, blocks[:, 2:66].reshape(n, 8, 4, 2), negative))
@@ -403,7 +419,7 @@ def _codes_iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # 32 low index bytes; per 32 elements a uint16: four 3-bit index tops, the scale, the delta's sign (bit 15).
     n = blocks.shape[0]
     qh = _u16(blocks, 34, 50)  # [n, 8]
-    tops = qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=blocks.device) & 7  # [n, 8, 4]
+    tops = qh.unsqueeze(-1) >> _steps(4, 3, blocks.device) & 7  # [n, 8, 4]
     idx = blocks[:, 2:34].to(torch.int32).view(n, 8, 4) | (tops << 8)
     minus = (qh & 0x8000).bool().unsqueeze(-1).expand(n, 8, 4)
     o = out.view(n, 8, 4, 8)
@@ -420,7 +436,7 @@ def _iq1_m_d(blocks: torch.Tensor) -> torch.Tensor:
 
 def _scales_iq1_m(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # Sixteen 3-bit scales (bits 0, 3, 6, 9 of each word), one per 16 elements: d (2 s + 1), then / 8 as IQ1_S.
-    sc = _u16(blocks, 48, 56).unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=blocks.device) & 7
+    sc = _u16(blocks, 48, 56).unsqueeze(-1) >> _steps(4, 3, blocks.device) & 7
     odd = 2 * sc.reshape(-1, 16) + 1  # [N, 16]
     return ((_iq1_m_d(blocks).view(-1, 1) * odd * 0.125).unsqueeze(-1),)  # [N, 16, 1]
 
@@ -449,7 +465,7 @@ def _codes_tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     parts = []
     for start, stop, digits in ((0, 32, 5), (32, 48, 5), (48, 52, 4)):
         q = blocks[:, start:stop].to(torch.int32).unsqueeze(1)  # [n, 1, w]
-        pow3 = torch.tensor([3**k for k in range(digits)], device=blocks.device, dtype=torch.int32).view(1, -1, 1)
+        pow3 = torch.pow(3, torch.arange(digits, device=blocks.device, dtype=torch.int32)).view(1, -1, 1)
         parts.append(((q * pow3 & 0xFF) * 3 >> 8).reshape(n, -1))
     out.copy_(torch.cat(parts, dim=1) - 1)
     return out
@@ -459,7 +475,7 @@ def _codes_tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # Element 128h + 32k + l at bits 2k of byte 32h + l, stored as value + 1.
     n = blocks.shape[0]
     qs = blocks[:, 0:64].view(n, 2, 1, 32).to(torch.int32)
-    shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.int32).view(1, 1, 4, 1)
+    shifts = _steps(4, 2, blocks.device).view(1, 1, 4, 1)
     out.view(n, 2, 4, 32).copy_((qs >> shifts & 3) - 1)
     return out
 
@@ -470,7 +486,7 @@ _FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 def _fp4(qs: torch.Tensor, out: torch.Tensor) -> None:
     """FP4 nibbles qs [..., m] into out [..., 2, m]: low nibbles first, then high (float32 views, exact)."""
-    table = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=qs.device)
+    table = _table(_FP4_VALUES, qs.device)
     out[..., 0, :].copy_(table[torch.bitwise_and(qs, 0x0F).long()])
     out[..., 1, :].copy_(table[torch.bitwise_right_shift(qs, 4).long()])
 

@@ -1,0 +1,100 @@
+"""Types without a repacked layout (grid, ternary, FP4) on the Triton path: dequantised from their GGUF blocks on
+each call, checked against dequantise + the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.kernels.quant.repack import LAYOUTS  # noqa: E402
+from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
+from moerun.layers.quantized import QuantizedWeight  # noqa: E402
+from moerun.ops import moe as moe_ops  # noqa: E402
+from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
+from moerun.ops.quant import has_kernel_layout, int8_input_pad, pack_model, quant_matmul  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK_TYPES = [t for t in QuantType if t.is_quantized and t not in LAYOUTS]
+# Error allowed relative to the largest reference magnitude (both round the weights to bfloat16; the GEMM
+# outputs are rounded at different points).
+TOL = 2e-2
+
+
+def test_every_read_only_type_is_covered() -> None:
+    names = {t.name for t in BLOCK_TYPES}
+    assert names == {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
+                     "NVFP4"}  # fmt: skip
+
+
+@pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
+def test_linear_dequantises_the_blocks(qt: QuantType) -> None:
+    w = QuantizedWeight([random_quantized(qt, (48, 256), DEVICE), random_quantized(QuantType.Q8_0, (16, 256), DEVICE)])
+    assert not has_kernel_layout(w)
+    x = torch.randn(3, 256, device=DEVICE).bfloat16()
+    assert int8_input_pad(x, w, backend="triton") is None
+    out = quant_matmul(x, w, backend="triton")
+    assert torch.equal(out, F.linear(x, w.dequantize(torch.bfloat16)))
+    assert w.parts, "the blocks stay"
+
+
+def _experts(qt: QuantType, E: int, H: int, I: int):  # noqa: E741
+    gate = random_quantized(qt, (E, I, H), DEVICE)
+    up = random_quantized(qt, (E, I, H), DEVICE)
+    down = random_quantized(QuantType.Q4_K if qt != QuantType.MXFP4 else qt, (E, H, I), DEVICE)
+    return QuantizedWeight([gate, up]), QuantizedWeight([down])
+
+
+@pytest.mark.parametrize("T", [1, 3, 5], ids=lambda t: f"T{t}")  # pairs < E: gathered experts; else the layer
+@pytest.mark.parametrize("qt", [QuantType.IQ2_XXS, QuantType.IQ3_S, QuantType.IQ1_M, QuantType.MXFP4],
+                         ids=lambda t: t.name)
+def test_moe_matches_reference(seed, qt: QuantType, T: int) -> None:
+    E, H, I, k = 8, 256, 256, 2  # noqa: E741
+    w13, w2 = _experts(qt, E, H, I)
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    hidden = torch.randn(T, H, device=DEVICE).bfloat16()
+    out = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="triton")
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL, atol=TOL * scale, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_gathered_experts_equal_stacked_ones() -> None:
+    w13, _ = _experts(QuantType.IQ3_XXS, 6, 256, 256)
+    ids = torch.tensor([4, 0, 4, 5], device=DEVICE)
+    got = w13.experts(ids, torch.float32)  # [4, 512, 256]
+    assert torch.equal(got, torch.stack([w13.expert(int(e), torch.float32) for e in ids.tolist()]))
+
+
+def test_pack_model_keeps_the_blocks_of_read_only_types() -> None:
+    module = torch.nn.Module()
+    module.__dict__["q_a"] = QuantizedWeight([random_quantized(QuantType.IQ2_S, (8, 256), DEVICE)])
+    module.__dict__["q_b"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (8, 256), DEVICE)])
+    assert pack_model(module, release_blocks=True) == 1
+    assert module.__dict__["q_a"].parts and "packed" not in module.__dict__["q_a"].__dict__
+    assert module.__dict__["q_b"].released
+
+
+@pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_dequant_kernel_is_bit_exact(seed, qt: QuantType) -> None:
+    from moerun.kernels.quant.block_dequant import block_dequantize
+
+    E, N, K = 3, 40, 512  # N: one full and one partial program of 32 rows
+    w = random_quantized(qt, (E, N, K), DEVICE, any_scales=True)
+    ref = w.dequantize(torch.float32)
+    got = block_dequantize(w.raw, qt, (E, N, K), torch.float32)
+    mismatch = (got.view(torch.int32) != ref.view(torch.int32)).nonzero()
+    assert mismatch.numel() == 0, f"seed={seed}: first mismatches at {mismatch[:4].tolist()}"
+    # Weights of the usual size (the interpreter's emulated bf16 rounding does not cover float32 subnormals)
+    w = random_quantized(qt, (E, N, K), DEVICE)
+    ids = torch.tensor([2, 0, 2], device=DEVICE)
+    picked = block_dequantize(w.raw, qt, (E, N, K), torch.bfloat16, ids=ids)
+    assert torch.equal(picked, w.dequantize(torch.float32)[ids].to(torch.bfloat16))
+    K = 544 if qt.block_elems == 32 else K  # a 32-element type's blocks one a step
+    flat = random_quantized(qt, (N, K), DEVICE, any_scales=True)
+    assert torch.equal(block_dequantize(flat.raw, qt, (N, K), torch.float32), flat.dequantize(torch.float32))

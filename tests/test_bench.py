@@ -33,16 +33,17 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     assert "decode    batch" in capsys.readouterr().out
 
 
-def test_bench_tiny_q4_k_m_on_cpu(tmp_path, capsys):
-    # The preset in llama.cpp's Q4_K_M mix with random valid blocks (the CPU path dequantises each weight per
-    # call, so few forward passes); quantized weights count at their stored size.
+@pytest.mark.parametrize("quant", ["Q4_K_M", "IQ2_M"])  # IQ2_M: a file type moerun reads but does not write
+def test_bench_tiny_quantized_on_cpu(tmp_path, capsys, quant):
+    # The preset in llama.cpp's mix with random valid blocks (the CPU path dequantises each weight per call, so
+    # few forward passes); quantized weights count at their stored size.
     out = tmp_path / "bench"
-    args = ["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quant", "Q4_K_M",
+    args = ["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quant", quant,
             "--prefill-lens", "8", "--batch-sizes", "2", "--prompt-len", "4", "--steps", "1",
             "--max-model-len", "32", "--out", str(out)]
     assert main(args) == 0
     result = json.loads((out / "bench.json").read_text())
-    assert result["quant"] == "Q4_K_M" and result["model"].endswith("Q4_K_M")
+    assert result["quant"] == quant and result["model"].endswith(quant)
     assert set(result["prefill"]) == {"8"} and set(result["decode"]) == {"2"}
     step = result["decode"]["2"]
     assert step["tok_per_s"] > 0
@@ -50,7 +51,7 @@ def test_bench_tiny_q4_k_m_on_cpu(tmp_path, capsys):
     dense_bytes = 4 * ModelConfig.from_hf_dict(preset_config("tiny")).param_counts()["active"]
     assert 0 < step["bytes_per_step"] < dense_bytes / 2
     assert 0 < result["weight_bytes"] < dense_bytes / 2
-    assert "tiny Q4_K_M" in capsys.readouterr().out
+    assert f"tiny {quant}" in capsys.readouterr().out
 
 
 def test_bench_vs_transformers_shares_weights(tmp_path, capsys):

@@ -114,7 +114,7 @@ def test_row_length_fallbacks():
     assert t("Q4_K_M", "attn_q.weight", 2080) == T.Q5_0  # 2080 = 65 * 32, not a multiple of 256
     assert t("Q4_K_M", "attn_v.weight", 2080) == T.Q8_0  # Q6_K on layer 0 -> Q8_0
     assert t("Q5_K_M", "attn_q.weight", 2080) == T.Q5_1
-    assert t("Q3_K_M", "ffn_up_exps.weight", 2080) == T.Q4_0
+    assert t("Q3_K_M", "ffn_up_exps.weight", 2080) == T.IQ4_NL  # Q3_K -> IQ4_NL, as llama.cpp writes it
     assert t("IQ4_XS", "attn_q.weight", 2080) == T.IQ4_NL
     assert t("Q4_K_M", "attn_q.weight", 100) == T.F16
     assert t("Q8_0", "attn_q.weight", 100) == T.F16
@@ -127,3 +127,26 @@ def test_bad_arguments():
     assert file_type("q4_k_m") == LlamaFileType.MOSTLY_Q4_K_M
     with pytest.raises(ValueError, match=r"tensor 'blk.48.attn_v.weight': layer 48 is not in \[0, 48\)"):
         tensor_type("blk.48.attn_v.weight", (512, H), "Q4_K_M", 48, N_LAYERS, N_EXPERT)
+
+
+def test_read_only_file_types():
+    # Mixes of file types moerun cannot write (random models of them), Qwen3-30B-A3B (n_gqa 8, 128 experts).
+    assert mix("IQ2_M", "ffn_up_exps.weight", 20) == T.IQ2_S
+    assert mix("IQ2_M", "ffn_down_exps.weight", 5) == T.IQ3_S and mix("IQ2_M", "ffn_down_exps.weight", 6) == T.IQ2_S
+    assert mix("IQ2_XXS", "ffn_down_exps.weight", 0) == T.Q2_K and mix("IQ2_XXS", "attn_q.weight", 3) == T.IQ2_XXS
+    assert mix("IQ2_S", "attn_q.weight", 3) == T.IQ2_XS  # the IQ2_S file type's default type is IQ2_XS
+    assert mix("IQ2_M", "attn_v.weight", 3) == T.Q4_K and mix("IQ1_S", "attn_output.weight", 3) == T.IQ2_XXS
+    assert mix("IQ1_M", "attn_output.weight", 3, n_expert=8) == T.Q5_K
+    assert mix("IQ2_M", "token_embd.weight") == T.IQ3_S and mix("IQ1_S", "token_embd.weight") == T.Q2_K
+    assert mix("IQ2_M", "output.weight") == T.Q5_K and mix("IQ3_S", "output.weight") == T.Q6_K
+    assert mix("IQ3_XXS", "attn_q.weight", 3) == T.IQ2_S and mix("IQ3_XXS", "attn_v.weight", 3) == T.Q4_K
+    assert mix("IQ3_XXS", "ffn_down_exps.weight", 5) == T.Q4_K and mix("IQ3_XXS", "ffn_down_exps.weight", 6) == T.Q3_K
+    assert mix("IQ3_M", "attn_output.weight", 3) == T.Q4_K and mix("IQ3_M", "ffn_gate_exps.weight", 3) == T.IQ3_S
+    assert mix("IQ3_XS", "ffn_gate_exps.weight", 6) == T.IQ3_XXS and mix("IQ3_XS", "ffn_gate_exps.weight", 5) == T.IQ3_S
+    assert mix("TQ2_0", "token_embd.weight") == T.Q4_K and mix("TQ1_0", "ffn_up_exps.weight", 3) == T.TQ1_0
+    assert mix("MXFP4_MOE", "ffn_up_exps.weight", 3) == T.MXFP4 and mix("MXFP4_MOE", "attn_q.weight", 3) == T.Q8_0
+    assert mix("MXFP4_MOE", "output.weight") == T.Q8_0
+    # moerun writes none of them
+    with pytest.raises(ValueError, match="unknown GGUF file type 'IQ2_M'"):
+        file_type("IQ2_M")
+    assert file_type("iq2_m", read_only=True) == LlamaFileType.MOSTLY_IQ2_M

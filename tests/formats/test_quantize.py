@@ -161,9 +161,9 @@ def test_unsupported_type_raises_naming_it() -> None:
 
 def test_fallback_type_follows_llamacpp() -> None:
     assert fallback_type(QuantType.Q4_K, 2048) == QuantType.Q4_K
-    expected = {QuantType.Q2_K: QuantType.Q4_0, QuantType.Q3_K: QuantType.Q4_0, QuantType.Q4_K: QuantType.Q5_0,
-                QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0,
-                QuantType.IQ4_XS: QuantType.IQ4_NL}
+    expected = {QuantType.Q2_K: QuantType.IQ4_NL, QuantType.Q3_K: QuantType.IQ4_NL, QuantType.Q4_K: QuantType.Q5_0,
+                QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0, QuantType.IQ4_XS: QuantType.IQ4_NL,
+                QuantType.IQ2_XXS: QuantType.IQ4_NL, QuantType.IQ3_S: QuantType.IQ4_NL, QuantType.TQ1_0: QuantType.Q4_0}
     for qt, alt in expected.items():
         assert fallback_type(qt, 2080) == alt  # 2080 = 65 * 32: not whole super-blocks
         assert fallback_type(qt, 2050) == QuantType.F16

@@ -16,15 +16,16 @@ from torch import nn
 
 from moerun.config import ModelConfig
 from moerun.formats.gguf.names import gguf_layer, gguf_to_hf
-from moerun.formats.gguf.type_mix import FILE_TYPES, tensor_type
+from moerun.formats.gguf.type_mix import FILE_TYPES, READ_ONLY_FILE_TYPES, tensor_type
 from moerun.formats.quants import QuantizedTensor, QuantType
 from moerun.layers.embedding import Embedding
 from moerun.layers.linear import shard_index_fn
 from moerun.layers.quantized import QuantizedWeight, set_quantized
 from moerun.models.registry import get_model_class
 
-# File types whose tensors are mostly block-quantized (the float ones would give a dense model).
-QUANT_FILE_TYPES = tuple(name for name in FILE_TYPES if name not in ("F32", "F16", "BF16"))
+# File types whose tensors are mostly block-quantized (the float ones would give a dense model), those moerun
+# writes and those it only reads.
+QUANT_FILE_TYPES = tuple(name for name in (*FILE_TYPES, *READ_ONLY_FILE_TYPES) if name not in ("F32", "F16", "BF16"))
 _FLOAT_DTYPES = {QuantType.F32: torch.float32, QuantType.F16: torch.float16, QuantType.BF16: torch.bfloat16}
 
 

@@ -58,7 +58,9 @@ def has_kernel_layout(weight: Weight) -> bool:
 
 def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[PackedWeight]:
     """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (never for a weight whose
-    rows an embedding looks up)."""
+    rows an embedding looks up). A weight without a repacked layout keeps its blocks: -> []."""
+    if not has_kernel_layout(weight):
+        return []
     parts = packed_parts(weight)
     if release_blocks and not weight.released:
         weight.release_blocks()
@@ -66,8 +68,8 @@ def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[P
 
 
 def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
-    """Repack every QuantizedWeight of the model's layers (module.q_<attr>) that has a repacked layout now;
-    returns how many.
+    """Repack every QuantizedWeight of the model's layers (module.q_<attr>) now; returns how many were repacked
+    (a weight without a repacked layout keeps its blocks and is not counted).
 
     Embedding tables are left alone (they decode looked-up rows), unless another layer shares the weight,
     as a tied lm_head does; such a shared weight keeps its blocks for the lookups.
@@ -76,16 +78,16 @@ def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
 
     looked_up = {id(m.__dict__.get("q_weight")) for m in model.modules() if isinstance(m, Embedding)}
     seen: set[int] = set()
+    packed = 0
     for module in model.modules():
         if isinstance(module, Embedding):
             continue
         for name, value in list(module.__dict__.items()):
             if name.startswith("q_") and isinstance(value, QuantizedWeight) and id(value) not in seen:
-                if not has_kernel_layout(value):
-                    continue  # dequantised from its blocks on each call
                 seen.add(id(value))
-                pack_weight(value, release_blocks and id(value) not in looked_up)
-    return len(seen)
+                if pack_weight(value, release_blocks and id(value) not in looked_up):
+                    packed += 1
+    return packed
 
 
 def quant_matmul(

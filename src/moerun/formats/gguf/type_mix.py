@@ -15,13 +15,20 @@ writes (no importance matrix, no manual overrides), plus the converter's rule th
   Q3_K_M -> Q4_K.
 * IQ4_NL / IQ4_XS: ``attn_v`` Q5_K if n_head/n_head_kv >= 4, ``ffn_down`` Q5_K for layers < n/8 (the rule
   without an importance matrix), ``attn_output`` Q5_K with exactly 8 experts.
-* Row-length fallback (ggml rows must be whole blocks): Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1,
-  Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, and F16 when even that does not fit.
+* Row-length fallback (ggml rows must be whole blocks): Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K, Q3_K,
+  IQ4_XS and the grid types -> IQ4_NL, TQ1_0/TQ2_0 -> Q4_0, and F16 when even that does not fit.
+
+The file types moerun reads but does not write (``READ_ONLY_FILE_TYPES``: IQ1_S ... IQ3_M, TQ1_0, TQ2_0,
+MXFP4_MOE) have their mixes too, for random models of that file type (``moerun bench --quant IQ2_M``). Their rules
+are the same function's for a quantization without an importance matrix; llama.cpp writes IQ1 and IQ2 files only
+with one, so only the IQ3, TQ and MXFP4 mixes are checked against llama.cpp itself.
 """
 
 from __future__ import annotations
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+from moerun.formats.quants import QuantType, fallback_type
 
 T = GGMLQuantizationType
 F = LlamaFileType
@@ -32,28 +39,41 @@ FILE_TYPES: dict[str, LlamaFileType] = {
     "Q5_K_M": F.MOSTLY_Q5_K_M, "Q4_K_M": F.MOSTLY_Q4_K_M, "Q3_K_M": F.MOSTLY_Q3_K_M, "Q2_K": F.MOSTLY_Q2_K,
     "Q4_0": F.MOSTLY_Q4_0, "IQ4_XS": F.MOSTLY_IQ4_XS, "IQ4_NL": F.MOSTLY_IQ4_NL,
 }
+# file types whose tensor types moerun knows but whose quantizers it lacks (random models of them only)
+READ_ONLY_FILE_TYPES: dict[str, LlamaFileType] = {
+    name: F[f"MOSTLY_{name}"] for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS",
+                                           "IQ3_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE")
+}
 # llama_ftype_get_default_type
 DEFAULT_TYPE: dict[LlamaFileType, GGMLQuantizationType] = {
     F.ALL_F32: T.F32, F.MOSTLY_F16: T.F16, F.MOSTLY_BF16: T.BF16, F.MOSTLY_Q8_0: T.Q8_0, F.MOSTLY_Q6_K: T.Q6_K,
     F.MOSTLY_Q5_K_M: T.Q5_K, F.MOSTLY_Q4_K_M: T.Q4_K, F.MOSTLY_Q3_K_M: T.Q3_K, F.MOSTLY_Q2_K: T.Q2_K,
     F.MOSTLY_Q4_0: T.Q4_0, F.MOSTLY_IQ4_XS: T.IQ4_XS, F.MOSTLY_IQ4_NL: T.IQ4_NL,
+    F.MOSTLY_IQ1_S: T.IQ1_S, F.MOSTLY_IQ1_M: T.IQ1_M, F.MOSTLY_IQ2_XXS: T.IQ2_XXS, F.MOSTLY_IQ2_XS: T.IQ2_XS,
+    F.MOSTLY_IQ2_S: T.IQ2_XS, F.MOSTLY_IQ2_M: T.IQ2_S, F.MOSTLY_IQ3_XXS: T.IQ3_XXS, F.MOSTLY_IQ3_XS: T.IQ3_S,
+    F.MOSTLY_IQ3_S: T.IQ3_S, F.MOSTLY_IQ3_M: T.IQ3_S, F.MOSTLY_TQ1_0: T.TQ1_0, F.MOSTLY_TQ2_0: T.TQ2_0,
+    F.MOSTLY_MXFP4_MOE: T.MXFP4,
 }
 _FLOAT = (T.F32, T.F16, T.BF16)
-# tensor_type_fallback: a type whose block does not divide the row length
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
 _IQ4 = (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS)
+# the file types whose attention and ffn_down rules form one group in llama.cpp (the IQ1 and IQ2 mixes)
+_LOW = (F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M, F.MOSTLY_IQ1_M)
+_IQ2_SM = (F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M)
+_IQ1 = (F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M)
 
 
-def file_type(ftype: str | LlamaFileType) -> LlamaFileType:
-    """The llama.cpp file type for a ``--type`` name such as 'Q4_K_M' (or a LlamaFileType)."""
+def file_type(ftype: str | LlamaFileType, read_only: bool = False) -> LlamaFileType:
+    """The llama.cpp file type for a ``--type`` name such as 'Q4_K_M' (or a LlamaFileType); read_only also takes
+    the file types moerun cannot write (READ_ONLY_FILE_TYPES)."""
+    known = {**FILE_TYPES, **READ_ONLY_FILE_TYPES} if read_only else FILE_TYPES
     if isinstance(ftype, LlamaFileType):
-        if ftype not in DEFAULT_TYPE:
-            raise ValueError(f"file type {ftype.name} is not supported; choose one of {', '.join(FILE_TYPES)}")
+        if ftype not in known.values():
+            raise ValueError(f"file type {ftype.name} is not supported; choose one of {', '.join(known)}")
         return ftype
     key = str(ftype).upper()
-    if key not in FILE_TYPES:
-        raise ValueError(f"unknown GGUF file type {ftype!r}; choose one of {', '.join(FILE_TYPES)}")
-    return FILE_TYPES[key]
+    if key not in known:
+        raise ValueError(f"unknown GGUF file type {ftype!r}; choose one of {', '.join(known)}")
+    return known[key]
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
@@ -88,7 +108,7 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], ftype: str | LlamaFileTy
     ``layer`` is the block index (None for global tensors), ``n_gqa`` is n_head / n_head_kv and
     ``tied_embeddings`` says the file has no ``output.weight``, so ``token_embd`` is quantized like the head.
     """
-    ft = file_type(ftype)
+    ft = file_type(ftype, read_only=True)
     shape = tuple(int(d) for d in shape)
     if not is_quantizable(gguf_name, shape):
         return T.F32
@@ -105,12 +125,32 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], ftype: str | LlamaFileTy
 def _mix(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, shape: tuple[int, ...], layer: int, n_layers: int,
          n_expert: int, n_gqa: int, tied: bool) -> GGMLQuantizationType:
     if cat == "output" or (tied and cat == "token_embd"):
-        if shape[-1] % GGML_QUANT_SIZES[t][0]:
+        if ft == F.MOSTLY_MXFP4_MOE or shape[-1] % GGML_QUANT_SIZES[t][0]:
             return T.Q8_0
+        if ft in (*_LOW, F.MOSTLY_IQ3_XXS):
+            return T.Q5_K
         return t if t == T.Q8_0 else T.Q6_K
+    if ft == F.MOSTLY_MXFP4_MOE:  # stacked experts in MXFP4, everything else in Q8_0
+        return T.MXFP4 if len(shape) > 2 and shape[0] > 1 else T.Q8_0
+    if cat == "token_embd":
+        if ft in (F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, *_IQ1):
+            return T.Q2_K
+        if ft in (*_IQ2_SM, F.MOSTLY_IQ3_XXS):
+            return T.IQ3_S
+        if ft in (F.MOSTLY_TQ1_0, F.MOSTLY_TQ2_0):
+            return T.Q4_K
+        return t
+    if ft in _LOW:
+        return _mix_low(cat, t, ft, layer, n_layers, n_expert, n_gqa)
     if cat == "attn_v":
         if ft == F.MOSTLY_Q2_K:
             t = T.Q4_K if n_gqa >= 4 else T.Q3_K
+        elif ft == F.MOSTLY_IQ3_XXS:
+            t = T.Q4_K if n_gqa >= 4 else T.IQ3_S  # IQ3_XXS with an importance matrix
+        elif ft in (F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_S) and n_gqa >= 4:
+            t = T.Q4_K
+        elif ft == F.MOSTLY_IQ3_M:
+            t = T.Q4_K
         elif ft == F.MOSTLY_Q3_K_M:
             t = T.Q5_K if layer < 2 else T.Q4_K
         elif ft in _IQ4 and n_gqa >= 4:
@@ -119,12 +159,20 @@ def _mix(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, shape: tuple[int,
             t = T.Q6_K
         return T.Q8_0 if n_expert == 8 else t
     if cat == "attn_k":
-        return T.Q8_0 if n_expert == 8 else t
+        if n_expert == 8:
+            return T.Q8_0
+        return {F.MOSTLY_IQ3_XS: T.IQ3_XXS, F.MOSTLY_IQ3_XXS: T.IQ2_S}.get(ft, t)
+    if cat == "attn_q":
+        return {F.MOSTLY_IQ3_XS: T.IQ3_XXS, F.MOSTLY_IQ3_XXS: T.IQ2_S}.get(ft, t)
     if cat == "ffn_down":
         if ft == F.MOSTLY_Q2_K:
             return T.Q3_K
+        if ft == F.MOSTLY_IQ3_XXS:
+            return T.Q4_K if layer < n_layers // 8 else T.Q3_K
         if ft == F.MOSTLY_Q3_K_M:
             return T.Q5_K if layer < n_layers // 16 else T.Q4_K
+        if ft == F.MOSTLY_IQ3_M and (layer < n_layers // 8 or (n_expert == 8 and use_more_bits(layer, n_layers))):
+            return T.Q4_K
         if ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(layer, n_layers):
             return T.Q6_K
         if ft in _IQ4 and layer < n_layers // 8:
@@ -132,18 +180,37 @@ def _mix(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, shape: tuple[int,
         return t
     if cat == "attn_output":
         if n_expert == 8:
-            return T.Q5_K if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_M, *_IQ4) else t
-        if ft == F.MOSTLY_Q2_K:
-            return T.Q3_K
-        if ft == F.MOSTLY_Q3_K_M:
+            bumped = (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_M, *_IQ4, F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_XXS,
+                      F.MOSTLY_IQ3_S, F.MOSTLY_IQ3_M)  # fmt: skip
+            return T.Q5_K if ft in bumped else t
+        return {F.MOSTLY_Q2_K: T.Q3_K, F.MOSTLY_IQ3_XXS: T.IQ3_S, F.MOSTLY_Q3_K_M: T.Q4_K,
+                F.MOSTLY_IQ3_M: T.Q4_K}.get(ft, t)  # fmt: skip
+    if cat in ("ffn_gate", "ffn_up") and ft == F.MOSTLY_IQ3_XS and n_layers // 8 <= layer < 7 * n_layers // 8:
+        return T.IQ3_XXS
+    return t
+
+
+def _mix_low(cat: str, t: GGMLQuantizationType, ft: LlamaFileType, layer: int, n_layers: int, n_expert: int,
+             n_gqa: int) -> GGMLQuantizationType:
+    """The IQ1 / IQ2 file types' rules (one branch of llama.cpp's, without the 8-expert Q8_0 bumps)."""
+    if cat == "attn_v":
+        if n_gqa >= 4 or n_expert >= 4:
             return T.Q4_K
+        return T.IQ3_S if ft in _IQ2_SM else T.Q2_K
+    if cat == "attn_k" and n_expert == 8:
+        return T.Q4_K
+    if cat == "ffn_down" and layer < n_layers // 8:
+        return T.IQ3_S if ft in _IQ2_SM else T.Q2_K
+    if cat == "attn_output":
+        if n_expert == 8:
+            return T.Q5_K
+        if ft in _IQ1:
+            return T.IQ2_XXS
+        if ft in _IQ2_SM:
+            return T.IQ3_S
     return t
 
 
 def _fallback(t: GGMLQuantizationType, shape: tuple[int, ...]) -> GGMLQuantizationType:
     """A type whose blocks divide the row length: llama.cpp's fallback chain, then F16."""
-    row = shape[-1]
-    if row % GGML_QUANT_SIZES[t][0] == 0:
-        return t
-    alt = _FALLBACK.get(t, T.F16)
-    return alt if row % GGML_QUANT_SIZES[alt][0] == 0 else T.F16
+    return T(int(fallback_type(QuantType(int(t)), shape[-1])))

@@ -19,22 +19,25 @@ _F32 = np.float32
 _GROUP_MAX_EPS = _F32(1e-15)  # sub-blocks whose |max| is below this are treated as all-zero
 _BLOCKS_PER_CHUNK = 4096  # bounds the (elements x sub-blocks) search temporaries to a few MiB
 
-# llama.cpp's choice when a row does not split into 256-element super-blocks.
+# llama.cpp's choice when a row does not split into 256-element super-blocks (llama_tensor_get_type).
 _K_FALLBACK = {
-    QuantType.Q2_K: QuantType.Q4_0,
-    QuantType.Q3_K: QuantType.Q4_0,
     QuantType.Q4_K: QuantType.Q5_0,
     QuantType.Q5_K: QuantType.Q5_1,
     QuantType.Q6_K: QuantType.Q8_0,
-    QuantType.IQ4_XS: QuantType.IQ4_NL,
+    QuantType.TQ1_0: QuantType.Q4_0,
+    QuantType.TQ2_0: QuantType.Q4_0,
+    **{t: QuantType.IQ4_NL for t in (QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_XS, QuantType.IQ2_XXS,
+                                     QuantType.IQ2_XS, QuantType.IQ2_S, QuantType.IQ3_XXS, QuantType.IQ3_S,
+                                     QuantType.IQ1_S, QuantType.IQ1_M)},
 }
 
 
 def fallback_type(qtype: int | str | enum.Enum, row_len: int) -> QuantType:
     """The type a tensor with rows of `row_len` elements is stored in when `qtype` was asked for.
 
-    Mirrors llama.cpp's quantizer: K-quants fall back to Q4_0/Q5_0/Q5_1/Q8_0 and anything
-    whose rows are still not whole blocks (row length not a multiple of 32) to F16.
+    Mirrors llama.cpp's quantizer: Q4_K/Q5_K/Q6_K fall back to Q5_0/Q5_1/Q8_0, Q2_K, Q3_K and the IQ types to
+    IQ4_NL, TQ1_0/TQ2_0 to Q4_0, and anything whose rows are still not whole blocks (row length not a multiple
+    of 32) to F16.
     """
     qt = as_quant_type(qtype)
     if row_len % qt.block_elems == 0:

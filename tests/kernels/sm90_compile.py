@@ -63,7 +63,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
-    from moerun.kernels.quant.block_dequant import BLOCK_TYPES, block_dequantize
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_dequantize, block_gemv
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
@@ -121,6 +121,12 @@ def _cases() -> dict[str, Callable[[], None]]:
             blocks[t].raw, t, (4, 64, 512), bf16, torch.tensor([3, 0])) for t in BLOCK_TYPES}
     cases["IQ3_S weight dequantised from its blocks"] = lambda: block_dequantize(
         blocks[QuantType.IQ3_S].raw, QuantType.IQ3_S, (4, 64, 512), bf16)
+    cases.update({
+        f"{t.name} GEMV over the blocks of the pairs' experts": lambda t=t: block_gemv(
+            blocks[t].raw, t, (4, 64, 512), torch.randn(1, 512, dtype=bf16), torch.tensor([3, 0]), 2)
+        for t in BLOCK_TYPES})
+    cases["IQ2_XXS GEMV over a weight's blocks"] = lambda: block_gemv(
+        blocks[QuantType.IQ2_XXS].raw[0], QuantType.IQ2_XXS, (64, 512), torch.randn(2, 512, dtype=bf16))
     return cases | {
         "fused_moe, decode, k slots summed in GEMM 2": lambda: fused_moe_triton(x8[:4], w13, w2, w1.repeat(4, 1),
                                                                                 ids1.repeat(4, 1), fused_gemm2),

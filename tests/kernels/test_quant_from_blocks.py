@@ -15,7 +15,7 @@ from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
 from moerun.ops import moe as moe_ops  # noqa: E402
 from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
-from moerun.ops.quant import has_kernel_layout, int8_input_pad, pack_model, quant_matmul  # noqa: E402
+from moerun.ops.quant import has_kernel_layout, int8_input_pad, pack_model, pack_weight, quant_matmul  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_TYPES = [t for t in QuantType if t.is_quantized and t not in LAYOUTS]
@@ -31,13 +31,19 @@ def test_every_read_only_type_is_covered() -> None:
 
 
 @pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
-def test_linear_dequantises_the_blocks(qt: QuantType) -> None:
+def test_linear_reads_the_blocks(seed, qt: QuantType) -> None:
     w = QuantizedWeight([random_quantized(qt, (48, 256), DEVICE), random_quantized(QuantType.Q8_0, (16, 256), DEVICE)])
     assert not has_kernel_layout(w)
-    x = torch.randn(3, 256, device=DEVICE).bfloat16()
-    assert int8_input_pad(x, w, backend="triton") is None
-    out = quant_matmul(x, w, backend="triton")
-    assert torch.equal(out, F.linear(x, w.dequantize(torch.bfloat16)))
+    dense = w.dequantize(torch.bfloat16)
+    few = torch.randn(3, 256, device=DEVICE).bfloat16()  # a GEMV over the blocks
+    assert int8_input_pad(few, w, backend="triton") is None
+    ref = F.linear(few.float(), dense.float())
+    out = quant_matmul(few, w, backend="triton")
+    assert out.dtype == few.dtype and out.shape == (3, 64)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
+                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    many = torch.randn(2, 6, 256, device=DEVICE).bfloat16()  # dequantised once, then one matmul
+    assert torch.equal(quant_matmul(many, w, backend="triton"), F.linear(many, dense))
     assert w.parts, "the blocks stay"
 
 
@@ -62,6 +68,11 @@ def test_moe_matches_reference(seed, qt: QuantType, T: int) -> None:
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL, atol=TOL * scale, msg=lambda m: f"seed={seed}: {m}")
+    if T == 3 and has_kernel_layout(w2):  # the down projection repacked and its blocks dropped, as on CUDA
+        pack_weight(w2, release_blocks=True)
+        again = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="triton")
+        torch.testing.assert_close(again.float(), ref.float(), rtol=TOL, atol=TOL * scale,
+                                   msg=lambda m: f"seed={seed}, repacked w2: {m}")  # fmt: skip
 
 
 def test_gathered_experts_equal_stacked_ones() -> None:
@@ -82,7 +93,7 @@ def test_pack_model_keeps_the_blocks_of_read_only_types() -> None:
 
 @pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
 def test_block_dequant_kernel_is_bit_exact(seed, qt: QuantType) -> None:
-    from moerun.kernels.quant.block_dequant import block_dequantize
+    from moerun.kernels.quant.from_blocks import block_dequantize
 
     E, N, K = 3, 40, 512  # N: one full and one partial program of 32 rows
     w = random_quantized(qt, (E, N, K), DEVICE, any_scales=True)
@@ -98,3 +109,21 @@ def test_block_dequant_kernel_is_bit_exact(seed, qt: QuantType) -> None:
     K = 544 if qt.block_elems == 32 else K  # a 32-element type's blocks one a step
     flat = random_quantized(qt, (N, K), DEVICE, any_scales=True)
     assert torch.equal(block_dequantize(flat.raw, qt, (N, K), torch.float32), flat.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_gemv_matches_dequantised_product(seed, qt: QuantType) -> None:
+    from moerun.kernels.quant.from_blocks import block_gemv
+
+    E, N, K, k = 4, 40, 512, 2
+    w = random_quantized(qt, (E, N, K), DEVICE)
+    dense = w.dequantize(torch.float32)  # [E, N, K]
+    x = torch.randn(3, K, device=DEVICE)
+    ids = torch.tensor([3, 1, 0, 3, 2, 2], device=DEVICE)  # pairs (token p // k, expert ids[p])
+    got = block_gemv(w.raw, qt, (E, N, K), x, ids, x_div=k)  # [6, N]
+    ref = torch.einsum("pnk,pk->pn", dense[ids], x.repeat_interleave(k, 0))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    flat = random_quantized(qt, (N, K), DEVICE)
+    got = block_gemv(flat.raw, qt, (N, K), x)  # [3, N]
+    ref = x @ flat.dequantize(torch.float32).t()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")

@@ -7,10 +7,10 @@ after loading a GGUF model on CUDA, before capturing CUDA graphs); with release_
 blocks of every weight that no embedding reads, so each weight is held once. The torch backend (CPU) dequantises.
 
 Types without a repacked layout (the grid types IQ1 ... IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: `has_kernel_layout`)
-keep their GGUF blocks on the Triton path too and are dequantised on each call, in one launch a part
-(kernels/quant/block_dequant.py): a linear layer whole; an MoE layer's touched experts once per (token, slot) when
-the step routes fewer pairs than the layer has experts (decode), else the whole layer. No host synchronisation
-either way, so CUDA graphs still capture them.
+keep their GGUF blocks on the Triton path too, read by kernels/quant/from_blocks.py as each call runs: a GEMV over
+the blocks for a few rows of x (a linear layer's tokens; an MoE's (token, slot) pairs when the step routes fewer
+pairs than the layer has experts), else the weight dequantised in one launch a part for the dense kernels. No host
+synchronisation either way, so CUDA graphs still capture them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from moerun.ops.dispatch import pick_backend
 if TYPE_CHECKING:
     from moerun.kernels.quant.int8_dot import Int8Rows
 
+# Up to this many rows of x, a weight without a repacked layout is multiplied by the GEMV over its GGUF blocks.
+_BLOCK_GEMV_ROWS = 8
 # a list: parts already repacked (row-stacked), as an offloaded layer's repacked slot pool holds them
 Weight = QuantizedWeight | PackedWeight | list[PackedWeight]
 
@@ -100,7 +102,12 @@ def quant_matmul(
     if pick_backend(backend, x.device, "quantized matmul") == "torch":
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if not has_kernel_layout(weight):
-        return F.linear(x, dense_weight(weight, x.dtype), bias)
+        x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+        # a few rows: a GEMV over the blocks; more: dequantise once for cuBLAS
+        y = _pair_products(weight, x2, None, 1) if x2.shape[0] <= _BLOCK_GEMV_ROWS else F.linear(
+            x2, dense_weight(weight, x.dtype))
+        y = y if bias is None else y + bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
     K = x.shape[-1]
@@ -157,10 +164,11 @@ def fused_moe_quantized(
 
 def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor) -> torch.Tensor:
-    """The MoE of experts without a repacked layout, dequantised from their GGUF blocks as it runs: -> [T, H].
+    """The MoE of experts without a repacked layout, from their GGUF blocks as it runs: -> [T, H].
 
-    Fewer (token, slot) pairs than experts: each pair's expert is dequantised (repeats again) and the pairs run as
-    batched GEMVs. Otherwise the whole layer is dequantised for the dense fused kernels."""
+    Fewer (token, slot) pairs than experts: each pair multiplies its expert's blocks (a GEMV reading the blocks, or
+    the expert dequantised and a batched GEMV for parts of other types). Otherwise the whole layer is dequantised
+    for the dense fused kernels."""
     from moerun.kernels.fused_moe import fused_moe_triton
 
     T, k = topk_ids.shape
@@ -168,23 +176,40 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
         return fused_moe_triton(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype), topk_weights,
                                 topk_ids)  # fmt: skip
     ids = topk_ids.reshape(-1).long()  # [T*k]
-    g13 = dense_weight(w13, hidden.dtype, ids)  # [T*k, 2I, H]
-    g2 = dense_weight(w2, hidden.dtype, ids)  # [T*k, H, I]
-    x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-    gate_up = torch.bmm(g13, x).squeeze(-1)  # [T*k, 2I]
+    gate_up = _pair_products(w13, hidden, ids, k)  # [T*k, 2I]
     inter = gate_up.shape[-1] // 2
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T*k, I]
-    y = torch.bmm(g2, act.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    y = _pair_products(w2, act, ids, 1)  # [T*k, H]
     per_slot = y.float().view(T, k, -1) * topk_weights.float().unsqueeze(-1)  # [T, k, H]
     return per_slot.sum(dim=1).to(hidden.dtype)
+
+
+def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_div: int) -> torch.Tensor:
+    """Row p of the result is W_e x_(p // x_div), e = ids[p] (a stacked weight) or the weight itself (ids None):
+    [P, N] in x's dtype. Parts of the types without a layout are read from their blocks by one GEMV launch each."""
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_gemv
+
+    if not isinstance(weight, QuantizedWeight) or weight.released:
+        w = dense_weight(weight, x.dtype, ids)  # [P, N, K] or [N, K]
+        return F.linear(x, w) if ids is None else torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0]
+    out = []
+    for p in weight.parts:
+        if p.qtype in BLOCK_TYPES:
+            out.append(block_gemv(p.raw, p.qtype, p.shape, x.contiguous(), ids, x_div))
+        elif ids is None:
+            out.append(F.linear(x, p.dequantize(x.dtype)))
+        else:
+            w = QuantizedWeight([p]).experts(ids, x.dtype)  # [P, n, K]
+            out.append(torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0])
+    return torch.cat(out, dim=-1)
 
 
 def dense_weight(weight: Weight, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The weight dense in ``dtype`` on the Triton path ([N, K] / [E, N, K]; with ids [n] the stacked weight's
     experts ids, [n, N, K]): GGUF parts of the types without a layout by one block-dequantising launch, other GGUF
     parts by torch, repacked parts by the kernels' decoder."""
-    from moerun.kernels.quant.block_dequant import BLOCK_TYPES, block_dequantize
     from moerun.kernels.quant.decode import dequantize_triton
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_dequantize
 
     if isinstance(weight, QuantizedWeight) and not weight.released:
         dense = []

@@ -1,12 +1,13 @@
-"""Dequantisation of the types without a repacked layout (grid, ternary and FP4 types) straight from their GGUF
-blocks, in one launch: a whole stacked weight, or the experts of given ids (repeats allowed).
+"""Kernels for the types without a repacked layout (grid, ternary and FP4 types) that read their GGUF blocks
+directly: dequantisation in one launch (a whole stacked weight, or the experts of given ids, repeats allowed), and
+a GEMV for a few rows of x (each row against the expert its id names: the MoE's (token, slot) pairs at decode).
 
 Each program decodes BLOCK_N rows of one output matrix, up to 256 elements (one or more GGUF blocks) a step:
 every element's bytes are read from its block (loads of one address by many lanes are one transaction), grid
 values from the type's table (formats/quants/grids.py, int8 [entries, width]), sign patterns from ksigns and FP4
 levels from a 16-entry table.
 Every value is a product of exact factors, so the float32 results are formats.quants.dequantize's bit for bit
-(the torch reference the tests compare with).
+(the torch reference the tests compare with); the GEMV sums their products with x in float32.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def _block_values(QTYPE: tl.constexpr, blk, j, grid, signs, levels):
         e = _u8(blk, j * 0)
         d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
     else:  # NVFP4: UE4M3 scale byte per 16 (halved), FP4 nibbles
-        tl.static_assert(QTYPE == 40, "block_dequant: unsupported type")
+        tl.static_assert(QTYPE == 40, "from_blocks: unsupported type")
         gv = tl.load(levels + ((_u8(blk, 4 + 8 * (j // 16) + j % 8) >> (4 * ((j % 16) // 8))) & 15)).to(tl.float32)
         neg = j * 0
         mult = 1.0
@@ -218,3 +219,69 @@ def block_dequantize(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...]
             HAS_IDS=ids is not None, INTERPRET=interpreting(), num_warps=4,
         )  # fmt: skip
     return out if lead or ids is not None else out[0]
+
+
+@triton.jit
+def _block_gemv_kernel(
+    out_ptr,  # [P, N]
+    raw,  # uint8 GGUF blocks [E, N, row_bytes]
+    ids,  # int64 [P]: the expert row p multiplies (HAS_IDS), else expert 0
+    x_ptr,  # [P // X_DIV, K]: row p reads x row p // X_DIV
+    grid,
+    signs,
+    levels,
+    N,
+    K,
+    row_bytes,
+    stride_x,
+    stride_o,
+    QTYPE: tl.constexpr,
+    SB: tl.constexpr,
+    STEP: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    X_DIV: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+):
+    p = tl.program_id(0)
+    if HAS_IDS:
+        e = tl.load(ids + p).to(tl.int64)
+    else:
+        e = 0
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BN, 1]
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    col = tl.arange(0, STEP)[None, :]  # [1, STEP]
+    blk = raw + (e * N + rows_c) * row_bytes + (col // SB) * BLOCK_BYTES  # [BN, STEP]
+    xrow = x_ptr + (p // X_DIV).to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
+    for b in range(0, K // STEP):
+        v = _block_values(QTYPE, blk + b * (STEP // SB * BLOCK_BYTES), col % SB, grid, signs, levels)
+        xs = tl.load(xrow + b * STEP + col).to(tl.float32)  # [1, STEP]
+        acc += v * xs
+    y = tl.sum(acc, axis=1)  # [BN]
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + p.to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)
+
+
+def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: torch.Tensor,
+               ids: torch.Tensor | None = None, x_div: int = 1) -> torch.Tensor:  # fmt: skip
+    """y [P, N] in x's dtype: row p of y is W_e x_(p // x_div) for a weight of logical shape [E, N, K] (e = ids[p])
+    or [N, K] (no ids), from its GGUF blocks raw; x [P / x_div, K]. P = len(ids) or, without ids, x's rows."""
+    if qtype not in BLOCK_TYPES:
+        raise ValueError(f"block_gemv reads {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
+    N, K = shape[-2:]
+    if x.shape[-1] != K or x.stride(-1) != 1:
+        raise ValueError(f"x must be [rows, {K}] with unit stride along K, got {tuple(x.shape)} {x.stride()}")
+    P = x.shape[0] * x_div if ids is None else ids.numel()
+    out = torch.empty((P, N), dtype=x.dtype, device=x.device)
+    if P and N:
+        grid_t, signs, levels = _tables(qtype, raw.device)
+        block_n = 16
+        step = next(s for s in (256, 128, 64, 32) if s >= qtype.block_elems and K % s == 0)
+        _block_gemv_kernel[(P, triton.cdiv(N, block_n))](
+            out, raw, raw if ids is None else ids, x, grid_t, signs, levels, N, K,
+            K // qtype.block_elems * qtype.block_bytes, x.stride(0), out.stride(0), QTYPE=int(qtype),
+            SB=qtype.block_elems, STEP=step, BLOCK_BYTES=qtype.block_bytes, BLOCK_N=block_n, X_DIV=x_div,
+            HAS_IDS=ids is not None, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -148,6 +148,17 @@ def _block_values(QTYPE: tl.constexpr, blk, j, grid, signs, levels):
 
 
 @triton.jit
+def _row_blocks(raw, e, N, row_bytes, BLOCK_N: tl.constexpr, SB: tl.constexpr, STEP: tl.constexpr,
+                BLOCK_BYTES: tl.constexpr):  # fmt: skip
+    """This program's rows of expert e: (row indices [BN, 1] int64, clamped to N - 1; element columns [1, STEP];
+    each element's block in the first step [BN, STEP])."""
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    col = tl.arange(0, STEP)[None, :]
+    return rows_c, col, raw + (e * N + rows_c) * row_bytes + (col // SB) * BLOCK_BYTES
+
+
+@triton.jit
 def _block_dequant_kernel(
     out_ptr,  # [P, N, K] (unit stride along K)
     raw,  # uint8 GGUF blocks of the stacked weight [E, N, row_bytes]
@@ -169,17 +180,10 @@ def _block_dequant_kernel(
     INTERPRET: tl.constexpr,
 ):
     p = tl.program_id(0)
-    if HAS_IDS:
-        e = tl.load(ids + p).to(tl.int64)
-    else:
-        e = p.to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BN, 1]
-    ok = rows < N
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    src = raw + (e * N + rows_c) * row_bytes  # [BN, 1]
+    e = tl.load(ids + p).to(tl.int64) if HAS_IDS else p.to(tl.int64)
+    rows_c, col, blk = _row_blocks(raw, e, N, row_bytes, BLOCK_N, SB, STEP, BLOCK_BYTES)
+    ok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None] < N  # [BN, 1]
     dst = out_ptr + p.to(tl.int64) * stride_op + rows_c * stride_on  # [BN, 1]
-    col = tl.arange(0, STEP)[None, :]  # [1, STEP]
-    blk = src + (col // SB) * BLOCK_BYTES  # [BN, STEP]: each element's block
     for b in range(0, K // STEP):
         v = _block_values(QTYPE, blk + b * (STEP // SB * BLOCK_BYTES), col % SB, grid, signs, levels)
         tl.store(dst + b * STEP + col, round_to(v, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
@@ -244,14 +248,8 @@ def _block_gemv_kernel(
     HAS_IDS: tl.constexpr,
 ):
     p = tl.program_id(0)
-    if HAS_IDS:
-        e = tl.load(ids + p).to(tl.int64)
-    else:
-        e = 0
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BN, 1]
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-    col = tl.arange(0, STEP)[None, :]  # [1, STEP]
-    blk = raw + (e * N + rows_c) * row_bytes + (col // SB) * BLOCK_BYTES  # [BN, STEP]
+    e = tl.load(ids + p).to(tl.int64) if HAS_IDS else 0
+    rows_c, col, blk = _row_blocks(raw, e, N, row_bytes, BLOCK_N, SB, STEP, BLOCK_BYTES)
     xrow = x_ptr + (p // X_DIV).to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
     for b in range(0, K // STEP):

@@ -19,6 +19,7 @@ FIXTURE_DIR = Path(__file__).parents[1] / "data" / "quants"
 K_TYPES = [QuantType.Q2_K, QuantType.Q3_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K]
 LEGACY = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1]
 IQ4 = [QuantType.IQ4_NL, QuantType.IQ4_XS]
+OTHER = [QuantType.TQ1_0, QuantType.TQ2_0, QuantType.MXFP4]
 
 # Relative RMSE (rmse / rms of the weights) on the fixture's weight-like matrix, as measured
 # (identical for llama.cpp and moerun): Q2_K 0.3092, Q3_K 0.1745, Q4_K 0.0843, Q5_K 0.0424,
@@ -67,11 +68,11 @@ def rel_rmse(x: np.ndarray, qt: QuantType) -> float:
     return float(np.sqrt(np.mean((y - x) ** 2)) / np.sqrt(np.mean(x.astype(np.float64) ** 2)))
 
 
-@pytest.mark.parametrize("qt", [*LEGACY, QuantType.F32, QuantType.F16, QuantType.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [*LEGACY, *OTHER, QuantType.F32, QuantType.F16, QuantType.BF16], ids=lambda t: t.name)
 def test_bit_exact_vs_gguf_on_fresh_data(qt: QuantType) -> None:
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     rng = np.random.default_rng(seed)
-    rows, cols = int(rng.integers(1, 40)), 32 * int(rng.integers(1, 40))
+    rows, cols = int(rng.integers(1, 40)), max(32, qt.block_elems) * int(rng.integers(1, 40))
     x = (rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-4, 2, (rows, 1))).astype(np.float32)
     x[rng.random(x.shape) < 0.05] = 0.0  # some exact zeros, and sometimes whole zero blocks
     ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qt)))
@@ -80,7 +81,7 @@ def test_bit_exact_vs_gguf_on_fresh_data(qt: QuantType) -> None:
     assert np.array_equal(ours, ref.view(np.uint8).reshape(ours.shape)), f"{qt.name} seed={seed} shape={x.shape}"
 
 
-@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY, *IQ4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY, *IQ4, *OTHER], ids=lambda t: t.name)
 def test_bit_exact_vs_llamacpp_awkward_rows(qt: QuantType, fixture: dict[str, np.ndarray]) -> None:
     rows = fixture["rows"]
     expected = fixture[f"rows_{qt.name}"]
@@ -89,7 +90,7 @@ def test_bit_exact_vs_llamacpp_awkward_rows(qt: QuantType, fixture: dict[str, np
     assert bad.size == 0, f"{qt.name}: rows {bad.tolist()} differ from llama.cpp"
 
 
-@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY, *IQ4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [*K_TYPES, *LEGACY, *IQ4, *OTHER], ids=lambda t: t.name)
 def test_llamacpp_matrix_bit_exact_and_rmse(qt: QuantType, fixture: dict[str, np.ndarray], matrix: np.ndarray) -> None:
     # Bit-exact output is the target for every type; the RMSE check (within 10% of llama.cpp's)
     # is the weaker guarantee that still holds if the bytes ever drift.

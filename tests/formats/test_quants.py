@@ -216,4 +216,5 @@ def test_read_only_types_are_listed() -> None:
     from moerun.formats.quants import QUANTIZABLE_TYPES
 
     assert QuantType.Q4_K in QUANTIZABLE_TYPES and QuantType.IQ4_XS in QUANTIZABLE_TYPES
-    assert QuantType.IQ2_XXS not in QUANTIZABLE_TYPES and QuantType.MXFP4 not in QUANTIZABLE_TYPES
+    assert QuantType.MXFP4 in QUANTIZABLE_TYPES and QuantType.TQ1_0 in QUANTIZABLE_TYPES
+    assert QuantType.IQ2_XXS not in QUANTIZABLE_TYPES and QuantType.NVFP4 not in QUANTIZABLE_TYPES

@@ -29,11 +29,12 @@ ROW_LEN = 512
 MATRIX_SEED = 20240601
 MATRIX_SHAPE = (128, 2048)
 
-# GGML type ids of everything the fixture covers (legacy 32-element types, K-quants, IQ4_NL / IQ4_XS).
+# GGML type ids of everything the fixture covers (legacy 32-element types, K-quants, IQ4_NL / IQ4_XS, ternary and
+# MXFP4).
 TYPES = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
     "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-    "IQ4_NL": 20, "IQ4_XS": 23,
+    "IQ4_NL": 20, "IQ4_XS": 23, "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39,
 }
 
 

@@ -18,10 +18,12 @@ writes (no importance matrix, no manual overrides), plus the converter's rule th
 * Row-length fallback (ggml rows must be whole blocks): Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K, Q3_K,
   IQ4_XS and the grid types -> IQ4_NL, TQ1_0/TQ2_0 -> Q4_0, and F16 when even that does not fit.
 
-The file types moerun reads but does not write (``READ_ONLY_FILE_TYPES``: IQ1_S ... IQ3_M, TQ1_0, TQ2_0,
-MXFP4_MOE) have their mixes too, for random models of that file type (``moerun bench --quant IQ2_M``). Their rules
-are the same function's for a quantization without an importance matrix; llama.cpp writes IQ1 and IQ2 files only
-with one, so only the IQ3, TQ and MXFP4 mixes are checked against llama.cpp itself.
+* TQ1_0 / TQ2_0: ``token_embd`` Q4_K; MXFP4_MOE: the stacked experts MXFP4, every other matrix Q8_0.
+
+The file types moerun reads but does not write (``READ_ONLY_FILE_TYPES``: IQ1_S ... IQ3_M) have their mixes too,
+for random models of that file type (``moerun bench --quant IQ2_M``). Their rules are the same function's for a
+quantization without an importance matrix; llama.cpp writes IQ1 and IQ2 files (and IQ3_XXS ones, whose attention
+takes IQ2_S) only with one, so only the IQ3_XS, IQ3_S and IQ3_M mixes are checked against llama.cpp itself.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ F = LlamaFileType
 FILE_TYPES: dict[str, LlamaFileType] = {
     "F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0, "Q6_K": F.MOSTLY_Q6_K,
     "Q5_K_M": F.MOSTLY_Q5_K_M, "Q4_K_M": F.MOSTLY_Q4_K_M, "Q3_K_M": F.MOSTLY_Q3_K_M, "Q2_K": F.MOSTLY_Q2_K,
-    "Q4_0": F.MOSTLY_Q4_0, "IQ4_XS": F.MOSTLY_IQ4_XS, "IQ4_NL": F.MOSTLY_IQ4_NL,
+    "Q4_0": F.MOSTLY_Q4_0, "IQ4_XS": F.MOSTLY_IQ4_XS, "IQ4_NL": F.MOSTLY_IQ4_NL, "TQ1_0": F.MOSTLY_TQ1_0,
+    "TQ2_0": F.MOSTLY_TQ2_0, "MXFP4_MOE": F.MOSTLY_MXFP4_MOE,
 }
 # file types whose tensor types moerun knows but whose quantizers it lacks (random models of them only)
 READ_ONLY_FILE_TYPES: dict[str, LlamaFileType] = {
     name: F[f"MOSTLY_{name}"] for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS",
-                                           "IQ3_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE")
+                                           "IQ3_XS", "IQ3_S", "IQ3_M")
 }
 # llama_ftype_get_default_type
 DEFAULT_TYPE: dict[LlamaFileType, GGMLQuantizationType] = {

@@ -586,6 +586,58 @@ def _iq4_xs(x: np.ndarray) -> np.ndarray:
                            _iq4_pack(L)], axis=1)  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- ternary and FP4 types
+
+
+def _trits(x: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """ggml's lroundf(x id) + 1 of the ternary types: x [nb, k], inv [nb, 1] -> [nb, k] in 0, 1, 2 (int32)."""
+    return _round_away((x * inv).astype(np.float32)).astype(np.int32) + 1
+
+
+def _base3_bytes(t: np.ndarray, shift_last: bool = False) -> np.ndarray:
+    """Trits t [nb, digits, m] (most significant first) -> [nb, m] bytes: the base-3 number scaled to 0..255 by a
+    ceiling division (a byte of four trits is first multiplied by 3, its last digit left zero)."""
+    q = np.zeros(t.shape[::2], dtype=np.int32)
+    for n in range(t.shape[1]):
+        q = q * 3 + t[:, n]
+    if shift_last:
+        q = q * 3
+    return ((q * 256 + 242) // 243).astype(np.uint8)
+
+
+def _tq1_0(x: np.ndarray) -> np.ndarray:
+    # Bytes 0-31: five trits of elements m + 32 n; bytes 32-47: of 160 + m + 16 n; bytes 48-51: four trits of
+    # 240 + j + 4 m. d = max |x| (id from the float32 value, d stored as fp16).
+    d = np.abs(x).max(axis=1)  # [nb]
+    t = _trits(x, _inv(d)[:, None])
+    nb = x.shape[0]
+    qs0 = _base3_bytes(t[:, :160].reshape(nb, 5, 32))
+    qs1 = _base3_bytes(t[:, 160:240].reshape(nb, 5, 16))
+    qh = _base3_bytes(t[:, 240:].reshape(nb, 4, 4), shift_last=True)
+    return np.concatenate([qs0, qs1, qh, _fp16_bytes(d)], axis=1)
+
+
+def _tq2_0(x: np.ndarray) -> np.ndarray:
+    d = np.abs(x).max(axis=1)  # [nb]
+    return np.concatenate([_pack_crumbs(_trits(x, _inv(d)[:, None])), _fp16_bytes(d)], axis=1)
+
+
+_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)  # E2M1, doubled
+
+
+def _mxfp4(x: np.ndarray) -> np.ndarray:
+    # e = floor(log2(max |x|)) - 2 + 127 (0 for an all-zero block); scale 2^(e - 128); each value takes the first
+    # level of least |level scale - x|.
+    amax = np.abs(x).max(axis=1)  # [nb]
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) + 125, 0).astype(np.int64).astype(np.uint8)  # [nb]
+    e32 = e.astype(np.uint32)
+    d = np.where(e32 < 2, np.uint32(0x00200000) << e32, (e32 - 1) << np.uint32(23)).view(np.float32)  # [nb]
+    err = np.abs(_FP4 * d[:, None, None] - x[:, :, None])  # [nb, 32, 16]
+    L = err.argmin(axis=2).astype(np.uint8)  # [nb, 32]
+    return np.concatenate([e[:, None], L[:, :16] | (L[:, 16:] << 4)], axis=1)
+
+
 _BLOCK_QUANTIZERS = {
     QuantType.Q8_0: _q8_0,
     QuantType.Q4_0: _q4_0,
@@ -599,6 +651,9 @@ _BLOCK_QUANTIZERS = {
     QuantType.Q6_K: _q6_k,
     QuantType.IQ4_NL: _iq4_nl,
     QuantType.IQ4_XS: _iq4_xs,
+    QuantType.TQ1_0: _tq1_0,
+    QuantType.TQ2_0: _tq2_0,
+    QuantType.MXFP4: _mxfp4,
 }
 
 # The quantized types `quantize` writes (the others are read only).

@@ -121,7 +121,10 @@ class LLM:
             slots = offload.kv_slots(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, ec.max_model_len,
                                      ec.max_num_seqs)
         else:
-            slots = _kv_slots(self.model_config, engine_config)
+            from moerun.ops.quant import block_scratch_bytes
+
+            scratch = block_scratch_bytes(model, self.model_config.dtype)  # experts dequantised at prefill sizes
+            slots = _kv_slots(self.model_config, engine_config, scratch)
             if kv_bytes is not None:  # gpu_memory_gb given: the KV cache stays within the placement's share
                 mc = self.model_config
                 per_seq = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
@@ -268,10 +271,11 @@ def _engine_config(
     )
 
 
-def _kv_slots(mc: ModelConfig, ec: EngineConfig) -> int:
-    """How many sequences of max_model_len tokens the KV cache holds: max_num_seqs if memory allows."""
+def _kv_slots(mc: ModelConfig, ec: EngineConfig, reserve: int = 0) -> int:
+    """How many sequences of max_model_len tokens the KV cache holds: max_num_seqs if memory allows (reserve: bytes
+    kept free besides the usual tenth of the free memory)."""
     per_seq = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype) * ec.max_model_len
-    budget = int(available_bytes(ec.device) * 0.9)
+    budget = int(available_bytes(ec.device) * 0.9) - reserve
     slots = min(ec.max_num_seqs, budget // per_seq)
     if slots < 1:
         raise ValueError(

@@ -127,3 +127,14 @@ def test_block_gemv_matches_dequantised_product(seed, qt: QuantType) -> None:
     got = block_gemv(flat.raw, qt, (N, K), x)  # [3, N]
     ref = x @ flat.dequantize(torch.float32).t()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+
+
+def test_block_scratch_counts_the_largest_dense_copy() -> None:
+    from moerun.ops.quant import block_scratch_bytes
+
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Module(), torch.nn.Module()
+    model.a.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.IQ2_XXS, (4, 64, 256), DEVICE)])
+    model.a.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.IQ3_S, (4, 256, 256), DEVICE)])
+    model.b.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (512, 256), DEVICE)])  # packed
+    assert block_scratch_bytes(model, torch.bfloat16) == 2 * 4 * (64 * 256 + 256 * 256)

@@ -16,6 +16,7 @@ synchronisation either way, so CUDA graphs still capture them.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +68,18 @@ def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[P
     if release_blocks and not weight.released:
         weight.release_blocks()
     return parts
+
+
+def block_scratch_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The largest dense copy a forward pass makes of weights without a repacked layout (dequantised for the dense
+    kernels at prefill sizes): the most any one module's such weights take in ``dtype``; 0 when there are none."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    need = 0
+    for module in model.modules():
+        weights = [v for k, v in module.__dict__.items()
+                   if k.startswith("q_") and isinstance(v, QuantizedWeight) and not has_kernel_layout(v)]  # fmt: skip
+        need = max(need, sum(math.prod(w.shape) for w in weights) * elem)
+    return need
 
 
 def pack_model(model: nn.Module, release_blocks: bool = False) -> int:

@@ -20,7 +20,7 @@ from moerun.formats.gguf.writer import write_gguf
 from moerun.formats.safetensors_checkpoint import SafetensorsCheckpoint
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ4_NL",
-         "MXFP4_MOE", "TQ2_0"]
+         "MXFP4_MOE", "TQ2_0", "IQ3_M"]
 SHAPE = dict(vocab_size=512, hidden_size=256, moe_intermediate_size=256, intermediate_size=512, head_dim=64,
              num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, num_experts=4,
              num_experts_per_tok=2, tie_word_embeddings=False, with_tokenizer=False,

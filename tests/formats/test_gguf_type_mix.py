@@ -146,7 +146,8 @@ def test_read_only_file_types():
     assert mix("TQ2_0", "token_embd.weight") == T.Q4_K and mix("TQ1_0", "ffn_up_exps.weight", 3) == T.TQ1_0
     assert mix("MXFP4_MOE", "ffn_up_exps.weight", 3) == T.MXFP4 and mix("MXFP4_MOE", "attn_q.weight", 3) == T.Q8_0
     assert mix("MXFP4_MOE", "output.weight") == T.Q8_0
-    # moerun writes none of them
+    # moerun writes none of the IQ1 / IQ2 / IQ3_XXS ones (IQ3_S, IQ3_M, IQ3_XS it writes)
     with pytest.raises(ValueError, match="unknown GGUF file type 'IQ2_M'"):
         file_type("IQ2_M")
     assert file_type("iq2_m", read_only=True) == LlamaFileType.MOSTLY_IQ2_M
+    assert file_type("IQ3_M") == LlamaFileType.MOSTLY_IQ3_M

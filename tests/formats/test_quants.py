@@ -217,4 +217,5 @@ def test_read_only_types_are_listed() -> None:
 
     assert QuantType.Q4_K in QUANTIZABLE_TYPES and QuantType.IQ4_XS in QUANTIZABLE_TYPES
     assert QuantType.MXFP4 in QUANTIZABLE_TYPES and QuantType.TQ1_0 in QUANTIZABLE_TYPES
+    assert QuantType.IQ3_S in QUANTIZABLE_TYPES and QuantType.IQ3_XXS in QUANTIZABLE_TYPES
     assert QuantType.IQ2_XXS not in QUANTIZABLE_TYPES and QuantType.NVFP4 not in QUANTIZABLE_TYPES

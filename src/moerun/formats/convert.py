@@ -16,8 +16,8 @@ from moerun.formats.gguf.writer import write_gguf
 from moerun.formats.quants import QuantType, dequantize
 from moerun.formats.safetensors_checkpoint import SafetensorsCheckpoint
 
-QUANTIZE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ4_NL", "MXFP4_MOE",
-                  "TQ2_0", "TQ1_0", "F16", "BF16", "F32")
+QUANTIZE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_M",
+                  "IQ3_S", "IQ3_XS", "MXFP4_MOE", "TQ2_0", "TQ1_0", "F16", "BF16", "F32")
 
 
 def quantize_model(src: str | Path, out: str | Path, ftype: str, progress: bool = True) -> list[Path]:

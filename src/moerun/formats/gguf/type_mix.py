@@ -19,11 +19,15 @@ writes (no importance matrix, no manual overrides), plus the converter's rule th
   IQ4_XS and the grid types -> IQ4_NL, TQ1_0/TQ2_0 -> Q4_0, and F16 when even that does not fit.
 
 * TQ1_0 / TQ2_0: ``token_embd`` Q4_K; MXFP4_MOE: the stacked experts MXFP4, every other matrix Q8_0.
+* IQ3_S / IQ3_M / IQ3_XS (default IQ3_S): ``attn_v`` Q4_K (IQ3_S, IQ3_XS: when n_head/n_head_kv >= 4); IQ3_M
+  ``attn_output`` Q4_K and ``ffn_down`` Q4_K on the first eighth (and the ``use_more_bits`` layers with 8 experts);
+  IQ3_XS ``attn_q``, ``attn_k`` IQ3_XXS and ``ffn_gate`` / ``ffn_up`` IQ3_XXS between the first and last eighth;
+  with 8 experts ``attn_output`` Q5_K.
 
-The file types moerun reads but does not write (``READ_ONLY_FILE_TYPES``: IQ1_S ... IQ3_M) have their mixes too,
-for random models of that file type (``moerun bench --quant IQ2_M``). Their rules are the same function's for a
-quantization without an importance matrix; llama.cpp writes IQ1 and IQ2 files (and IQ3_XXS ones, whose attention
-takes IQ2_S) only with one, so only the IQ3_XS, IQ3_S and IQ3_M mixes are checked against llama.cpp itself.
+The file types moerun reads but does not write (``READ_ONLY_FILE_TYPES``: IQ1_S, IQ1_M, IQ2_XXS ... IQ2_M,
+IQ3_XXS, whose tensors include types moerun cannot quantize) have their mixes too, for random models of that file
+type (``moerun bench --quant IQ2_M``). Their rules are the same function's for a quantization without an importance
+matrix; llama.cpp writes these files only with one, so their mixes follow its source without a check against it.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ FILE_TYPES: dict[str, LlamaFileType] = {
     "F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0, "Q6_K": F.MOSTLY_Q6_K,
     "Q5_K_M": F.MOSTLY_Q5_K_M, "Q4_K_M": F.MOSTLY_Q4_K_M, "Q3_K_M": F.MOSTLY_Q3_K_M, "Q2_K": F.MOSTLY_Q2_K,
     "Q4_0": F.MOSTLY_Q4_0, "IQ4_XS": F.MOSTLY_IQ4_XS, "IQ4_NL": F.MOSTLY_IQ4_NL, "TQ1_0": F.MOSTLY_TQ1_0,
-    "TQ2_0": F.MOSTLY_TQ2_0, "MXFP4_MOE": F.MOSTLY_MXFP4_MOE,
+    "TQ2_0": F.MOSTLY_TQ2_0, "MXFP4_MOE": F.MOSTLY_MXFP4_MOE, "IQ3_M": F.MOSTLY_IQ3_M, "IQ3_S": F.MOSTLY_IQ3_S,
+    "IQ3_XS": F.MOSTLY_IQ3_XS,
 }
 # file types whose tensor types moerun knows but whose quantizers it lacks (random models of them only)
 READ_ONLY_FILE_TYPES: dict[str, LlamaFileType] = {
-    name: F[f"MOSTLY_{name}"] for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS",
-                                           "IQ3_XS", "IQ3_S", "IQ3_M")
+    name: F[f"MOSTLY_{name}"] for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS")
 }
 # llama_ftype_get_default_type
 DEFAULT_TYPE: dict[LlamaFileType, GGMLQuantizationType] = {

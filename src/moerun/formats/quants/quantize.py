@@ -656,5 +656,16 @@ _BLOCK_QUANTIZERS = {
     QuantType.MXFP4: _mxfp4,
 }
 
+
+def _register_grid_quantizers() -> None:
+    # quantize_iq3 uses this module's helpers, so it is imported once they exist.
+    from .quantize_iq3 import quantize_iq3_s, quantize_iq3_xxs
+
+    _BLOCK_QUANTIZERS[QuantType.IQ3_XXS] = quantize_iq3_xxs
+    _BLOCK_QUANTIZERS[QuantType.IQ3_S] = quantize_iq3_s
+
+
+_register_grid_quantizers()
+
 # The quantized types `quantize` writes (the others are read only).
 QUANTIZABLE_TYPES: tuple[QuantType, ...] = tuple(_BLOCK_QUANTIZERS)

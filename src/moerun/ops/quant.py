@@ -206,11 +206,13 @@ def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_
         w = dense_weight(weight, x.dtype, ids)  # [P, N, K] or [N, K]
         return F.linear(x, w) if ids is None else torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0]
     out = []
-    for p in weight.parts:
+    for i, p in enumerate(weight.parts):
         if p.qtype in BLOCK_TYPES:
             out.append(block_gemv(p.raw, p.qtype, p.shape, x.contiguous(), ids, x_div))
-        elif ids is None:
-            out.append(F.linear(x, p.dequantize(x.dtype)))
+        elif ids is None:  # e.g. the Q4_K attn_v beside IQ2 attn_q / attn_k in q|k|v: the fused kernels
+            from moerun.kernels.quant.matmul_quant import quant_matmul_triton
+
+            out.append(quant_matmul_triton(x, [_part_pack(weight, i)]))
         else:
             w = QuantizedWeight([p]).experts(ids, x.dtype)  # [P, n, K]
             out.append(torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0])
@@ -226,13 +228,24 @@ def dense_weight(weight: Weight, dtype: torch.dtype, ids: torch.Tensor | None = 
 
     if isinstance(weight, QuantizedWeight) and not weight.released:
         dense = []
-        for p in weight.parts:
+        for i, p in enumerate(weight.parts):
             if p.qtype in BLOCK_TYPES:
                 dense.append(block_dequantize(p.raw, p.qtype, p.shape, dtype, ids))
+            elif ids is None:
+                dense.append(dequantize_triton(_part_pack(weight, i), dtype))
             else:
-                dense.append(p.dequantize(dtype) if ids is None else QuantizedWeight([p]).experts(ids, dtype))
+                dense.append(QuantizedWeight([p]).experts(ids, dtype))
         return torch.cat(dense, dim=-2)
     return torch.cat([dequantize_triton(p if ids is None else p[ids], dtype) for p in packed_parts(weight)], dim=-2)
+
+
+def _part_pack(weight: QuantizedWeight, i: int) -> PackedWeight:
+    """Part i (a type with a repacked layout) of a weight that also holds parts without one, repacked once and
+    kept beside its blocks (such parts are small: an attn_v in a q|k|v)."""
+    cache = weight.__dict__.setdefault("part_packs", {})
+    if i not in cache or cache[i].device != weight.device:
+        cache[i] = pack(weight.parts[i])
+    return cache[i]
 
 
 def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) -> int | None:

@@ -200,6 +200,11 @@ def _tables(qtype: QuantType, device: torch.device) -> tuple[torch.Tensor, torch
     return grid, sign_patterns(device), levels
 
 
+def _step(qtype: QuantType, K: int) -> int:
+    """Elements a loop step: 256 where K allows, else the largest power of two of whole blocks dividing K."""
+    return next(s for s in (256, 128, 64, 32) if s >= qtype.block_elems and K % s == 0)
+
+
 def block_dequantize(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], dtype: torch.dtype,
                      ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Dense [E, N, K] (or [len(ids), N, K]: experts ids, repeats allowed) `dtype` tensor of the blocks raw of a
@@ -215,7 +220,7 @@ def block_dequantize(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...]
     if P and N:
         grid_t, signs, levels = _tables(qtype, raw.device)
         block_n = 32
-        step = next(s for s in (256, 128, 64, 32) if s >= qtype.block_elems and K % s == 0)
+        step = _step(qtype, K)
         launch = (P, triton.cdiv(N, block_n))
         _block_dequant_kernel[launch](
             out, raw, raw if ids is None else ids, grid_t, signs, levels, N, K, row_bytes, out.stride(0), out.stride(1),
@@ -275,7 +280,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
     if P and N:
         grid_t, signs, levels = _tables(qtype, raw.device)
         block_n = 16
-        step = next(s for s in (256, 128, 64, 32) if s >= qtype.block_elems and K % s == 0)
+        step = _step(qtype, K)
         _block_gemv_kernel[(P, triton.cdiv(N, block_n))](
             out, raw, raw if ids is None else ids, x, grid_t, signs, levels, N, K,
             K // qtype.block_elems * qtype.block_bytes, x.stride(0), out.stride(0), QTYPE=int(qtype),

@@ -13,10 +13,11 @@ import enum
 
 import numpy as np
 
+from .ggml_float import F32, fp16_bytes, fp16_round, inv, nearest_int, round_away, seq_sum
+from .quantize_iq3 import quantize_iq3_s, quantize_iq3_xxs
 from .types import IQ4_VALUES, QuantType, as_quant_type, check_row_length
 
-_F32 = np.float32
-_GROUP_MAX_EPS = _F32(1e-15)  # sub-blocks whose |max| is below this are treated as all-zero
+_GROUP_MAX_EPS = F32(1e-15)  # sub-blocks whose |max| is below this are treated as all-zero
 _BLOCKS_PER_CHUNK = 4096  # bounds the (elements x sub-blocks) search temporaries to a few MiB
 
 # llama.cpp's choice when a row does not split into 256-element super-blocks (llama_tensor_get_type).
@@ -98,55 +99,7 @@ def _to_bf16(x: np.ndarray) -> np.ndarray:
 _PLAIN = {QuantType.F32: _to_f32, QuantType.F16: _to_f16, QuantType.BF16: _to_bf16}
 
 
-# ----------------------------------------------------------------------------- shared helpers
-
-
-def _fp16_bytes(v: np.ndarray) -> np.ndarray:
-    """float32 [n] -> the fp16 encoding as bytes [n, 2] (out-of-range values become inf, as in ggml)."""
-    with np.errstate(over="ignore"):
-        return v.astype(np.float32).astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _fp16_round(v: np.ndarray) -> np.ndarray:
-    """float32 values after a round trip through fp16 (what the decoder will see)."""
-    with np.errstate(over="ignore"):
-        return v.astype(np.float16).astype(np.float32)
-
-
-def _inv(d: np.ndarray) -> np.ndarray:
-    """1/d, with 0 where d == 0 (ggml's `d ? 1.0f/d : 0.0f`)."""
-    with np.errstate(divide="ignore"):
-        return np.where(d == 0, _F32(0), _F32(1) / d).astype(np.float32)
-
-
-def _round_away(v: np.ndarray) -> np.ndarray:
-    """C roundf (halves away from zero), exact in float32."""
-    a = np.abs(v)
-    fl = np.floor(a)
-    return np.sign(v) * (fl + np.floor(2 * (a - fl)))  # a - fl and the doubling are exact
-
-
-def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int: add 1.5 * 2^23 so the FPU rounds half to even, read the mantissa (int32)."""
-    bits = (np.asarray(v, dtype=np.float32) + _F32(12582912.0)).view(np.int32)
-    return (bits & 0x007FFFFF) - 0x00400000
-
-
-def _seq_sum(terms: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
-    """Left-to-right float32 sum over axis 0 ([n, S] -> [S]), the order of a C loop.
-
-    numpy's own reductions use pairwise summation, which would change the last bits.
-    With `first`, the loop starts from that value instead of +0.0 (and skips terms[0]).
-    """
-    if first is None:
-        acc = np.zeros(terms.shape[1:], dtype=np.float32)
-        rest = terms
-    else:
-        acc = first.astype(np.float32, copy=True)
-        rest = terms[1:]
-    for t in rest:
-        acc += t
-    return acc
+# ----------------------------------------------------------------------------- shared helpers (see also ggml_float)
 
 
 def _absmax_signed(x: np.ndarray, axis: int) -> np.ndarray:
@@ -156,10 +109,10 @@ def _absmax_signed(x: np.ndarray, axis: int) -> np.ndarray:
     magnitudes wins, and zeros (either sign) and NaNs are never picked.
     """
     a = np.abs(x)
-    a = np.where(a > 0, a, _F32(-1))
+    a = np.where(a > 0, a, F32(-1))
     idx = np.expand_dims(a.argmax(axis=axis), axis)
     picked = np.take_along_axis(x, idx, axis=axis).squeeze(axis)
-    return np.where(np.take_along_axis(a, idx, axis=axis).squeeze(axis) > 0, picked, _F32(0))
+    return np.where(np.take_along_axis(a, idx, axis=axis).squeeze(axis) > 0, picked, F32(0))
 
 
 def _first_extreme(x: np.ndarray, largest: bool) -> np.ndarray:
@@ -171,7 +124,7 @@ def _first_extreme(x: np.ndarray, largest: bool) -> np.ndarray:
 def _positive_max(v: np.ndarray) -> np.ndarray:
     """Row maxima of [nb, k], or +0.0 where no entry is positive (a C running max started at 0)."""
     m = np.fmax.reduce(v, axis=1)  # NaNs never win a C `>` comparison
-    return np.where(m > 0, m, _F32(0)).astype(np.float32)
+    return np.where(m > 0, m, F32(0)).astype(np.float32)
 
 
 def _pack_crumbs(L: np.ndarray) -> np.ndarray:
@@ -189,23 +142,23 @@ def _columns(blocks: np.ndarray, n: int) -> np.ndarray:
 
 
 def _q8_0(x: np.ndarray) -> np.ndarray:
-    d = np.abs(x).max(axis=1, keepdims=True) / _F32(127)  # [n, 1]
-    q = _round_away(x * _inv(d)).astype(np.int8).view(np.uint8)  # [n, 32]
-    return np.concatenate([_fp16_bytes(d), q], axis=1)
+    d = np.abs(x).max(axis=1, keepdims=True) / F32(127)  # [n, 1]
+    q = round_away(x * inv(d)).astype(np.int8).view(np.uint8)  # [n, 32]
+    return np.concatenate([fp16_bytes(d), q], axis=1)
 
 
 def _q4_0(x: np.ndarray) -> np.ndarray:
-    d = (_absmax_signed(x, 1) / _F32(-8))[:, None]  # [n, 1]; the extreme value maps to code 0
-    q = np.trunc(x * _inv(d) + _F32(8.5)).astype(np.uint8).clip(0, 15)  # [n, 32]
-    return np.concatenate([_fp16_bytes(d), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    d = (_absmax_signed(x, 1) / F32(-8))[:, None]  # [n, 1]; the extreme value maps to code 0
+    q = np.trunc(x * inv(d) + F32(8.5)).astype(np.uint8).clip(0, 15)  # [n, 32]
+    return np.concatenate([fp16_bytes(d), q[:, :16] | (q[:, 16:] << 4)], axis=1)
 
 
 def _q4_1(x: np.ndarray) -> np.ndarray:
     mx = _first_extreme(x, largest=True)
     mn = _first_extreme(x, largest=False)
-    d = (mx - mn) / _F32(15)  # [n, 1]
-    q = np.trunc((x - mn) * _inv(d) + _F32(0.5)).astype(np.uint8).clip(0, 15)
-    return np.concatenate([_fp16_bytes(d), _fp16_bytes(mn), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    d = (mx - mn) / F32(15)  # [n, 1]
+    q = np.trunc((x - mn) * inv(d) + F32(0.5)).astype(np.uint8).clip(0, 15)
+    return np.concatenate([fp16_bytes(d), fp16_bytes(mn), q[:, :16] | (q[:, 16:] << 4)], axis=1)
 
 
 def _q5_pack(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -216,19 +169,19 @@ def _q5_pack(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q5_0(x: np.ndarray) -> np.ndarray:
-    d = (_absmax_signed(x, 1) / _F32(-16))[:, None]  # [n, 1]
-    q = np.trunc(x * _inv(d) + _F32(16.5)).astype(np.uint8).clip(0, 31)
+    d = (_absmax_signed(x, 1) / F32(-16))[:, None]  # [n, 1]
+    q = np.trunc(x * inv(d) + F32(16.5)).astype(np.uint8).clip(0, 31)
     qh, qs = _q5_pack(q)
-    return np.concatenate([_fp16_bytes(d), qh, qs], axis=1)
+    return np.concatenate([fp16_bytes(d), qh, qs], axis=1)
 
 
 def _q5_1(x: np.ndarray) -> np.ndarray:
     mx = _first_extreme(x, largest=True)
     mn = _first_extreme(x, largest=False)
-    d = (mx - mn) / _F32(31)  # [n, 1]
-    q = np.trunc((x - mn) * _inv(d) + _F32(0.5)).astype(np.uint8).clip(0, 31)
+    d = (mx - mn) / F32(31)  # [n, 1]
+    q = np.trunc((x - mn) * inv(d) + F32(0.5)).astype(np.uint8).clip(0, 31)
     qh, qs = _q5_pack(q)
-    return np.concatenate([_fp16_bytes(d), _fp16_bytes(mn), qh, qs], axis=1)
+    return np.concatenate([fp16_bytes(d), fp16_bytes(mn), qh, qs], axis=1)
 
 
 # ----------------------------------------------------------------------------- K-quant scale searches
@@ -247,43 +200,43 @@ def _fit_min_scale(
     least-squares solve for (scale, min); keeps the one with the lowest weighted error.
     Returns scale [S], the subtracted min (>= 0) [S] and the codes L [n, S] (uint8).
     """
-    mn = np.where(x.min(axis=0) > 0, _F32(0), x.min(axis=0))  # the offset never goes above zero
+    mn = np.where(x.min(axis=0) > 0, F32(0), x.min(axis=0))  # the offset never goes above zero
     mx = x.max(axis=0)
     flat = mx == mn
-    sum_w = _seq_sum(w, first=w[0])
-    sum_x = _seq_sum(w * x, first=w[0] * x[0])
+    sum_w = seq_sum(w, first=w[0])
+    sum_x = seq_sum(w * x, first=w[0] * x[0])
     err_of = np.abs if use_mad else np.square
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = _F32(nmax) / (mx - mn)
-        scale = _F32(1) / iscale
-        L = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax)  # [n, S]
-        best = _seq_sum(w * err_of(scale * L.astype(np.float32) + mn - x))
+        iscale = F32(nmax) / (mx - mn)
+        scale = F32(1) / iscale
+        L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)  # [n, S]
+        best = seq_sum(w * err_of(scale * L.astype(np.float32) + mn - x))
         best_min = mn.copy()
         for step in range(nstep + 1):
             # The grid is anchored at the best offset found so far, as in the reference.
-            grid = _F32(rmin) + _F32(rdelta) * _F32(step) + _F32(nmax)
-            la = np.clip(_nearest_int((grid / (mx - best_min)) * (x - best_min)), 0, nmax)
+            grid = F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)
+            la = np.clip(nearest_int((grid / (mx - best_min)) * (x - best_min)), 0, nmax)
             lf = la.astype(np.float32)
             wl = w * lf
-            sum_l = _seq_sum(wl)
-            sum_l2 = _seq_sum(wl * lf)
-            sum_xl = _seq_sum(wl * x)
+            sum_l = seq_sum(wl)
+            sum_l2 = seq_sum(wl * lf)
+            sum_xl = seq_sum(wl * x)
             D = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             # A positive offset is not representable: refit the scale alone through zero.
             pos = this_min > 0
-            this_min = np.where(pos, _F32(0), this_min)
+            this_min = np.where(pos, F32(0), this_min)
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-            err = _seq_sum(w * err_of(this_scale * lf + this_min - x))
+            err = seq_sum(w * err_of(this_scale * lf + this_min - x))
             better = (D > 0) & (err < best)
             L = np.where(better, la, L)
             best = np.where(better, err, best)
             scale = np.where(better, this_scale, scale)
             best_min = np.where(better, this_min, best_min)
 
-    scale = np.where(flat, _F32(0), scale).astype(np.float32)
+    scale = np.where(flat, F32(0), scale).astype(np.float32)
     best_min = np.where(flat, mn, best_min).astype(np.float32)
     L = np.where(flat, 0, L).astype(np.uint8)
     return scale, -best_min, L
@@ -301,22 +254,22 @@ def _fit_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     wx = w * x
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lv = np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+        lv = np.clip(nearest_int(iscale * x), -nmax, nmax - 1)
         lf = lv.astype(np.float32)
-        return lv, _seq_sum(wx * lf), _seq_sum(w * lf * lf)
+        return lv, seq_sum(wx * lf), seq_sum(w * lf * lf)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        lv, sumlx, suml2 = fit(_F32(-nmax) / amax_signed)
-        scale = np.where(suml2 != 0, sumlx / suml2, _F32(0)).astype(np.float32)
+        lv, sumlx, suml2 = fit(F32(-nmax) / amax_signed)
+        scale = np.where(suml2 != 0, sumlx / suml2, F32(0)).astype(np.float32)
         best = scale * sumlx
         L = lv + nmax
         for step in (*range(-9, 0), *range(1, 10)):
-            lv, sumlx, suml2 = fit(-(_F32(nmax) + _F32(0.1) * _F32(step)) / amax_signed)
+            lv, sumlx, suml2 = fit(-(F32(nmax) + F32(0.1) * F32(step)) / amax_signed)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
             L = np.where(better, lv + nmax, L)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
-    return np.where(zero, _F32(0), scale).astype(np.float32), np.where(zero, 0, L)
+    return np.where(zero, F32(0), scale).astype(np.float32), np.where(zero, 0, L)
 
 
 def _fit_q3(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -329,10 +282,10 @@ def _fit_q3(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     w = x * x
     wx = w * x
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        lv = np.clip(_nearest_int((_F32(-nmax) / amax_signed) * x), -nmax, nmax - 1)  # [n, S]
+        lv = np.clip(nearest_int((F32(-nmax) / amax_signed) * x), -nmax, nmax - 1)  # [n, S]
         lf = lv.astype(np.float32)
-        sumlx = _seq_sum(wx * lf)
-        suml2 = _seq_sum(w * lf * lf)
+        sumlx = seq_sum(wx * lf)
+        suml2 = seq_sum(w * lf * lf)
         # A pass that changes nothing leaves the state as it was, so the reference's early exit
         # is equivalent to always running all five passes.
         for _ in range(5):
@@ -340,7 +293,7 @@ def _fit_q3(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
                 li = lv[i].astype(np.float32)
                 slx = sumlx - wx[i] * li
                 sl2 = suml2 - w[i] * li * li
-                new_l = np.clip(_nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1)
+                new_l = np.clip(nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1)
                 nf = new_l.astype(np.float32)
                 slx_new = slx + wx[i] * nf
                 sl2_new = sl2 + w[i] * nf * nf
@@ -353,8 +306,8 @@ def _fit_q3(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
                 lv[i] = np.where(take, new_l, lv[i])
                 sumlx = np.where(take, slx_new, sumlx)
                 suml2 = np.where(take, sl2_new, suml2)
-        scale = np.where(suml2 > 0, sumlx / suml2, _F32(0))
-    return np.where(zero, _F32(0), scale).astype(np.float32), np.where(zero, 0, lv + nmax)
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    return np.where(zero, F32(0), scale).astype(np.float32), np.where(zero, 0, lv + nmax)
 
 
 def _requantize(
@@ -367,7 +320,7 @@ def _requantize(
     d3 = d[..., None]
     v = x if dm is None else x + dm[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        new = np.clip(_nearest_int(v / d3), lo, hi) + offset
+        new = np.clip(nearest_int(v / d3), lo, hi) + offset
     return np.where(d3 != 0, new, L)
 
 
@@ -392,8 +345,8 @@ def _k4_common(
     """
     nb = x.shape[0]
     xc = _columns(x, 32)  # [32, nb * 8]
-    sum_x2 = _seq_sum(xc * xc)
-    av_x = np.sqrt(sum_x2 / _F32(32))
+    sum_x2 = seq_sum(xc * xc)
+    av_x = np.sqrt(sum_x2 / F32(32))
     w = av_x + np.abs(xc)  # weight the larger values more, floored by the RMS
     scales, mins, L = _fit_min_scale(xc, w, nmax, rmin, 0.1, nstep, use_mad=False)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
@@ -401,18 +354,18 @@ def _k4_common(
 
     max_scale, max_min = _positive_max(scales), _positive_max(mins)  # [nb]
     with np.errstate(divide="ignore", invalid="ignore"):
-        inv_scale = np.where(max_scale > 0, _F32(63) / max_scale, _F32(0)).astype(np.float32)
-        inv_min = np.where(max_min > 0, _F32(63) / max_min, _F32(0)).astype(np.float32)
+        inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0)).astype(np.float32)
+        inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0)).astype(np.float32)
         # The reference stores nearest_int into a uint8 before clamping to 63.
-        ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63)
-        lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63)
-    d = max_scale / _F32(63)
-    dmin = max_min / _F32(63)
+        ls = np.minimum(nearest_int(inv_scale[:, None] * scales) & 0xFF, 63)
+        lm = np.minimum(nearest_int(inv_min[:, None] * mins) & 0xFF, 63)
+    d = max_scale / F32(63)
+    dmin = max_min / F32(63)
 
-    d_sub = _fp16_round(d)[:, None] * ls.astype(np.float32)  # [nb, 8]
-    m_sub = _fp16_round(dmin)[:, None] * lm.astype(np.float32)
+    d_sub = fp16_round(d)[:, None] * ls.astype(np.float32)  # [nb, 8]
+    m_sub = fp16_round(dmin)[:, None] * lm.astype(np.float32)
     L = _requantize(x.reshape(nb, 8, 32), d_sub, m_sub, L, 0, nmax, 0)
-    return _fp16_bytes(d), _fp16_bytes(dmin), _pack_k4_scales(ls, lm), L
+    return fp16_bytes(d), fp16_bytes(dmin), _pack_k4_scales(ls, lm), L
 
 
 # ----------------------------------------------------------------------------- K-quant block encoders
@@ -428,19 +381,19 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
     max_scale, max_min = _positive_max(scales), _positive_max(mins)  # [nb]
     with np.errstate(divide="ignore", invalid="ignore"):
         # 4-bit scale and min codes against the block maxima; the byte keeps only the low 8 bits.
-        iscale = (_F32(15) / max_scale)[:, None]
-        imin = (_F32(15) / max_min)[:, None]
-        ls = np.where(max_scale[:, None] > 0, _nearest_int(iscale * scales), 0)
-        lm = np.where(max_min[:, None] > 0, _nearest_int(imin * mins) << 4, 0)
+        iscale = (F32(15) / max_scale)[:, None]
+        imin = (F32(15) / max_min)[:, None]
+        ls = np.where(max_scale[:, None] > 0, nearest_int(iscale * scales), 0)
+        lm = np.where(max_min[:, None] > 0, nearest_int(imin * mins) << 4, 0)
     sc = ((ls & 0xFF) | lm) & 0xFF  # [nb, 16]
-    d = np.where(max_scale > 0, max_scale / _F32(15), _F32(0))
-    dmin = np.where(max_min > 0, max_min / _F32(15), _F32(0))
+    d = np.where(max_scale > 0, max_scale / F32(15), F32(0))
+    dmin = np.where(max_min > 0, max_min / F32(15), F32(0))
 
-    d_sub = _fp16_round(d)[:, None] * (sc & 0x0F).astype(np.float32)  # [nb, 16]
-    m_sub = _fp16_round(dmin)[:, None] * (sc >> 4).astype(np.float32)
+    d_sub = fp16_round(d)[:, None] * (sc & 0x0F).astype(np.float32)  # [nb, 16]
+    m_sub = fp16_round(dmin)[:, None] * (sc >> 4).astype(np.float32)
     L = _requantize(x.reshape(nb, 16, 16), d_sub, m_sub, L, 0, 3, 0)
     return np.concatenate(
-        [sc.astype(np.uint8), _pack_crumbs(L.reshape(nb, 256)), _fp16_bytes(d), _fp16_bytes(dmin)], axis=1
+        [sc.astype(np.uint8), _pack_crumbs(L.reshape(nb, 256)), fp16_bytes(d), fp16_bytes(dmin)], axis=1
     )
 
 
@@ -454,22 +407,22 @@ def _q3_k(x: np.ndarray) -> np.ndarray:
     max_scale = _absmax_signed(scales, 1)  # [nb], signed
     has = max_scale != 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        iscale = np.where(has, _F32(-32) / max_scale, _F32(0)).astype(np.float32)
+        iscale = np.where(has, F32(-32) / max_scale, F32(0)).astype(np.float32)
         # int8 store, clamp to the signed 6-bit range, bias to 0..63.
-        l6 = np.clip(_nearest_int(iscale[:, None] * scales).astype(np.int8), -32, 31).astype(np.int32) + 32
-        d = np.where(has, _F32(1) / iscale, _F32(0))
+        l6 = np.clip(nearest_int(iscale[:, None] * scales).astype(np.int8), -32, 31).astype(np.int32) + 32
+        d = np.where(has, F32(1) / iscale, F32(0))
     l6 = np.where(has[:, None], l6, 0)  # [nb, 16]
     packed = np.empty((nb, 12), dtype=np.uint8)
     packed[:, :8] = (l6[:, :8] & 0x0F) | ((l6[:, 8:] & 0x0F) << 4)
     hi = (l6 >> 4).reshape(nb, 4, 4)  # [nb, j // 4, j % 4]
     packed[:, 8:] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
 
-    d_sub = _fp16_round(d)[:, None] * (l6 - 32).astype(np.float32)  # [nb, 16]
+    d_sub = fp16_round(d)[:, None] * (l6 - 32).astype(np.float32)  # [nb, 16]
     L = _requantize(x.reshape(nb, 16, 16), d_sub, None, L, -4, 3, 4).reshape(nb, 8, 32)
     # Bit b of hmask byte l is the third bit of code 32 b + l; the low two bits go to qs.
     hbit = (L > 3).astype(np.uint8)
     hmask = np.bitwise_or.reduce(hbit << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
-    return np.concatenate([hmask, _pack_crumbs((L & 3).reshape(nb, 256)), packed, _fp16_bytes(d)], axis=1)
+    return np.concatenate([hmask, _pack_crumbs((L & 3).reshape(nb, 256)), packed, fp16_bytes(d)], axis=1)
 
 
 def _q4_k(x: np.ndarray) -> np.ndarray:
@@ -501,24 +454,24 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     max_scale = _absmax_signed(scales, 1)  # [nb], signed
     live = np.abs(max_scale) >= _GROUP_MAX_EPS
     with np.errstate(divide="ignore", invalid="ignore"):
-        iscale = np.where(live, _F32(-128) / max_scale, _F32(0)).astype(np.float32)
-        d = np.where(live, _F32(1) / iscale, _F32(0))
-    sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # [nb, 16]
+        iscale = np.where(live, F32(-128) / max_scale, F32(0)).astype(np.float32)
+        d = np.where(live, F32(1) / iscale, F32(0))
+    sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # [nb, 16]
     sc = np.where(live[:, None], sc, 0).astype(np.int8)
 
-    d_sub = _fp16_round(d)[:, None] * sc.astype(np.float32)
+    d_sub = fp16_round(d)[:, None] * sc.astype(np.float32)
     L = _requantize(x.reshape(nb, 16, 16), d_sub, None, L, -32, 31, 32)
     L = np.where(live[:, None, None], L, 0).astype(np.uint8).reshape(nb, 2, 4, 32)  # [nb, half, k, l]
     ql = ((L[:, :, 0:2] & 0x0F) | ((L[:, :, 2:4] & 0x0F) << 4)).reshape(nb, 128)
     hi = L >> 4
     qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
+    return np.concatenate([ql, qh, sc.view(np.uint8), fp16_bytes(d)], axis=1)
 
 
 # ----------------------------------------------------------------------------- non-linear 4-bit types
 #
 # ggml's quantize_row_iq4_nl_impl without an importance matrix (weights x^2, 7 tries each side), vectorised over
-# 32-element sub-blocks held as columns [32, S]. Sums run in C loop order (_seq_sum), each term (w * q) * x.
+# 32-element sub-blocks held as columns [32, S]. Sums run in C loop order (seq_sum), each term (w * q) * x.
 
 _IQ4 = np.array(IQ4_VALUES, dtype=np.float32)
 _IQ4_TRIES = 7
@@ -531,28 +484,28 @@ def _iq4_index(v: np.ndarray) -> np.ndarray:
     return np.where(v <= _IQ4[0], 0, np.where(v >= _IQ4[15], 15, pick)).astype(np.uint8)
 
 
-def _iq4_fit(x: np.ndarray, w: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sum w q x, sum w q q) [S] of sub-block columns x [32, S] at the levels nearest inv x."""
-    q = _IQ4[_iq4_index(inv * x)]  # [32, S]
+def _iq4_fit(x: np.ndarray, w: np.ndarray, id_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sum w q x, sum w q q) [S] of sub-block columns x [32, S] at the levels nearest id_ x."""
+    q = _IQ4[_iq4_index(id_ * x)]  # [32, S]
     wq = w * q
-    return _seq_sum(wq * x), _seq_sum(wq * q)
+    return seq_sum(wq * x), seq_sum(wq * q)
 
 
 def _iq4_scales(x: np.ndarray) -> np.ndarray:
     """The best float32 scale [S] of each sub-block column of x [32, S] (0 for an all-zero one)."""
     mx = _absmax_signed(x, 0)  # [S]
     live = np.abs(mx) >= _GROUP_MAX_EPS
-    mx = np.where(live, mx, _F32(1))  # dead columns are computed on a harmless value and zeroed at the end
+    mx = np.where(live, mx, F32(1))  # dead columns are computed on a harmless value and zeroed at the end
     w = x * x
-    sumqx, sumq2 = _iq4_fit(x, w, _F32(1) / (-mx / _IQ4[0]))
+    sumqx, sumq2 = _iq4_fit(x, w, F32(1) / (-mx / _IQ4[0]))
     d = sumqx / sumq2
     best = d * sumqx
     for itry in range(-_IQ4_TRIES, _IQ4_TRIES + 1):
-        sx, s2 = _iq4_fit(x, w, _F32(itry + IQ4_VALUES[0]) / mx)
+        sx, s2 = _iq4_fit(x, w, F32(itry + IQ4_VALUES[0]) / mx)
         better = (s2 > 0) & (sx * sx > best * s2)
-        d = np.where(better, sx / np.where(better, s2, _F32(1)), d)
+        d = np.where(better, sx / np.where(better, s2, F32(1)), d)
         best = np.where(better, d * sx, best)
-    return np.where(live, d, _F32(0)).astype(np.float32)
+    return np.where(live, d, F32(0)).astype(np.float32)
 
 
 def _iq4_pack(L: np.ndarray) -> np.ndarray:
@@ -564,8 +517,8 @@ def _iq4_pack(L: np.ndarray) -> np.ndarray:
 def _iq4_nl(x: np.ndarray) -> np.ndarray:
     cols = np.ascontiguousarray(x.T)  # [32, nb]
     d = _iq4_scales(cols)  # [nb]
-    L = _iq4_index(_inv(d) * cols).T  # [nb, 32]
-    return np.concatenate([_fp16_bytes(d), _iq4_pack(L)], axis=1)
+    L = _iq4_index(inv(d) * cols).T  # [nb, 32]
+    return np.concatenate([fp16_bytes(d), _iq4_pack(L)], axis=1)
 
 
 def _iq4_xs(x: np.ndarray) -> np.ndarray:
@@ -573,25 +526,25 @@ def _iq4_xs(x: np.ndarray) -> np.ndarray:
     cols = _columns(x, 32)  # [32, nb * 8]
     scales = _iq4_scales(cols).reshape(nb, 8)
     max_scale = _absmax_signed(scales, 1)  # [nb]: the first of largest magnitude
-    d = -max_scale / _F32(32)
-    ls = np.clip(_nearest_int(_inv(d)[:, None] * scales), -32, 31)  # [nb, 8]
+    d = -max_scale / F32(32)
+    ls = np.clip(nearest_int(inv(d)[:, None] * scales), -32, 31)  # [nb, 8]
     dl = d[:, None] * ls.astype(np.float32)
-    L = _iq4_index(_inv(dl).reshape(1, -1) * cols).T.reshape(nb, 256)
+    L = _iq4_index(inv(dl).reshape(1, -1) * cols).T.reshape(nb, 256)
     code = (ls + 32).astype(np.uint16)
     low = (code & 0x0F).astype(np.uint8).reshape(nb, 4, 2)
     high = np.zeros(nb, dtype=np.uint16)
     for j in range(8):
         high |= (code[:, j] >> 4) << (2 * j)
-    return np.concatenate([_fp16_bytes(d), high.reshape(nb, 1).view(np.uint8), low[:, :, 0] | (low[:, :, 1] << 4),
+    return np.concatenate([fp16_bytes(d), high.reshape(nb, 1).view(np.uint8), low[:, :, 0] | (low[:, :, 1] << 4),
                            _iq4_pack(L)], axis=1)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- ternary and FP4 types
 
 
-def _trits(x: np.ndarray, inv: np.ndarray) -> np.ndarray:
-    """ggml's lroundf(x id) + 1 of the ternary types: x [nb, k], inv [nb, 1] -> [nb, k] in 0, 1, 2 (int32)."""
-    return _round_away((x * inv).astype(np.float32)).astype(np.int32) + 1
+def _trits(x: np.ndarray, id_: np.ndarray) -> np.ndarray:
+    """ggml's lroundf(x id) + 1 of the ternary types: x [nb, k], id_ [nb, 1] -> [nb, k] in 0, 1, 2 (int32)."""
+    return round_away((x * id_).astype(np.float32)).astype(np.int32) + 1
 
 
 def _base3_bytes(t: np.ndarray, shift_last: bool = False) -> np.ndarray:
@@ -609,17 +562,17 @@ def _tq1_0(x: np.ndarray) -> np.ndarray:
     # Bytes 0-31: five trits of elements m + 32 n; bytes 32-47: of 160 + m + 16 n; bytes 48-51: four trits of
     # 240 + j + 4 m. d = max |x| (id from the float32 value, d stored as fp16).
     d = np.abs(x).max(axis=1)  # [nb]
-    t = _trits(x, _inv(d)[:, None])
+    t = _trits(x, inv(d)[:, None])
     nb = x.shape[0]
     qs0 = _base3_bytes(t[:, :160].reshape(nb, 5, 32))
     qs1 = _base3_bytes(t[:, 160:240].reshape(nb, 5, 16))
     qh = _base3_bytes(t[:, 240:].reshape(nb, 4, 4), shift_last=True)
-    return np.concatenate([qs0, qs1, qh, _fp16_bytes(d)], axis=1)
+    return np.concatenate([qs0, qs1, qh, fp16_bytes(d)], axis=1)
 
 
 def _tq2_0(x: np.ndarray) -> np.ndarray:
     d = np.abs(x).max(axis=1)  # [nb]
-    return np.concatenate([_pack_crumbs(_trits(x, _inv(d)[:, None])), _fp16_bytes(d)], axis=1)
+    return np.concatenate([_pack_crumbs(_trits(x, inv(d)[:, None])), fp16_bytes(d)], axis=1)
 
 
 _FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)  # E2M1, doubled
@@ -654,18 +607,9 @@ _BLOCK_QUANTIZERS = {
     QuantType.TQ1_0: _tq1_0,
     QuantType.TQ2_0: _tq2_0,
     QuantType.MXFP4: _mxfp4,
+    QuantType.IQ3_XXS: quantize_iq3_xxs,
+    QuantType.IQ3_S: quantize_iq3_s,
 }
-
-
-def _register_grid_quantizers() -> None:
-    # quantize_iq3 uses this module's helpers, so it is imported once they exist.
-    from .quantize_iq3 import quantize_iq3_s, quantize_iq3_xxs
-
-    _BLOCK_QUANTIZERS[QuantType.IQ3_XXS] = quantize_iq3_xxs
-    _BLOCK_QUANTIZERS[QuantType.IQ3_S] = quantize_iq3_s
-
-
-_register_grid_quantizers()
 
 # The quantized types `quantize` writes (the others are read only).
 QUANTIZABLE_TYPES: tuple[QuantType, ...] = tuple(_BLOCK_QUANTIZERS)

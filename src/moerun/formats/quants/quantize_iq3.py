@@ -15,10 +15,10 @@ import functools
 import numpy as np
 
 from .grids import GRID_OF
-from .quantize import _F32, _fp16_bytes, _inv, _nearest_int
+from .ggml_float import F32, fp16_bytes, inv, nearest_int
 from .types import QuantType
 
-_EPS_IQ3_XXS = _F32(1e-8)
+_EPS_IQ3_XXS = F32(1e-8)
 _K_MAX = 8  # levels 0..7, grid values 2l + 1
 
 
@@ -81,7 +81,7 @@ def _snap(g: _Grid, xval: np.ndarray, waux: np.ndarray, id_: np.ndarray, scale: 
     """Each group of 4 of xval [S, 32] at inverse scale id_ [S] to the grid: (levels [S, 32] 0..7, grid indices
     [S, 8], on_grid [S, 8]); off-grid lattice points take their best neighbour at `scale` [S]."""
     S = xval.shape[0]
-    l = np.clip(_nearest_int(_F32(0.5) * (id_[:, None] * xval - _F32(1))), 0, _K_MAX - 1)  # [S, 32]
+    l = np.clip(nearest_int(F32(0.5) * (id_[:, None] * xval - F32(1))), 0, _K_MAX - 1)  # [S, 32]
     groups = l.reshape(S, 8, 4)
     code = (groups << np.array([0, 3, 6, 9])).sum(axis=2)  # [S, 8]
     idx = g.map[code]
@@ -131,16 +131,16 @@ def _search(qtype: QuantType, x: np.ndarray) -> tuple[np.ndarray, ...]:
     for i in range(1, 32):  # C MAX(): the later value wins only when strictly greater
         mx = np.where(xval[:, i] > mx, xval[:, i], mx)
     live = mx >= _EPS_IQ3_XXS if xxs else mx != 0
-    mx_safe = np.where(live, mx, _F32(1))
+    mx_safe = np.where(live, mx, F32(1))
     best = np.zeros(S, dtype=np.float32)
-    scale = (mx / _F32(2 * _K_MAX - 1)).astype(np.float32)
+    scale = (mx / F32(2 * _K_MAX - 1)).astype(np.float32)
     L = np.zeros((S, 32), dtype=np.int64)
     idx = np.zeros((S, 8), dtype=np.int64)
     on_grid = np.zeros((S, 8), bool)
     trials = range(-15, 16) if xxs else range(-9, 10)
     for t in trials:
-        id_ = ((_F32(2 * _K_MAX - 1) + _F32(t) * _F32(0.2)) / mx_safe).astype(np.float32)
-        Laux, idx_aux, on_aux = _snap(g, xval, waux, id_, (_F32(1) / id_).astype(np.float32))
+        id_ = ((F32(2 * _K_MAX - 1) + F32(t) * F32(0.2)) / mx_safe).astype(np.float32)
+        Laux, idx_aux, on_aux = _snap(g, xval, waux, id_, (F32(1) / id_).astype(np.float32))
         sumqx, sumq2 = _fit(w, xval, Laux)
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2) & live
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -153,7 +153,7 @@ def _search(qtype: QuantType, x: np.ndarray) -> tuple[np.ndarray, ...]:
     refit = live & (~on_grid).any(axis=1) & (scale > 0)
     if refit.any():
         r = np.nonzero(refit)[0]
-        Lr, idx_r, _ = _snap(g, xval[r], waux[r], _inv(scale[r]), scale[r])
+        Lr, idx_r, _ = _snap(g, xval[r], waux[r], inv(scale[r]), scale[r])
         if xxs:  # IQ3_XXS refits only the groups that were off the grid; IQ3_S all of them
             keep = on_grid[r]
             Lr = np.where(np.repeat(keep, 4, axis=1), L[r], Lr)
@@ -165,7 +165,7 @@ def _search(qtype: QuantType, x: np.ndarray) -> tuple[np.ndarray, ...]:
     flipped = scale < 0
     scale = np.where(flipped, -scale, scale)
     bits = np.where(flipped[:, None], ~bits & (127 if xxs else 255), bits).astype(np.uint8)
-    scale = np.where(live, scale, _F32(0)).astype(np.float32)
+    scale = np.where(live, scale, F32(0)).astype(np.float32)
     return scale, idx, bits, live
 
 
@@ -176,9 +176,9 @@ def _block_scales(scale: np.ndarray, nb: int, fudge: float) -> tuple[np.ndarray,
     max_scale = np.zeros(nb, dtype=np.float32)
     for i in range(8):
         max_scale = np.where(sc[:, i] > max_scale, sc[:, i], max_scale)
-    d = (max_scale / _F32(31)).astype(np.float32)
-    ls = np.clip(_nearest_int(_F32(0.5) * (_inv(d)[:, None] * sc - _F32(1))), 0, 15).astype(np.uint32)
-    dbytes = _fp16_bytes(np.where(max_scale > 0, d * _F32(fudge), _F32(0)).astype(np.float32))
+    d = (max_scale / F32(31)).astype(np.float32)
+    ls = np.clip(nearest_int(F32(0.5) * (inv(d)[:, None] * sc - F32(1))), 0, 15).astype(np.uint32)
+    dbytes = fp16_bytes(np.where(max_scale > 0, d * F32(fudge), F32(0)).astype(np.float32))
     return dbytes, np.where(max_scale[:, None] > 0, ls, 0).astype(np.uint32), max_scale == 0
 
 

@@ -130,9 +130,8 @@ def on_int8_grid(T: int, K: int, dtype: torch.dtype, device: torch.device | str 
 
 def with_random_blocks(src, dst, qtype: str, seed: int, names: tuple[str, ...] = ("_exps.",)) -> None:
     """A copy of the GGUF src whose tensors with any of `names` in their name hold random valid blocks of qtype
-    (written by gguf's writer): files of the types moerun reads but does not write."""
+    (written by gguf's writer): files of any type, those moerun cannot write included."""
     import gguf
-    import torch
 
     from moerun.kernels.quant.synthetic import random_quantized
 

@@ -117,18 +117,19 @@ def test_read_only_types_match_dequantized_reference(hf_checkpoint, tmp_path, qt
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path):
-    # Dequantised from their blocks inside the captured decode step: the graphs give the eager tokens, and the
-    # logits are the CPU path's within bf16 rounding.
-    base, path = write(hf_checkpoint, tmp_path / "q8.gguf", "Q8_0"), tmp_path / "m-IQ2_XXS.gguf"
+    # Read from their blocks inside the captured decode step: the graphs give the eager tokens, and the logits are
+    # the CPU path's. The other tensors stay float32, so only the read-only types' path is compared (the packed
+    # types' graphed and eager decodes differ in how they round x to int8; benchmarks/RESULTS.md, twentieth sitting).
+    base, path = write(hf_checkpoint, tmp_path / "f32.gguf", "F32"), tmp_path / "m-IQ2_XXS.gguf"
     with_random_blocks(base, path, "IQ2_XXS", seed=11, names=("_exps.", "attn_q."))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ids = [random.randrange(362) for _ in range(9)]
-    graphed = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=True)
-    eager = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=False)
+    graphed = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=True, dtype="float32")
+    eager = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=False, dtype="float32")
     assert graphed.engine.runner.graphs
     assert graphed.generate([ids], params)[0].token_ids == eager.generate([ids], params)[0].token_ids
-    cpu = LLM(str(path), device="cpu", max_model_len=128)
-    assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 3e-2
+    cpu = LLM(str(path), device="cpu", max_model_len=128, dtype="float32")
+    assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 1e-4
 
 
 def test_cli_generate_and_inspect_gguf(hf_checkpoint, tmp_path, capsys):

@@ -73,7 +73,7 @@ def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[P
 def block_scratch_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The largest dense copy a forward pass makes of weights without a repacked layout (dequantised for the dense
     kernels at prefill sizes): the most any one module's such weights take in ``dtype``; 0 when there are none."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     need = 0
     for module in model.modules():
         weights = [v for k, v in module.__dict__.items()

@@ -4,6 +4,7 @@ from .dequant import dequantize
 from .quantize import QUANTIZABLE_TYPES, fallback_type, quantize
 from .tensor import QuantizedTensor
 from .types import (
+    FP4_VALUES,
     FP16_FIELDS,
     IQ4_VALUES,
     QK_K,
@@ -16,6 +17,7 @@ from .types import (
 )
 
 __all__ = [
+    "FP4_VALUES",
     "FP16_FIELDS",
     "IQ4_VALUES",
     "QK_K",

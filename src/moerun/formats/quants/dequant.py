@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from .grids import grid_table, sign_patterns
-from .types import IQ4_VALUES, QuantType, as_quant_type, tensor_nbytes
+from .types import FP4_VALUES, IQ4_VALUES, QuantType, as_quant_type, tensor_nbytes
 
 # Every decoder reproduces the float32 operation order of the reference (ggml's
 # dequantize_row_* and gguf.quants): fp16 scales are widened exactly, per-sub-block
@@ -480,13 +480,9 @@ def _codes_tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# E2M1 values doubled (ggml's kvalues_mxfp4); the scales are halved to match.
-_FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
-
 def _fp4(qs: torch.Tensor, out: torch.Tensor) -> None:
     """FP4 nibbles qs [..., m] into out [..., 2, m]: low nibbles first, then high (float32 views, exact)."""
-    table = _table(_FP4_VALUES, qs.device)
+    table = _table(FP4_VALUES, qs.device)
     out[..., 0, :].copy_(table[torch.bitwise_and(qs, 0x0F).long()])
     out[..., 1, :].copy_(table[torch.bitwise_right_shift(qs, 4).long()])
 

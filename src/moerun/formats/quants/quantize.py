@@ -15,7 +15,7 @@ import numpy as np
 
 from .ggml_float import F32, fp16_bytes, fp16_round, inv, nearest_int, round_away, seq_sum
 from .quantize_iq3 import quantize_iq3_s, quantize_iq3_xxs
-from .types import IQ4_VALUES, QuantType, as_quant_type, check_row_length
+from .types import FP4_VALUES, IQ4_VALUES, QuantType, as_quant_type, check_row_length
 
 _GROUP_MAX_EPS = F32(1e-15)  # sub-blocks whose |max| is below this are treated as all-zero
 _BLOCKS_PER_CHUNK = 4096  # bounds the (elements x sub-blocks) search temporaries to a few MiB
@@ -575,7 +575,7 @@ def _tq2_0(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_pack_crumbs(_trits(x, inv(d)[:, None])), fp16_bytes(d)], axis=1)
 
 
-_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)  # E2M1, doubled
+_FP4 = np.array(FP4_VALUES, dtype=np.float32)
 
 
 def _mxfp4(x: np.ndarray) -> np.ndarray:

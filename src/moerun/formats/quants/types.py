@@ -101,6 +101,9 @@ SUPPORTED_TYPES: tuple[QuantType, ...] = tuple(_GEOMETRY)
 # The 16 non-linear levels a 4-bit code of IQ4_NL and IQ4_XS selects (ggml's kvalues_iq4nl), ascending.
 IQ4_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
+# The 16 levels of an FP4 (E2M1) code of MXFP4 and NVFP4, doubled (ggml's kvalues_mxfp4; the scales are halved).
+FP4_VALUES: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
 # Byte offsets of the fp16 fields inside one block: the scale d, then dmin (K-quants) or m (Q4_1, Q5_1).
 FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q8_0: (0,),

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.formats.quants import QuantType
+from moerun.formats.quants import FP4_VALUES, QuantType
 from moerun.formats.quants.grids import GRID_OF, grid_table, sign_patterns
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.rmsnorm import round_to
@@ -25,7 +25,6 @@ BLOCK_TYPES: tuple[QuantType, ...] = (
     QuantType.IQ2_XXS, QuantType.IQ2_XS, QuantType.IQ2_S, QuantType.IQ3_XXS, QuantType.IQ3_S, QuantType.IQ1_S,
     QuantType.IQ1_M, QuantType.TQ1_0, QuantType.TQ2_0, QuantType.MXFP4, QuantType.NVFP4,
 )  # fmt: skip
-_FP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 doubled (ggml's kvalues_mxfp4)
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -194,7 +193,7 @@ def _tables(qtype: QuantType, device: torch.device) -> tuple[torch.Tensor, torch
     valid pointer)."""
     key = ("fp4", device)
     if key not in _TABLES:
-        _TABLES[key] = torch.tensor(_FP4_LEVELS, dtype=torch.int8, device=device)
+        _TABLES[key] = torch.tensor(FP4_VALUES, dtype=torch.int8, device=device)
     levels = _TABLES[key]
     grid = grid_table(qtype, device) if qtype in GRID_OF else levels
     return grid, sign_patterns(device), levels

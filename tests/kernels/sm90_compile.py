@@ -127,6 +127,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         for t in BLOCK_TYPES})
     cases["IQ2_XXS GEMV over a weight's blocks"] = lambda: block_gemv(
         blocks[QuantType.IQ2_XXS].raw[0], QuantType.IQ2_XXS, (64, 512), torch.randn(2, 512, dtype=bf16))
+    cases.update({
+        f"{t.name} GEMV over the blocks of the pairs' experts, float x": lambda t=t: block_gemv(
+            blocks[t].raw, t, (4, 64, 512), torch.randn(1, 512, dtype=bf16), torch.tensor([3, 0]), 2, x_q8=False)
+        for t in (QuantType.IQ2_XXS, QuantType.IQ1_M)})
     return cases | {
         "fused_moe, decode, k slots summed in GEMM 2": lambda: fused_moe_triton(x8[:4], w13, w2, w1.repeat(4, 1),
                                                                                 ids1.repeat(4, 1), fused_gemm2),

@@ -19,6 +19,7 @@ from moerun.ops.quant import has_kernel_layout, int8_input_pad, pack_model, pack
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_TYPES = [t for t in QuantType if t.is_quantized and t not in LAYOUTS]
+GROUP_TYPES = [t for t in BLOCK_TYPES if t.name.startswith(("IQ1", "IQ2", "IQ3"))]
 # Error allowed relative to the largest reference magnitude (both round the weights to bfloat16; the GEMM
 # outputs are rounded at different points).
 TOL = 2e-2
@@ -111,15 +112,20 @@ def test_block_dequant_kernel_is_bit_exact(seed, qt: QuantType) -> None:
     assert torch.equal(block_dequantize(flat.raw, qt, (N, K), torch.float32), flat.dequantize(torch.float32))
 
 
+def _pairs_case(qt: QuantType):
+    """A stacked weight of 4 experts [40, 512], 3 tokens of x and the experts of their 2 slots each."""
+    E, N, K, k = 4, 40, 512, 2
+    w = random_quantized(qt, (E, N, K), DEVICE)
+    x = torch.randn(3, K, device=DEVICE)
+    ids = torch.tensor([3, 1, 0, 3, 2, 2], device=DEVICE)  # pairs (token p // k, expert ids[p])
+    return (E, N, K, k), w, w.dequantize(torch.float32), x, ids
+
+
 @pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
 def test_block_gemv_matches_dequantised_product(seed, qt: QuantType) -> None:
     from moerun.kernels.quant.from_blocks import block_gemv
 
-    E, N, K, k = 4, 40, 512, 2
-    w = random_quantized(qt, (E, N, K), DEVICE)
-    dense = w.dequantize(torch.float32)  # [E, N, K]
-    x = torch.randn(3, K, device=DEVICE)
-    ids = torch.tensor([3, 1, 0, 3, 2, 2], device=DEVICE)  # pairs (token p // k, expert ids[p])
+    (E, N, K, k), w, dense, x, ids = _pairs_case(qt)
     got = block_gemv(w.raw, qt, (E, N, K), x, ids, x_div=k)  # [6, N]
     ref = torch.einsum("pnk,pk->pn", dense[ids], x.repeat_interleave(k, 0))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
@@ -127,6 +133,21 @@ def test_block_gemv_matches_dequantised_product(seed, qt: QuantType) -> None:
     got = block_gemv(flat.raw, qt, (N, K), x)  # [3, N]
     ref = x @ flat.dequantize(torch.float32).t()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+
+
+@pytest.mark.parametrize("qt", GROUP_TYPES, ids=lambda t: t.name)
+def test_block_gemv_with_int8_x_matches_the_product_of_rounded_x(seed, qt: QuantType) -> None:
+    # the GPU's default for the grid types: x rounded to int8 per 32 values, four products a dp4a
+    from moerun.kernels.quant.from_blocks import block_gemv
+    from moerun.kernels.quant.int8_dot import dequantize_xq, quantize_x
+
+    (E, N, K, k), w, dense, x, ids = _pairs_case(qt)
+    rounded = quantize_x(x, K)
+    x_hat = dequantize_xq(rounded.xq, rounded.dx)  # [3, K]: the values the kernel multiplies
+    got = block_gemv(w.raw, qt, (E, N, K), x, ids, x_div=k, x_q8=True)  # [6, N]
+    ref = torch.einsum("pnk,pk->pn", dense[ids], x_hat.repeat_interleave(k, 0))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    assert (got - torch.einsum("pnk,pk->pn", dense[ids], x.repeat_interleave(k, 0))).abs().max() > 0  # x rounded
 
 
 def test_block_scratch_counts_the_largest_dense_copy() -> None:

@@ -1,0 +1,231 @@
+"""The grid types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) read a group of 8 values at a time.
+
+A grid type stores, per 8 values (two table entries of 4 for IQ3), an index into a fixed table of small integers
+(formats/quants/grids.py), a sign byte (IQ2_S, IQ3_S) or a 7-bit sign pattern whose eighth sign makes the count
+of negatives even (IQ2_XXS, IQ2_XS, IQ3_XXS), and a 3- or 4-bit scale per 16 or 32 values beside the block's d.
+So each group's values are signed int8 codes times one float scale, exactly: `group_words` returns them as two
+int32 words of four codes (value i of the group in byte i % 4 of word i // 4) and the scale, from one index
+load, one or two table loads and a few scale bytes, instead of a gather per value. IQ1_S and IQ1_M add a delta of
++-1/8 per group to the -1 / 0 / 1 table values: their codes are 8 g + delta, returned as the table words, the
+delta and a factor 8 (a value is scale (8 g + delta) with scale = d (2s + 1) / 8).
+
+The words feed dp4a against x rounded to int8 (int8_dot.quantize_x, as llama.cpp's CUDA decode of these types
+does), or are split into bytes for the float kernels. Signs are applied a word at a time: a byte b becomes -b by
+(b ^ 0xFF) + 1, and no byte carries into the next because no table value is 0 where the pattern can negate it
+(IQ2: 8, 25, 43; IQ3: 1 ... 62; IQ1 is unsigned).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moerun.formats.quants import QuantType
+from moerun.kernels.quant.int8_dot import dp4a
+from moerun.kernels.rmsnorm import round_to
+
+GROUP_TYPES: tuple[QuantType, ...] = (
+    QuantType.IQ2_XXS, QuantType.IQ2_XS, QuantType.IQ2_S, QuantType.IQ3_XXS, QuantType.IQ3_S, QuantType.IQ1_S,
+    QuantType.IQ1_M,
+)  # fmt: skip
+DELTA_TYPES = (QuantType.IQ1_S, QuantType.IQ1_M)  # codes 8 g + delta
+
+
+@triton.jit
+def _u8(blk, off):
+    """Byte `off` of the blocks at blk -> int32 (broadcast shapes)."""
+    return tl.load(blk + off).to(tl.int32)
+
+
+@triton.jit
+def _u16(blk, off):
+    return _u8(blk, off) | (_u8(blk, off + 1) << 8)
+
+
+@triton.jit
+def _u32(blk, off):
+    return _u16(blk, off) | (_u16(blk, off + 2) << 16)
+
+
+@triton.jit
+def _half(bits):
+    """fp16 bit patterns (int32) -> float32."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _with_parity(s7):
+    """A 7-bit sign pattern -> its sign byte: bit 7 set when bits 0-6 hold an odd count (ggml's ksigns_iq2xs)."""
+    p = s7 ^ (s7 >> 4)
+    p ^= p >> 2
+    p ^= p >> 1
+    return s7 | ((p & 1) << 7)
+
+
+@triton.jit
+def _signed(w, nibble):
+    """Word w of four positive int8 codes with byte i negated where bit i of nibble (0-15) is set."""
+    ones = ((nibble * 0x204081) & 0x01010101)  # bit i -> bit 0 of byte i (the four shifted copies do not overlap)
+    return (w ^ (ones * 255)) + ones
+
+
+@triton.jit
+def group_words(QTYPE: tl.constexpr, blk, g, grid):
+    """Group g (0-31; values 8g .. 8g + 7) of the 256-value blocks at blk (g and blk broadcast together):
+    (w0, w1 int32: the group's codes, four a word; scale float32; delta int32, 0 but for IQ1: +-1)."""
+    zero = g * 0
+    if QTYPE == 16:  # IQ2_XXS: per 32, 4 index bytes then a word of 4 x 7-bit sign patterns + 4-bit scale
+        base = 2 + 8 * (g // 4)
+        idx = _u8(blk, base + g % 4)
+        aux = _u32(blk, base + 4)
+        sgn = _with_parity((aux >> (7 * (g % 4))) & 127)
+        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        scale = _half(_u16(blk, zero)) * ((2 * ((aux >> 28) & 15) + 1).to(tl.float32) * 0.125)
+    elif QTYPE == 17:  # IQ2_XS: per 8, a uint16 (9-bit index | 7-bit sign pattern); 4-bit scales per 16
+        q = _u16(blk, 2 + 2 * g)
+        idx = q & 511
+        sgn = _with_parity(q >> 9)
+        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        s = (_u8(blk, 66 + g // 4) >> (4 * ((g // 2) % 2))) & 15
+        scale = _half(_u16(blk, zero)) * ((2 * s + 1).to(tl.float32) * 0.125)
+    elif QTYPE == 22:  # IQ2_S: index low bytes, sign bytes, 2-bit index tops, 4-bit scales per 16
+        idx = _u8(blk, 2 + g) | (((_u8(blk, 66 + g // 4) >> (2 * (g % 4))) & 3) << 8)
+        sgn = _u8(blk, 34 + g)
+        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        s = (_u8(blk, 74 + g // 4) >> (4 * ((g // 2) % 2))) & 15
+        scale = _half(_u16(blk, zero)) * ((2 * s + 1).to(tl.float32) * 0.125)
+    elif QTYPE == 18:  # IQ3_XXS: an index byte per 4 values; per 32 a word of 4 sign patterns + 4-bit scale
+        aux = _u32(blk, 66 + 4 * (g // 4))
+        sgn = _with_parity((aux >> (7 * (g % 4))) & 127)
+        w0, w1 = tl.load(grid + _u8(blk, 2 + 2 * g)), tl.load(grid + _u8(blk, 3 + 2 * g))
+        scale = _half(_u16(blk, zero)) * ((2 * ((aux >> 28) & 15) + 1).to(tl.float32) * 0.25)
+    elif QTYPE == 21:  # IQ3_S: index low bytes, 1-bit index tops, sign bytes, 4-bit scales per 32
+        tops = _u8(blk, 66 + g // 4) >> (2 * (g % 4))
+        w0 = tl.load(grid + (_u8(blk, 2 + 2 * g) | ((tops & 1) << 8)))
+        w1 = tl.load(grid + (_u8(blk, 3 + 2 * g) | ((tops & 2) << 7)))
+        sgn = _u8(blk, 74 + g)
+        s = (_u8(blk, 106 + g // 8) >> (4 * ((g // 4) % 2))) & 15
+        scale = _half(_u16(blk, zero)) * (2 * s + 1).to(tl.float32)
+    elif QTYPE == 19:  # IQ1_S: index low bytes; per 32 a uint16 of 3-bit index tops, 3-bit scale, delta sign
+        w = _u16(blk, 34 + 2 * (g // 4))
+        idx = _u8(blk, 2 + g) | (((w >> (3 * (g % 4))) & 7) << 8)
+        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        sgn = zero
+        scale = _half(_u16(blk, zero)) * ((2 * ((w >> 12) & 7) + 1).to(tl.float32) * 0.125)
+        delta = tl.where((w & 0x8000) != 0, -1, 1)
+    else:  # IQ1_M: index low bytes; a nibble per 8 (index top, delta sign); 3-bit scales per 16; d in the tops
+        tl.static_assert(QTYPE == 29, "group_words: not a grid type")
+        nib = (_u8(blk, 32 + g // 2) >> (4 * (g % 2))) & 15
+        idx = _u8(blk, g) | ((nib & 7) << 8)
+        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        sgn = zero
+        s = (_u16(blk, 48 + 2 * (g // 8)) >> (3 * ((g // 2) % 4))) & 7
+        bits = ((_u16(blk, zero + 48) >> 12) | ((_u16(blk, zero + 50) >> 8) & 0xF0)
+                | ((_u16(blk, zero + 52) >> 4) & 0xF00) | (_u16(blk, zero + 54) & 0xF000))  # fmt: skip
+        scale = _half(bits) * ((2 * s + 1).to(tl.float32) * 0.125)
+        delta = tl.where((nib & 8) != 0, -1, 1)
+    if QTYPE != 19 and QTYPE != 29:
+        w0 = _signed(w0, sgn & 15)
+        w1 = _signed(w1, sgn >> 4)
+        delta = zero
+    return w0, w1, scale, delta
+
+
+@triton.jit
+def group_values(QTYPE: tl.constexpr, blk, g, grid):
+    """The 8 float32 values of group g [BN, G] of the blocks at blk: [BN, G, 8] (value i of group g at [.., g, i])."""
+    w0, w1, scale, delta = group_words(QTYPE, blk, g, grid)
+    i = tl.arange(0, 8)[None, None, :]
+    w = tl.where(i < 4, w0[:, :, None], w1[:, :, None])  # [BN, G, 8]
+    code = (w << (24 - 8 * (i % 4))) >> 24  # signed byte i % 4
+    if QTYPE == 19 or QTYPE == 29:
+        code = 8 * code + delta[:, :, None]
+    return code.to(tl.float32) * scale[:, :, None]
+
+
+@triton.jit
+def _group_rows(raw, e, N, row_bytes, BLOCK_N: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """(the first block of each of this program's rows of expert e [BN, 1] (rows past N read row N - 1), which
+    rows are real [BN, 1])."""
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    return raw + (e * N + rows_c) * row_bytes, rows < N
+
+
+@triton.jit
+def _group_dequant_kernel(
+    out_ptr,  # [P, N, K] (unit stride along K)
+    raw,  # uint8 GGUF blocks of the stacked weight [E, N, row_bytes]
+    ids,  # int64 [P]: which expert each output matrix holds (HAS_IDS), else p itself
+    grid,  # int32 view of the type's table: an IQ2 / IQ1 entry is two words, an IQ3 entry one
+    N,
+    K,
+    row_bytes,
+    stride_op,
+    stride_on,
+    QTYPE: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64) if HAS_IDS else p.to(tl.int64)
+    row_blk, ok = _group_rows(raw, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
+    g = tl.arange(0, 32)[None, :]  # [1, 32] groups of one block
+    col = tl.arange(0, 256)[None, :]
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    dst = out_ptr + p.to(tl.int64) * stride_op + tl.minimum(rows, N - 1).to(tl.int64) * stride_on  # [BN, 1]
+    for b in range(0, K // 256):
+        v = tl.reshape(group_values(QTYPE, row_blk + b * BLOCK_BYTES, g, grid), [BLOCK_N, 256])  # [BN, 256]
+        tl.store(dst + b * 256 + col, round_to(v, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+
+
+@triton.jit
+def _group_gemv_kernel(
+    out_ptr,  # [P, N]
+    raw,  # uint8 GGUF blocks [E, N, row_bytes]
+    ids,  # int64 [P]: the expert row p multiplies (HAS_IDS), else expert 0
+    x_ptr,  # float x [P // X_DIV, K] (not X_Q8), or int8 words int32 [P // X_DIV, K / 4] (int8_dot.Int8Rows.xq)
+    dx_ptr,  # float32 [P // X_DIV, K / 32]: x's int8 scales (X_Q8)
+    grid,
+    N,
+    K,
+    row_bytes,
+    stride_x,
+    stride_dx,
+    stride_o,
+    QTYPE: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    X_DIV: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    X_Q8: tl.constexpr,
+    EMULATE_DP4A: tl.constexpr,
+):
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64) if HAS_IDS else 0
+    row_blk, _ = _group_rows(raw, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
+    g = tl.arange(0, 32)[None, :]  # [1, 32]
+    xrow = (p // X_DIV).to(tl.int64)
+    acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+    for b in range(0, K // 256):
+        blk = row_blk + b * BLOCK_BYTES
+        if X_Q8:
+            w0, w1, scale, delta = group_words(QTYPE, blk, g, grid)
+            xa = tl.load(x_ptr + xrow * stride_x + b * 64 + 2 * g)  # [1, 32] words of x's int8 values 8g .. 8g + 3
+            xb = tl.load(x_ptr + xrow * stride_x + b * 64 + 2 * g + 1)
+            s = dp4a(w0, xa, EMULATE_DP4A) + dp4a(w1, xb, EMULATE_DP4A)  # [BN, 32]
+            if QTYPE == 19 or QTYPE == 29:
+                ones = tl.full([1, 32], 0x01010101, tl.int32)
+                s = 8 * s + delta * (dp4a(ones, xa, EMULATE_DP4A) + dp4a(ones, xb, EMULATE_DP4A))
+            dx = tl.load(dx_ptr + xrow * stride_dx + b * 8 + g // 4)  # [1, 32]
+            acc += s.to(tl.float32) * (scale * dx)
+        else:
+            v = group_values(QTYPE, blk, g, grid)  # [BN, 32, 8]
+            i = tl.arange(0, 8)[None, None, :]
+            xs = tl.load(x_ptr + xrow * stride_x + b * 256 + 8 * g[:, :, None] + i).to(tl.float32)  # [1, 32, 8]
+            acc += tl.sum(v * xs, axis=2)
+    y = tl.sum(acc, axis=1)  # [BN]
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + p.to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)

@@ -100,6 +100,9 @@ def test_q4_k_m_decode_graphs_equal_eager_and_never_sync():
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)
     for a, b in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
         assert a.token_ids == b.token_ids
+    for prompt in prompts:  # one prompt alone: a prefill graph (20 tokens) or, rounding as no bucket does, eager
+        assert graphed.generate([prompt], params)[0].token_ids == eager.generate([prompt], params)[0].token_ids
+    assert set(graphed.engine.runner.prefill_graphs.graphs) == {128}
     engine = eager.engine
     slot = engine.cache.allocate()
     batch = ForwardBatch.build([7], [1], [slot], engine.device)
@@ -111,6 +114,23 @@ def test_q4_k_m_decode_graphs_equal_eager_and_never_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
         engine.cache.release(slot)
+
+
+def test_int8_roundings_tell_few_tokens_from_many():
+    # GGUF kernels round x to int8 at decode sizes only: 1 token differs from a prefill bucket, 128 and 300 agree
+    from moerun.engine.prefill_graphs import PREFILL_BUCKETS
+    from moerun.ops.quant import int8_roundings, pack_model
+
+    cfg = preset_config("tiny")
+    cfg["torch_dtype"] = "float32"
+    model = random_quantized_model(ModelConfig.from_hf_dict(cfg), torch.device("cpu"), "Q4_K_M", seed=2)
+    pack_model(model)
+    k, layers = cfg["num_experts_per_tok"], model.model.layers
+    one, many = int8_roundings(layers, 1, k), int8_roundings(layers, PREFILL_BUCKETS[0], k)
+    n_parts = sum(len(m.__dict__["q_weight"].__dict__["packed"]) for m in layers.modules() if "q_weight" in m.__dict__)
+    assert len(one) == len(many) == n_parts + 2 * cfg["num_hidden_layers"]  # each part, each MoE's two GEMMs
+    assert any(one) and not any(many)
+    assert int8_roundings(layers, 300, k) == many
 
 
 def _quantized_weights(module) -> list:

@@ -3,7 +3,9 @@
 An eager prefill launches a few dozen kernels per layer; below a few thousand tokens the host cannot issue
 them as fast as the GPU runs them. A prompt of n tokens replays the smallest bucket >= n: the padding tokens
 sit after the prompt, so causal attention hides them from it; their keys land in the sequence's own slot past
-its end, where decoding overwrites them before any read.
+its end, where decoding overwrites them before any read. A GGUF model's kernels round x to int8 at a few tokens
+(as llama.cpp's do) and not at a bucket's many: a prompt whose kernels would round differently from every bucket
+that holds it prefills eagerly, so that graphs never change a result beyond float summation order.
 """
 
 from __future__ import annotations
@@ -26,16 +28,31 @@ class PrefillGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.buckets else None
         self._static: dict[str, torch.Tensor] = {}
+        self._rounding_of: dict[int, tuple[bool, ...]] = {}  # token count -> ops.quant.int8_roundings
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (bool(self.buckets) and batch.num_seqs == 1 and batch.start_positions[0] == 0
-                and batch.query_lens[0] <= self.buckets[-1])
+                and self._bucket(batch.query_lens[0]) is not None)
+
+    def _bucket(self, n: int) -> int | None:
+        """The smallest bucket >= n whose kernels round to int8 where those of n tokens do, else None."""
+        return next((b for b in self.buckets if b >= n and self._roundings(b) == self._roundings(n)), None)
+
+    def _roundings(self, rows: int) -> tuple[bool, ...]:
+        if rows not in self._rounding_of:
+            from moerun.ops.quant import int8_roundings
+
+            k = self.model.config.num_experts_per_tok
+            self._rounding_of[rows] = int8_roundings(self.model.model.layers, rows, k)
+        return self._rounding_of[rows]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits [1, V] float32 of the prompt's last token."""
         n = batch.query_lens[0]
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self._bucket(n)
+        if bucket is None:
+            raise ValueError(f"no prefill graph takes {n} tokens (PrefillGraphs.fits says which do)")
         if not self._static:
             self._allocate()
         s = self._static

@@ -262,6 +262,54 @@ def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) ->
     return pad_of(p13, p2[0], k, hidden.shape[0])
 
 
+def int8_roundings(layers: nn.Module, rows: int, k: int) -> tuple[bool, ...]:
+    """Where the Triton kernels picked for `rows` tokens (k experts each) round x, or an MoE's intermediate, to
+    int8: one flag per repacked part of the quantized linear layers and per GEMM of the quantized MoE layers in
+    `layers`, in module order. Two token counts with equal answers round alike, so their outputs differ by float
+    summation order alone (a prefill padded to a graph's bucket replays it only then)."""
+    from moerun.kernels.quant.fused_moe_quant import int8_roundings as moe_roundings
+    from moerun.kernels.quant.matmul_quant import int8_roundings as matmul_roundings
+
+    flags: list[bool] = []
+    for module in layers.modules():
+        q = module.__dict__.get("q_weight")
+        if isinstance(q, QuantizedWeight) and has_kernel_layout(q):
+            flags += matmul_roundings(packed_parts(q), rows)
+        elif isinstance(q, QuantizedWeight):
+            flags += _block_roundings(q, rows <= _BLOCK_GEMV_ROWS, rows)
+        q13, q2 = module.__dict__.get("q_w13"), module.__dict__.get("q_w2")
+        if q13 is None or q2 is None:
+            continue
+        if has_kernel_layout(q13) and has_kernel_layout(q2):
+            p13, p2 = packed_parts(q13), packed_parts(q2)
+            if fused_kernels_apply(p13, p2):
+                flags += moe_roundings(p13, p2[0], k, rows)
+        else:
+            gemv = rows * k < q13.shape[0]  # _moe_from_blocks' choice
+            flags += _block_roundings(q13, gemv, rows) + _block_roundings(q2, gemv, rows)
+    return tuple(flags)
+
+
+def _block_roundings(weight: Weight, gemv: bool, rows: int) -> list[bool]:
+    """int8_roundings' flags for a weight without a repacked layout, one a part: its GEMV over the blocks (``gemv``)
+    rounds x to int8 for the grid types on a GPU (from_blocks.block_gemv); parts of other types follow their
+    kernels."""
+    from moerun.kernels.interpreter import interpreting
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+    from moerun.kernels.quant.matmul_quant import int8_roundings as matmul_roundings
+
+    if not isinstance(weight, QuantizedWeight) or weight.released:
+        return []
+    flags = []
+    for i, p in enumerate(weight.parts):
+        if p.qtype in BLOCK_TYPES:
+            flags.append(gemv and p.qtype in GROUP_TYPES and not interpreting())
+        else:
+            flags += matmul_roundings([_part_pack(weight, i)], rows) if gemv and len(p.shape) == 2 else [False]
+    return flags
+
+
 def fused_kernels_apply(p13: list[PackedWeight], p2: list[PackedWeight]) -> bool:
     """Whether the fused quantized MoE kernels take these repacked experts: one down part, every part of a type
     they decode, and no part straddling the gate/up boundary."""

@@ -580,8 +580,15 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
 def int8_input_pad(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> int | None:
     """The padded H at which fused_moe_quant (no config given, no tables) rounds hidden [T, H] to int8, else
     None."""
-    gate, up = split_gate_up(w13)
-    gw, uw = gate[0], up[0]
-    cfg = _kernel_config(None, gw, uw, w2, w2.shape[0], k, T, indirect=False)
-    return gw.k_pad if cfg["path"] == "gemv_v2" and cfg.get("x_q8") else None
+    gate, _ = split_gate_up(w13)
+    return gate[0].k_pad if int8_roundings(w13, w2, k, T)[0] else None
 
+
+def int8_roundings(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> tuple[bool, bool]:
+    """Whether fused_moe_quant (no config given, no tables) rounds hidden [T, H] to int8 for GEMM 1, and GEMM 1's
+    output to int8 for GEMM 2."""
+    gate, up = split_gate_up(w13)
+    cfg = _kernel_config(None, gate[0], up[0], w2, w2.shape[0], k, T, indirect=False)
+    if cfg["path"] != "gemv_v2":
+        return (False, False)
+    return (bool(cfg.get("x_q8")), bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES)

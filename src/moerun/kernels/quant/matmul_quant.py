@@ -232,3 +232,22 @@ def int8_input_pad(parts: Sequence[PackedWeight], M: int) -> int | None:
             return p.k_pad
     return None
 
+
+def int8_roundings(parts: Sequence[PackedWeight], M: int) -> tuple[bool, ...]:
+    """Per part, whether quant_matmul_triton (no config given) rounds x [M, K] to int8 for it: a part that joins
+    the launch of the one before it is read as that one's config says."""
+    out: list[bool] = []
+    i = 0
+    while i < len(parts):
+        p = parts[i]
+        if p.is_dense:
+            out.append(False)
+            i += 1
+            continue
+        cfg = get_matmul_config(p.qtype.name, p.n, p.k, M)
+        q8 = cfg["path"] == "gemv_v2" and p.qtype in V2_TYPES and bool(cfg.get("x_q8"))
+        joined = i + 1 < len(parts) and _joins(p, parts[i + 1], cfg)
+        out += [q8] * (2 if joined else 1)
+        i += 2 if joined else 1
+    return tuple(out)
+

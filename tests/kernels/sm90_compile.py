@@ -131,6 +131,11 @@ def _cases() -> dict[str, Callable[[], None]]:
         f"{t.name} GEMV over the blocks of the pairs' experts, float x": lambda t=t: block_gemv(
             blocks[t].raw, t, (4, 64, 512), torch.randn(1, 512, dtype=bf16), torch.tensor([3, 0]), 2, x_q8=False)
         for t in (QuantType.IQ2_XXS, QuantType.IQ1_M)})
+    cases["IQ2_S gate and up GEMV with SiLU, then the weighted down GEMV"] = lambda: (block_gemv(
+        blocks[QuantType.IQ2_S].raw, QuantType.IQ2_S, (4, 64, 512), torch.randn(1, 512, dtype=bf16),
+        torch.tensor([3, 0]), 2, up_raw=blocks[QuantType.IQ2_S].raw), block_gemv(
+        blocks[QuantType.IQ3_S].raw, QuantType.IQ3_S, (4, 64, 512), torch.randn(2, 512, dtype=bf16),
+        torch.tensor([3, 0]), weights=torch.rand(2), out_dtype=torch.float32))
     return cases | {
         "fused_moe, decode, k slots summed in GEMM 2": lambda: fused_moe_triton(x8[:4], w13, w2, w1.repeat(4, 1),
                                                                                 ids1.repeat(4, 1), fused_gemm2),

@@ -48,10 +48,11 @@ def test_linear_reads_the_blocks(seed, qt: QuantType) -> None:
     assert w.parts, "the blocks stay"
 
 
-def _experts(qt: QuantType, E: int, H: int, I: int):  # noqa: E741
+def _experts(qt: QuantType, E: int, H: int, I: int, down_qt: QuantType | None = None):  # noqa: E741
     gate = random_quantized(qt, (E, I, H), DEVICE)
     up = random_quantized(qt, (E, I, H), DEVICE)
-    down = random_quantized(QuantType.Q4_K if qt != QuantType.MXFP4 else qt, (E, H, I), DEVICE)
+    down_qt = down_qt or (QuantType.Q4_K if qt != QuantType.MXFP4 else qt)
+    down = random_quantized(down_qt, (E, H, I), DEVICE)
     return QuantizedWeight([gate, up]), QuantizedWeight([down])
 
 
@@ -74,6 +75,41 @@ def test_moe_matches_reference(seed, qt: QuantType, T: int) -> None:
         again = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="triton")
         torch.testing.assert_close(again.float(), ref.float(), rtol=TOL, atol=TOL * scale,
                                    msg=lambda m: f"seed={seed}, repacked w2: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("types", [(QuantType.IQ2_XXS, QuantType.IQ3_S), (QuantType.IQ1_M, QuantType.IQ2_S)],
+                         ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_grid_experts_in_two_launches_match_reference(seed, types) -> None:
+    # gate, up and down all grid types: silu(gate) * up in one GEMV, the routing weights in the other
+    E, H, I, k = 8, 256, 256, 2  # noqa: E741
+    w13, w2 = _experts(types[0], E, H, I, down_qt=types[1])
+    weights, ids = route_reference(torch.randn(3, E), k, True)
+    hidden = torch.randn(3, H, device=DEVICE).bfloat16()
+    out = moe_ops.fused_moe(hidden, w13, w2, weights.to(DEVICE), ids.to(DEVICE), backend="triton")
+    ref = fused_moe_reference(hidden, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL, atol=TOL * scale, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("x_q8", [False, True], ids=["float_x", "int8_x"])
+def test_block_gemv_fuses_gate_up_and_routing_weights(seed, x_q8: bool) -> None:
+    from moerun.kernels.quant.from_blocks import block_gemv
+
+    qt = QuantType.IQ2_S
+    (E, N, K, k), gate, _, x, ids = _pairs_case(qt)
+    up = random_quantized(qt, (E, N, K), DEVICE)
+    shape = (E, N, K)
+    act = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8, up_raw=up.raw)  # [6, N]
+    ref = F.silu(block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8)) * block_gemv(up.raw, qt, shape, x, ids, k,
+                                                                                      x_q8=x_q8)  # fmt: skip
+    torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    w = torch.rand(ids.numel(), device=DEVICE)
+    got = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8, weights=w, out_dtype=torch.float64)
+    ref = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8).double() * w.double()[:, None]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    with pytest.raises(ValueError, match="do not match"):
+        block_gemv(gate.raw, qt, shape, x, ids, k, up_raw=up.raw[:2])
 
 
 def test_gathered_experts_equal_stacked_ones() -> None:

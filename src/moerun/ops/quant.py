@@ -179,9 +179,10 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
                      topk_ids: torch.Tensor) -> torch.Tensor:
     """The MoE of experts without a repacked layout, from their GGUF blocks as it runs: -> [T, H].
 
-    Fewer (token, slot) pairs than experts: each pair multiplies its expert's blocks (a GEMV reading the blocks, or
-    the expert dequantised and a batched GEMV for parts of other types). Otherwise the whole layer is dequantised
-    for the dense fused kernels."""
+    Fewer (token, slot) pairs than experts: each pair multiplies its expert's blocks. Gate and up of one grid type
+    are one GEMV launch that also applies silu(gate) * up, a grid-type down one that also applies the routing
+    weights; parts of other types take a GEMV over their blocks, or their experts dequantised and a batched GEMV.
+    Otherwise the whole layer is dequantised for the dense fused kernels."""
     from moerun.kernels.fused_moe import fused_moe_triton
 
     T, k = topk_ids.shape
@@ -189,12 +190,51 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
         return fused_moe_triton(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype), topk_weights,
                                 topk_ids)  # fmt: skip
     ids = topk_ids.reshape(-1).long()  # [T*k]
-    gate_up = _pair_products(w13, hidden, ids, k)  # [T*k, 2I]
-    inter = gate_up.shape[-1] // 2
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T*k, I]
-    y = _pair_products(w2, act, ids, 1)  # [T*k, H]
-    per_slot = y.float().view(T, k, -1) * topk_weights.float().unsqueeze(-1)  # [T, k, H]
-    return per_slot.sum(dim=1).to(hidden.dtype)
+    act = _grid_gate_up(hidden, w13, ids, k)  # [T*k, I]
+    if act is None:
+        gate_up = _pair_products(w13, hidden, ids, k)  # [T*k, 2I]
+        inter = gate_up.shape[-1] // 2
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    y = _grid_down(act, w2, ids, topk_weights)  # [T*k, H] float32, weighted
+    if y is None:
+        y = _pair_products(w2, act, ids, 1).float() * topk_weights.reshape(-1, 1).float()
+    return y.view(T, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _grid_parts(weight: Weight, n: int) -> list | None:
+    """The n GGUF parts of a weight when they are all of one grid type (from_groups.GROUP_TYPES), else None."""
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+
+    if not isinstance(weight, QuantizedWeight) or weight.released or len(weight.parts) != n:
+        return None
+    parts = weight.parts
+    same = all(p.qtype == parts[0].qtype and p.shape == parts[0].shape for p in parts)
+    return parts if same and parts[0].qtype in GROUP_TYPES else None
+
+
+def _grid_gate_up(hidden: torch.Tensor, w13: Weight, ids: torch.Tensor, k: int) -> torch.Tensor | None:
+    """silu(gate) * up of every (token, slot) pair [T*k, I] in one GEMV launch, when gate and up are one grid type;
+    else None."""
+    from moerun.kernels.quant.from_blocks import block_gemv
+
+    parts = _grid_parts(w13, 2)
+    if parts is None:
+        return None
+    gate, up = parts
+    return block_gemv(gate.raw, gate.qtype, gate.shape, hidden.contiguous(), ids, k, up_raw=up.raw)
+
+
+def _grid_down(act: torch.Tensor, w2: Weight, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor | None:
+    """Each pair's down projection times its routing weight, [T*k, H] float32 in one GEMV launch, when down is a
+    grid type; else None."""
+    from moerun.kernels.quant.from_blocks import block_gemv
+
+    parts = _grid_parts(w2, 1)
+    if parts is None:
+        return None
+    down = parts[0]
+    return block_gemv(down.raw, down.qtype, down.shape, act.contiguous(), ids, 1, weights=topk_weights.reshape(-1),
+                      out_dtype=torch.float32)  # fmt: skip
 
 
 def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_div: int) -> torch.Tensor:

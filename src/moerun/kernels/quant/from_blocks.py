@@ -192,29 +192,40 @@ def _block_gemv_kernel(
 
 
 def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: torch.Tensor,
-               ids: torch.Tensor | None = None, x_div: int = 1, x_q8: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """y [P, N] in x's dtype: row p of y is W_e x_(p // x_div) for a weight of logical shape [E, N, K] (e = ids[p])
-    or [N, K] (no ids), from its GGUF blocks raw; x [P / x_div, K]. P = len(ids) or, without ids, x's rows.
-    x_q8 (grid types only; default: on a GPU, not in Triton's interpreter): x rounded to int8 per 32 values first
-    (int8_dot.quantize_x), the result W x^ for that x^."""
+               ids: torch.Tensor | None = None, x_div: int = 1, x_q8: bool | None = None,
+               up_raw: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """y [P, N] (in out_dtype, default x's): row p of y is W_e x_(p // x_div) for a weight of logical shape
+    [E, N, K] (e = ids[p]) or [N, K] (no ids), from its GGUF blocks raw; x [P / x_div, K]. P = len(ids) or, without
+    ids, x's rows. Grid types only:
+      x_q8     x rounded to int8 per 32 values first (int8_dot.quantize_x), the result W x^ for that x^ (default:
+               on a GPU, not in Triton's interpreter);
+      up_raw   blocks of a second weight of the same type and shape (an MoE's up projection beside its gate):
+               row p is then silu(W_e x) * (U_e x), both in one launch;
+      weights  [P]: row p is multiplied by weights[p] (the routing weight of a (token, slot) pair)."""
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"block_gemv reads {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
     N, K = shape[-2:]
     if x.shape[-1] != K or x.stride(-1) != 1:
         raise ValueError(f"x must be [rows, {K}] with unit stride along K, got {tuple(x.shape)} {x.stride()}")
+    if (up_raw is not None or weights is not None) and qtype not in GROUP_TYPES:
+        raise ValueError(f"block_gemv fuses gate with up and routing weights for the grid types only, not {qtype.name}")
+    if up_raw is not None and up_raw.shape != raw.shape:
+        raise ValueError(f"up blocks of shape {tuple(up_raw.shape)} do not match the gate's {tuple(raw.shape)}")
     P = x.shape[0] * x_div if ids is None else ids.numel()
-    out = torch.empty((P, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((P, N), dtype=out_dtype or x.dtype, device=x.device)
     row_bytes = K // qtype.block_elems * qtype.block_bytes
     if P and N and qtype in GROUP_TYPES:
         q8 = not interpreting() if x_q8 is None else x_q8
         xq = quantize_x(x, K) if q8 else None
         block_n = 16
         _group_gemv_kernel[(P, triton.cdiv(N, block_n))](
-            out, raw, raw if ids is None else ids, x if xq is None else xq.xq, x if xq is None else xq.dx,
-            _grid_words(qtype, raw.device), N, K, row_bytes, x.stride(0) if xq is None else xq.xq.stride(0),
-            0 if xq is None else xq.dx.stride(0), out.stride(0), QTYPE=int(qtype), BLOCK_BYTES=qtype.block_bytes,
-            BLOCK_N=block_n, X_DIV=x_div, HAS_IDS=ids is not None, X_Q8=q8, EMULATE_DP4A=emulate_dp4a(),
-            num_warps=4,
+            out, raw, raw if up_raw is None else up_raw, raw if ids is None else ids, x if xq is None else xq.xq,
+            x if xq is None else xq.dx, x if weights is None else weights, _grid_words(qtype, raw.device), N, K,
+            row_bytes, x.stride(0) if xq is None else xq.xq.stride(0), 0 if xq is None else xq.dx.stride(0),
+            out.stride(0), QTYPE=int(qtype), BLOCK_BYTES=qtype.block_bytes, BLOCK_N=block_n, X_DIV=x_div,
+            HAS_IDS=ids is not None, X_Q8=q8, GATE_UP=up_raw is not None, WEIGHTED=weights is not None,
+            EMULATE_DP4A=emulate_dp4a(), num_warps=4,
         )  # fmt: skip
     elif P and N:
         block_n = 16

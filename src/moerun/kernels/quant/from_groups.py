@@ -182,12 +182,35 @@ def _group_dequant_kernel(
 
 
 @triton.jit
+def _group_products(QTYPE: tl.constexpr, blk, g, grid, x_row, dx_row, b, X_Q8: tl.constexpr,
+                    EMULATE_DP4A: tl.constexpr):  # fmt: skip
+    """Products of the 32 groups of block b of each row (blocks at blk [BN, 1]) with x's values there: [BN, 32]
+    float32 (x_row: int8 words with scales at dx_row when X_Q8, else float values)."""
+    if X_Q8:
+        w0, w1, scale, delta = group_words(QTYPE, blk, g, grid)
+        xa = tl.load(x_row + b * 64 + 2 * g)  # [1, 32] words of x's int8 values 8g .. 8g + 3
+        xb = tl.load(x_row + b * 64 + 2 * g + 1)
+        s = dp4a(w0, xa, EMULATE_DP4A) + dp4a(w1, xb, EMULATE_DP4A)  # [BN, 32]
+        if QTYPE == 19 or QTYPE == 29:
+            ones = tl.full([1, 32], 0x01010101, tl.int32)
+            s = 8 * s + delta * (dp4a(ones, xa, EMULATE_DP4A) + dp4a(ones, xb, EMULATE_DP4A))
+        dx = tl.load(dx_row + b * 8 + g // 4)  # [1, 32]
+        return s.to(tl.float32) * (scale * dx)
+    v = group_values(QTYPE, blk, g, grid)  # [BN, 32, 8]
+    i = tl.arange(0, 8)[None, None, :]
+    xs = tl.load(x_row + b * 256 + 8 * g[:, :, None] + i).to(tl.float32)  # [1, 32, 8]
+    return tl.sum(v * xs, axis=2)
+
+
+@triton.jit
 def _group_gemv_kernel(
     out_ptr,  # [P, N]
     raw,  # uint8 GGUF blocks [E, N, row_bytes]
+    raw_up,  # GATE_UP: the up projection's blocks, same type and shape; the output is silu(W x) * (W_up x)
     ids,  # int64 [P]: the expert row p multiplies (HAS_IDS), else expert 0
     x_ptr,  # float x [P // X_DIV, K] (not X_Q8), or int8 words int32 [P // X_DIV, K / 4] (int8_dot.Int8Rows.xq)
     dx_ptr,  # float32 [P // X_DIV, K / 32]: x's int8 scales (X_Q8)
+    weights_ptr,  # [P] (WEIGHTED): row p of the output is multiplied by weights[p] (a routing weight)
     grid,
     N,
     K,
@@ -201,31 +224,28 @@ def _group_gemv_kernel(
     X_DIV: tl.constexpr,
     HAS_IDS: tl.constexpr,
     X_Q8: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     EMULATE_DP4A: tl.constexpr,
 ):
     p = tl.program_id(0)
     e = tl.load(ids + p).to(tl.int64) if HAS_IDS else 0
     row_blk, _ = _group_rows(raw, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
+    up_blk, _ = _group_rows(raw_up, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
     g = tl.arange(0, 32)[None, :]  # [1, 32]
     xrow = (p // X_DIV).to(tl.int64)
+    x_row = x_ptr + xrow * stride_x
+    dx_row = dx_ptr + xrow * stride_dx
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     for b in range(0, K // 256):
-        blk = row_blk + b * BLOCK_BYTES
-        if X_Q8:
-            w0, w1, scale, delta = group_words(QTYPE, blk, g, grid)
-            xa = tl.load(x_ptr + xrow * stride_x + b * 64 + 2 * g)  # [1, 32] words of x's int8 values 8g .. 8g + 3
-            xb = tl.load(x_ptr + xrow * stride_x + b * 64 + 2 * g + 1)
-            s = dp4a(w0, xa, EMULATE_DP4A) + dp4a(w1, xb, EMULATE_DP4A)  # [BN, 32]
-            if QTYPE == 19 or QTYPE == 29:
-                ones = tl.full([1, 32], 0x01010101, tl.int32)
-                s = 8 * s + delta * (dp4a(ones, xa, EMULATE_DP4A) + dp4a(ones, xb, EMULATE_DP4A))
-            dx = tl.load(dx_ptr + xrow * stride_dx + b * 8 + g // 4)  # [1, 32]
-            acc += s.to(tl.float32) * (scale * dx)
-        else:
-            v = group_values(QTYPE, blk, g, grid)  # [BN, 32, 8]
-            i = tl.arange(0, 8)[None, None, :]
-            xs = tl.load(x_ptr + xrow * stride_x + b * 256 + 8 * g[:, :, None] + i).to(tl.float32)  # [1, 32, 8]
-            acc += tl.sum(v * xs, axis=2)
+        acc += _group_products(QTYPE, row_blk + b * BLOCK_BYTES, g, grid, x_row, dx_row, b, X_Q8, EMULATE_DP4A)
+        if GATE_UP:
+            acc_up += _group_products(QTYPE, up_blk + b * BLOCK_BYTES, g, grid, x_row, dx_row, b, X_Q8, EMULATE_DP4A)
     y = tl.sum(acc, axis=1)  # [BN]
+    if GATE_UP:
+        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+    if WEIGHTED:
+        y = y * tl.load(weights_ptr + p).to(tl.float32)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + p.to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)

@@ -116,10 +116,16 @@ def test_q4_k_m_decode_graphs_equal_eager_and_never_sync():
         engine.cache.release(slot)
 
 
-def test_int8_roundings_tell_few_tokens_from_many():
-    # GGUF kernels round x to int8 at decode sizes only: 1 token differs from a prefill bucket, 128 and 300 agree
+def test_int8_roundings_tell_few_tokens_from_many(monkeypatch, request):
+    # GGUF kernels round x to int8 at decode sizes only (the GPU's configs, also when Triton's interpreter runs):
+    # 1 token differs from a prefill bucket, 128 and 300 agree
     from moerun.engine.prefill_graphs import PREFILL_BUCKETS
+    from moerun.kernels.quant import configs
     from moerun.ops.quant import int8_roundings, pack_model
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    configs.get_matmul_config.cache_clear()  # memoised: cleared before and after
+    request.addfinalizer(configs.get_matmul_config.cache_clear)
 
     cfg = preset_config("tiny")
     cfg["torch_dtype"] = "float32"

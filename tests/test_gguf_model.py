@@ -116,20 +116,25 @@ def test_read_only_types_match_dequantized_reference(hf_checkpoint, tmp_path, qt
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path):
-    # Read from their blocks inside the captured decode step: the graphs give the eager tokens, and the logits are
-    # the CPU path's. The other tensors stay float32, so only the read-only types' path is compared (the packed
-    # types' graphed and eager decodes differ by 1-3% of the logits; benchmarks/RESULTS.md, twentieth sitting).
-    base, path = write(hf_checkpoint, tmp_path / "f32.gguf", "F32"), tmp_path / "m-IQ2_XXS.gguf"
+@pytest.mark.parametrize("base_type", ["F32", "Q8_0"])
+def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path, base_type):
+    # Read from their blocks inside the captured decode step: the graphs give the eager tokens, for one prompt (a
+    # prefill graph, or eager prefill where the kernels round to int8 as no bucket's do) and for several. Beside
+    # a Q8_0 base the int8 roundings of the packed types are in play too; beside F32 the logits are the CPU path's.
+    base, path = write(hf_checkpoint, tmp_path / "base.gguf", base_type), tmp_path / "m-IQ2_XXS.gguf"
     with_random_blocks(base, path, "IQ2_XXS", seed=11, names=("_exps.", "attn_q."))
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    ids = [random.randrange(362) for _ in range(9)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[random.randrange(362) for _ in range(n)] for n in (9, 3, 30, 14, 5)]
     graphed = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=True, dtype="float32")
     eager = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=False, dtype="float32")
     assert graphed.engine.runner.graphs
-    assert graphed.generate([ids], params)[0].token_ids == eager.generate([ids], params)[0].token_ids
-    cpu = LLM(str(path), device="cpu", max_model_len=128, dtype="float32")
-    assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 1e-4
+    for some in [[p] for p in prompts[:3]] + [prompts]:  # three alone, then five together
+        a, b = graphed.generate(some, params), eager.generate(some, params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    if base_type == "F32":
+        cpu = LLM(str(path), device="cpu", max_model_len=128, dtype="float32")
+        ids = prompts[0]
+        assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 1e-4
 
 
 def test_cli_generate_and_inspect_gguf(hf_checkpoint, tmp_path, capsys):

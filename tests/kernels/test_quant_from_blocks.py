@@ -56,7 +56,7 @@ def _experts(qt: QuantType, E: int, H: int, I: int, down_qt: QuantType | None = 
     return QuantizedWeight([gate, up]), QuantizedWeight([down])
 
 
-@pytest.mark.parametrize("T", [1, 3, 5], ids=lambda t: f"T{t}")  # pairs < E: gathered experts; else the layer
+@pytest.mark.parametrize("T", [1, 3, 5], ids=lambda t: f"T{t}")  # few pairs: gathered experts; else the layer
 @pytest.mark.parametrize("qt", [QuantType.IQ2_XXS, QuantType.IQ3_S, QuantType.IQ1_M, QuantType.MXFP4],
                          ids=lambda t: t.name)
 def test_moe_matches_reference(seed, qt: QuantType, T: int) -> None:

@@ -193,12 +193,46 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
         (tmp_path / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(moe))
         configs.load_moe_table.cache_clear()
         assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 16, "FAKE")["BLOCK_N2"] == 8
+        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["BLOCK_N2"] == 8  # the bucket above 2
         assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 17, "FAKE") == \
             configs.default_moe_config(17, 8, interpret=False, qtype="Q4_K")
     finally:
         configs.load_matmul_table.cache_clear()
         configs.get_matmul_config.cache_clear()
         configs.load_moe_table.cache_clear()
+
+
+def test_shipped_tables_round_every_batch_as_its_graph_bucket(monkeypatch, request) -> None:
+    # A decode step of B sequences replays the graph of the smallest bucket >= B; run eagerly, the same B must
+    # pick a config that rounds x and the intermediate to int8 exactly where the bucket's does.
+    import json
+
+    from moerun.engine.runner import BUCKETS
+    from moerun.kernels.quant import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    configs.get_matmul_config.cache_clear()  # memoised: cleared before and after
+    request.addfinalizer(configs.get_matmul_config.cache_clear)
+    names = sorted(p.name for p in configs.CONFIG_DIR.glob("quant_Q*_E=*.json"))
+    assert names, "no shipped quantized MoE tables"
+    for name in names:
+        qtype, rest = name[len("quant_"):].split("_E=")
+        E, H, I = (int(v.split("=")[-1]) for v in rest.split(",")[:3])  # noqa: E741
+        device = rest.split("device=")[1].removesuffix(".json")
+        for B in range(1, BUCKETS[-1] + 1):
+            bucket = next(b for b in BUCKETS if b >= B)
+            a, b = (configs.get_moe_config(qtype, E, H, I, 8, m, device) for m in (B, bucket))
+            assert (a["path"], a.get("x_q8"), a.get("inter_q8")) == (b["path"], b.get("x_q8"), b.get("inter_q8")), \
+                f"{name}: batch {B} against its bucket {bucket}"
+    for table in configs.CONFIG_DIR.glob("quant_gemv_*.json"):  # the dense projections' tables
+        device = table.name.removeprefix("quant_gemv_").removesuffix(".json")
+        for key in json.loads(table.read_text()):
+            part = dict(kv.split("=") for kv in key.split(","))
+            for B in range(1, BUCKETS[-1] + 1):
+                bucket = next(b for b in BUCKETS if b >= B)
+                a, b = (configs.get_matmul_config(part["type"], int(part["N"]), int(part["K"]), m, device)
+                        for m in (B, bucket))  # fmt: skip
+                assert (a["path"], a.get("x_q8")) == (b["path"], b.get("x_q8")), f"{key}: batch {B}, bucket {bucket}"
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")

@@ -15,6 +15,7 @@ from torch import nn
 
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
+from moerun.engine.roundings import RoundingMatch
 
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -28,29 +29,17 @@ class PrefillGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.buckets else None
         self._static: dict[str, torch.Tensor] = {}
-        self._rounding_of: dict[int, tuple[bool, ...]] = {}  # token count -> ops.quant.int8_roundings
+        self.rounding = RoundingMatch(model)
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (bool(self.buckets) and batch.num_seqs == 1 and batch.start_positions[0] == 0
-                and self._bucket(batch.query_lens[0]) is not None)
-
-    def _bucket(self, n: int) -> int | None:
-        """The smallest bucket >= n whose kernels round to int8 where those of n tokens do, else None."""
-        return next((b for b in self.buckets if b >= n and self._roundings(b) == self._roundings(n)), None)
-
-    def _roundings(self, rows: int) -> tuple[bool, ...]:
-        if rows not in self._rounding_of:
-            from moerun.ops.quant import int8_roundings
-
-            k = self.model.config.num_experts_per_tok
-            self._rounding_of[rows] = int8_roundings(self.model.model.layers, rows, k)
-        return self._rounding_of[rows]
+                and self.rounding.bucket(batch.query_lens[0], self.buckets) is not None)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits [1, V] float32 of the prompt's last token."""
         n = batch.query_lens[0]
-        bucket = self._bucket(n)
+        bucket = self.rounding.bucket(n, self.buckets)
         if bucket is None:
             raise ValueError(f"no prefill graph takes {n} tokens (PrefillGraphs.fits says which do)")
         if not self._static:

@@ -2,8 +2,9 @@
 new prompt through graphs per token bucket (engine/prefill_graphs.py), other prefills eagerly.
 
 A decode graph is captured for each bucket size (1, 2, 4, ... up to max_num_seqs) with static input buffers;
-a batch of B sequences replays the smallest bucket >= B, padding rows pointing at the KV cache's scratch slot
-so that they never touch a real sequence. Nothing in the graphed step reads device memory on the host.
+a batch of B sequences replays the smallest bucket >= B whose quantized kernels round to int8 as B rows' do
+(engine/roundings.py; else it runs eagerly), padding rows pointing at the KV cache's scratch slot so that they
+never touch a real sequence. Nothing in the graphed step reads device memory on the host.
 Experts offloaded in copy mode read each layer's routing on the host: their decode replays one graph per layer
 instead (engine/layer_graphs.py), and prefill runs eagerly.
 """
@@ -17,6 +18,7 @@ from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.layer_graphs import LayerGraphs
 from moerun.engine.prefill_graphs import PrefillGraphs
+from moerun.engine.roundings import RoundingMatch
 from moerun.engine.static_inputs import StaticInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -35,6 +37,7 @@ class ModelRunner:
         self._logits: torch.Tensor | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.layer_graphs: LayerGraphs | None = None
+        self.rounding = RoundingMatch(model)
 
     def _between_steps(self, tokens: int) -> None:
         # expert offloading that updates its cache between forward passes, outside any graph (moe/offload)
@@ -56,10 +59,10 @@ class ModelRunner:
         self._between_steps(B)
         if self.layer_graphs is not None and B <= self.buckets[-1]:
             return self.layer_graphs.run(input_ids, batch)
-        if not self.graphs or B > self.buckets[-1]:
+        bucket = self.rounding.bucket(B, self.buckets) if self.graphs else None
+        if bucket is None:  # no graphs, too many rows, or no bucket whose kernels round to int8 as B rows' do
             hidden = self.model(input_ids, batch, self.cache)
             return self.model.compute_logits(hidden).float()
-        bucket = next(b for b in self.buckets if b >= B)
         self._inputs.fill(input_ids, batch, bucket)
         self.graphs[bucket].replay()
         return self._logits[:B]

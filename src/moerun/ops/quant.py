@@ -179,14 +179,14 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
                      topk_ids: torch.Tensor) -> torch.Tensor:
     """The MoE of experts without a repacked layout, from their GGUF blocks as it runs: -> [T, H].
 
-    Fewer (token, slot) pairs than experts: each pair multiplies its expert's blocks. Gate and up of one grid type
+    Few (token, slot) pairs (_pairs_by_gemv): each pair multiplies its expert's blocks. Gate and up of one grid type
     are one GEMV launch that also applies silu(gate) * up, a grid-type down one that also applies the routing
     weights; parts of other types take a GEMV over their blocks, or their experts dequantised and a batched GEMV.
     Otherwise the whole layer is dequantised for the dense fused kernels."""
     from moerun.kernels.fused_moe import fused_moe_triton
 
     T, k = topk_ids.shape
-    if T * k >= w13.shape[0]:
+    if not _pairs_by_gemv(T, k, w13.shape[0]):
         return fused_moe_triton(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype), topk_weights,
                                 topk_ids)  # fmt: skip
     ids = topk_ids.reshape(-1).long()  # [T*k]
@@ -199,6 +199,13 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
     if y is None:
         y = _pair_products(w2, act, ids, 1).float() * topk_weights.reshape(-1, 1).float()
     return y.view(T, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _pairs_by_gemv(T: int, k: int, E: int) -> bool:
+    """_moe_from_blocks' choice for T tokens, k slots each, E experts: a GEMV per (token, slot) pair while the
+    pairs of T rounded up to a power of two are at most E (so that a CUDA-graph bucket holding T chooses alike),
+    else the layer dequantised for the dense kernels."""
+    return (1 << max(T - 1, 0).bit_length()) * k <= E
 
 
 def _grid_parts(weight: Weight, n: int) -> list | None:
@@ -325,7 +332,7 @@ def int8_roundings(layers: nn.Module, rows: int, k: int) -> tuple[bool, ...]:
             if fused_kernels_apply(p13, p2):
                 flags += moe_roundings(p13, p2[0], k, rows)
         else:
-            gemv = rows * k < q13.shape[0]  # _moe_from_blocks' choice
+            gemv = _pairs_by_gemv(rows, k, q13.shape[0])
             flags += _block_roundings(q13, gemv, rows) + _block_roundings(q2, gemv, rows)
     return tuple(flags)
 

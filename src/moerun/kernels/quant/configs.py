@@ -27,7 +27,6 @@ from moerun.kernels.tile_configs import (
     CONFIG_DIR,
     Config,
     _current_device_name,
-    nearest_bucket,
     normalize,
 )
 
@@ -138,12 +137,14 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
 def get_moe_config(
     qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None  # noqa: E741
 ) -> Config:
-    """Tuned config of the nearest M bucket for this type, shape and device, else the default for m (also beyond
-    twice the largest tuned M: a table tuned for decode says nothing about prefill)."""
+    """Tuned config of the smallest tuned M >= m for this type, shape and device (the largest up to twice it),
+    else the default for m (a table tuned for decode says nothing about prefill). Taking the bucket above m, not
+    the nearest, gives m tokens the config of the power-of-two CUDA-graph bucket that holds them whenever the
+    tuned Ms are powers of two, so that eager and graphed steps round x to int8 alike."""
     if not interpreting():
         table = load_moe_table(qtype, E, H, I, device or _current_device_name())
         if table and m <= 2 * max(table):
-            return dict(table[nearest_bucket(list(table), m)])
+            return dict(table[min((b for b in table if b >= m), default=max(table))])
     return default_moe_config(m, k, qtype=qtype)
 
 

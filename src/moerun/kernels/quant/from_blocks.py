@@ -28,6 +28,7 @@ BLOCK_TYPES: tuple[QuantType, ...] = (
     QuantType.IQ1_M, QuantType.TQ1_0, QuantType.TQ2_0, QuantType.MXFP4, QuantType.NVFP4,
 )  # fmt: skip
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+GROUP_GEMV_BLOCK_N = 16  # rows a program of the grid types' GEMV (4 warps: 4 groups of 8 values a thread a step)
 
 
 @triton.jit
@@ -218,7 +219,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
     if P and N and qtype in GROUP_TYPES:
         q8 = not interpreting() if x_q8 is None else x_q8
         xq = quantize_x(x, K) if q8 else None
-        block_n = 16
+        block_n = GROUP_GEMV_BLOCK_N
         _group_gemv_kernel[(P, triton.cdiv(N, block_n))](
             out, raw, raw if up_raw is None else up_raw, raw if ids is None else ids, x if xq is None else xq.xq,
             x if xq is None else xq.dx, x if weights is None else weights, _grid_words(qtype, raw.device), N, K,

@@ -117,6 +117,12 @@ def _levels(device: torch.device) -> torch.Tensor:
     return _TABLES[key]
 
 
+def _check_blocks(raw: torch.Tensor) -> None:
+    """The kernels read 16-bit fields in one load: the blocks must start at an even address."""
+    if raw.data_ptr() % 2:
+        raise ValueError("GGUF blocks must start at an even address (a view at an odd byte offset was given)")
+
+
 def _grid_words(qtype: QuantType, device: torch.device) -> torch.Tensor:
     """A grid type's table as int32 words of four entries' values (from_groups.group_words reads it so)."""
     return grid_table(qtype, device).view(torch.int32)
@@ -133,6 +139,7 @@ def block_dequantize(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...]
     weight of logical shape [E, N, K] or [N, K] of a BLOCK_TYPES type; [N, K] in, [N, K] out without ids."""
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"block_dequantize decodes {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
+    _check_blocks(raw)
     lead = shape[:-2]
     N, K = shape[-2:]
     E = 1 if not lead else lead[0]
@@ -206,6 +213,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
       weights  [P]: row p is multiplied by weights[p] (the routing weight of a (token, slot) pair)."""
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"block_gemv reads {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
+    _check_blocks(raw)
     N, K = shape[-2:]
     if x.shape[-1] != K or x.stride(-1) != 1:
         raise ValueError(f"x must be [rows, {K}] with unit stride along K, got {tuple(x.shape)} {x.stride()}")

@@ -39,7 +39,8 @@ def _u8(blk, off):
 
 @triton.jit
 def _u16(blk, off):
-    return _u8(blk, off) | (_u8(blk, off + 1) << 8)
+    """The little-endian uint16 at byte `off` (even; the blocks start at even addresses) -> int32: one load."""
+    return tl.load((blk + off).to(tl.pointer_type(tl.int16))).to(tl.int32) & 0xFFFF
 
 
 @triton.jit

@@ -64,6 +64,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_dequantize, block_gemv
+    from moerun.layers.quantized import QuantizedWeight
+    from moerun.ops.quant import fused_moe_quantized
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
@@ -116,6 +118,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     v2_moe = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "BLOCK_N2": 8, "BLOCK_K2": 256,
               "num_warps2": 4}
     blocks = {t: random_quantized(t, (4, 64, 512)) for t in BLOCK_TYPES}
+    grid_gate = random_quantized(QuantType.IQ2_XXS, (4, 256, 512))
     cases = {
         f"{t.name} experts dequantised from their blocks": lambda t=t: block_dequantize(
             blocks[t].raw, t, (4, 64, 512), bf16, torch.tensor([3, 0])) for t in BLOCK_TYPES}
@@ -131,6 +134,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         f"{t.name} GEMV over the blocks of the pairs' experts, float x": lambda t=t: block_gemv(
             blocks[t].raw, t, (4, 64, 512), torch.randn(1, 512, dtype=bf16), torch.tensor([3, 0]), 2, x_q8=False)
         for t in (QuantType.IQ2_XXS, QuantType.IQ1_M)})
+    cases["IQ2_XXS gate and up GEMV with SiLU, then a Q2_K down through gemv_v2's GEMM 2"] = lambda: (
+        fused_moe_quantized(torch.randn(1, 512, dtype=bf16), QuantizedWeight([grid_gate] * 2),
+                            QuantizedWeight([random_quantized(QuantType.Q2_K, (4, 512, 256))]), torch.rand(1, 2),
+                            torch.tensor([[3, 0]])))
     cases["IQ2_S gate and up GEMV with SiLU, then the weighted down GEMV"] = lambda: (block_gemv(
         blocks[QuantType.IQ2_S].raw, QuantType.IQ2_S, (4, 64, 512), torch.randn(1, 512, dtype=bf16),
         torch.tensor([3, 0]), 2, up_raw=blocks[QuantType.IQ2_S].raw), block_gemv(

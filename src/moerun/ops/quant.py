@@ -195,6 +195,9 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
         gate_up = _pair_products(w13, hidden, ids, k)  # [T*k, 2I]
         inter = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    packed = _packed_down(act, w2, topk_ids, topk_weights, hidden.dtype)
+    if packed is not None:
+        return packed
     y = _grid_down(act, w2, ids, topk_weights)  # [T*k, H] float32, weighted
     if y is None:
         y = _pair_products(w2, act, ids, 1).float() * topk_weights.reshape(-1, 1).float()
@@ -242,6 +245,25 @@ def _grid_down(act: torch.Tensor, w2: Weight, ids: torch.Tensor, topk_weights: t
     down = parts[0]
     return block_gemv(down.raw, down.qtype, down.shape, act.contiguous(), ids, 1, weights=topk_weights.reshape(-1),
                       out_dtype=torch.float32)  # fmt: skip
+
+
+def _packed_down(act: torch.Tensor, w2: Weight, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """-> [T, H]: the pairs' down projections weighted and summed by the gemv_v2 path's GEMM 2 (act [T*k, I]
+    rounded to int8 first), when down is one repacked part of a type it reads (the Q2_K / Q3_K / Q4_K down beside
+    grid-type gate and up in IQ1, IQ2_XXS and IQ3_XXS files); else None."""
+    from moerun.kernels.quant.configs import default_moe_config
+    from moerun.kernels.quant.gemv_v2 import V2_TYPES, moe_down_v2
+    from moerun.kernels.quant.int8_dot import quantize_x
+
+    if not has_kernel_layout(w2):
+        return None
+    parts = packed_parts(w2)
+    if len(parts) != 1 or parts[0].is_dense or parts[0].qtype not in V2_TYPES:
+        return None
+    down = parts[0]
+    cfg = default_moe_config(1, topk_ids.shape[1], interpret=False, qtype=down.qtype.name)  # decode's GEMM 2 tiles
+    return moe_down_v2(quantize_x(act, down.k_pad), topk_ids, topk_weights, down, cfg, out_dtype)
 
 
 def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_div: int) -> torch.Tensor:
@@ -333,7 +355,8 @@ def int8_roundings(layers: nn.Module, rows: int, k: int) -> tuple[bool, ...]:
                 flags += moe_roundings(p13, p2[0], k, rows)
         else:
             gemv = _pairs_by_gemv(rows, k, q13.shape[0])
-            flags += _block_roundings(q13, gemv, rows) + _block_roundings(q2, gemv, rows)
+            down = [gemv] if has_kernel_layout(q2) else _block_roundings(q2, gemv, rows)  # _packed_down rounds
+            flags += _block_roundings(q13, gemv, rows) + down
     return tuple(flags)
 
 

@@ -745,18 +745,42 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
         PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags},
     )  # fmt: skip
-    out = torch.empty(T, H, dtype=out_dtype, device=x.device)  # [T, H]
+    return _gemm2(inter, sums, dxi, inter_q8, i_words, flat_ids, weights, w2, T, k, H, cfg, out_dtype,
+                  tables[2] if tables else None, pdl)  # fmt: skip
+
+
+def moe_down_v2(inter: Int8Rows, ids: torch.Tensor, weights: torch.Tensor, w2: PackedWeight, cfg: Config,
+                out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """GEMM 2 of the gemv_v2 path alone, for an intermediate made elsewhere (the grid types' GEMM 1): inter, each
+    (token, slot) pair's row [T*k, I] rounded to int8 (int8_dot.quantize_x at w2.k_pad), routing ids [T, k] and
+    weights [T, k] -> [T, H] in out_dtype: each token's k down projections, weighted and summed in one launch.
+    cfg: a gemv_v2 config's GEMM 2 tiles (BLOCK_N2, BLOCK_K2, num_warps2, num_stages2)."""
+    T, k = ids.shape
+    if inter.k_pad != w2.k_pad or inter.xq.shape[0] != T * k:
+        raise ValueError(f"intermediate of {inter.xq.shape[0]} rows x {inter.k_pad} values does not fit {T} x {k} "
+                         f"pairs of a down projection of {w2.k_pad} padded inputs")  # fmt: skip
+    flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
+    pdl = quant_pdl_mode(inter.xq.device, T)
+    return _gemm2(inter.xq, inter.xs, inter.dx, True, inter.k_pad // 4, flat_ids, weights, w2, T, k, w2.shape[-2],
+                  cfg, out_dtype, None, pdl)  # fmt: skip
+
+
+def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8: bool, i_words: int,
+           flat_ids: torch.Tensor, weights: torch.Tensor, w2: PackedWeight, T: int, k: int, H: int, cfg: Config,
+           out_dtype: torch.dtype, table: torch.Tensor | None, pdl: int) -> torch.Tensor:  # fmt: skip
+    """Launches _gemm2_v2_kernel over the intermediate's arrays -> [T, H] in out_dtype."""
+    out = torch.empty(T, H, dtype=out_dtype, device=inter.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
     slots_p2 = triton.next_power_of_2(k)
     slot_step = min(cfg.get("slots2") or slots_p2, slots_p2)
     if slot_step & (slot_step - 1):
         raise ValueError(f"slots2 must be a power of two, got {cfg.get('slots2')}")
-    groups2 = i_pad // _group_elems(w2.qtype)
+    groups2 = w2.k_pad // _group_elems(w2.qtype)
     _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
-        inter, sums, dxi, flat_ids, weights.reshape(-1), out, *_arrays(w2), tables[2] if tables else ids, k, H,
-        w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
+        inter, sums, dxi, flat_ids, weights.reshape(-1), out, *_arrays(w2), flat_ids if table is None else table, k,
+        H, w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
         WPG=_words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
-        **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=tables is not None, num_warps=cfg["num_warps2"],
+        **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None, num_warps=cfg["num_warps2"],
         num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -65,7 +65,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
-    from moerun.ops.quant import fused_moe_quantized
+    from moerun.ops.quant import _pair_products, fused_moe_quantized
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
@@ -138,6 +138,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         fused_moe_quantized(torch.randn(1, 512, dtype=bf16), QuantizedWeight([grid_gate] * 2),
                             QuantizedWeight([random_quantized(QuantType.Q2_K, (4, 512, 256))]), torch.rand(1, 2),
                             torch.tensor([[3, 0]])))
+    cases["q|k|v of IQ2_S, IQ2_S, Q4_K parts at decode, x rounded once"] = lambda: _pair_products(
+        QuantizedWeight([random_quantized(QuantType.IQ2_S, (n, 512)) for n in (256, 64)]
+                        + [random_quantized(QuantType.Q4_K, (64, 512))]), torch.randn(1, 512, dtype=bf16), None, 1)
     cases["IQ2_S gate and up GEMV with SiLU, then the weighted down GEMV"] = lambda: (block_gemv(
         blocks[QuantType.IQ2_S].raw, QuantType.IQ2_S, (4, 64, 512), torch.randn(1, 512, dtype=bf16),
         torch.tensor([3, 0]), 2, up_raw=blocks[QuantType.IQ2_S].raw), block_gemv(

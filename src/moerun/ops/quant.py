@@ -269,19 +269,26 @@ def _packed_down(act: torch.Tensor, w2: Weight, topk_ids: torch.Tensor, topk_wei
 def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_div: int) -> torch.Tensor:
     """Row p of the result is W_e x_(p // x_div), e = ids[p] (a stacked weight) or the weight itself (ids None):
     [P, N] in x's dtype. Parts of the types without a layout are read from their blocks by one GEMV launch each."""
+    from moerun.kernels.interpreter import interpreting
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_gemv
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+    from moerun.kernels.quant.int8_dot import quantize_x
 
     if not isinstance(weight, QuantizedWeight) or weight.released:
         w = dense_weight(weight, x.dtype, ids)  # [P, N, K] or [N, K]
         return F.linear(x, w) if ids is None else torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0]
-    out = []
+    out, x = [], x.contiguous()
+    grid = any(p.qtype in GROUP_TYPES for p in weight.parts)
+    # x rounded to int8 once for every part that reads it so (a q|k|v of IQ2_S, IQ2_S and Q4_K parts at decode)
+    x_int8 = quantize_x(x, x.shape[-1]) if grid and len(weight.parts) > 1 and not interpreting() else None
     for i, p in enumerate(weight.parts):
         if p.qtype in BLOCK_TYPES:
-            out.append(block_gemv(p.raw, p.qtype, p.shape, x.contiguous(), ids, x_div))
+            out.append(block_gemv(p.raw, p.qtype, p.shape, x, ids, x_div, x_int8=x_int8))
         elif ids is None:  # e.g. the Q4_K attn_v beside IQ2 attn_q / attn_k in q|k|v: the fused kernels
             from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
-            out.append(quant_matmul_triton(x, [_part_pack(weight, i)]))
+            pack = _part_pack(weight, i)
+            out.append(quant_matmul_triton(x, [pack], x_int8=x_int8 if pack.k_pad == x.shape[-1] else None))
         else:
             w = QuantizedWeight([p]).experts(ids, x.dtype)  # [P, n, K]
             out.append(torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0])

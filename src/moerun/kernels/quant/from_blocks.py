@@ -20,7 +20,7 @@ from moerun.formats.quants import FP4_VALUES, QuantType
 from moerun.formats.quants.grids import grid_table
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.from_groups import GROUP_TYPES, _group_dequant_kernel, _group_gemv_kernel, _half, _u8, _u16
-from moerun.kernels.quant.int8_dot import emulate_dp4a, quantize_x
+from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, quantize_x
 from moerun.kernels.rmsnorm import round_to
 
 BLOCK_TYPES: tuple[QuantType, ...] = (
@@ -202,7 +202,7 @@ def _block_gemv_kernel(
 def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: torch.Tensor,
                ids: torch.Tensor | None = None, x_div: int = 1, x_q8: bool | None = None,
                up_raw: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+               out_dtype: torch.dtype | None = None, x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
     """y [P, N] (in out_dtype, default x's): row p of y is W_e x_(p // x_div) for a weight of logical shape
     [E, N, K] (e = ids[p]) or [N, K] (no ids), from its GGUF blocks raw; x [P / x_div, K]. P = len(ids) or, without
     ids, x's rows. Grid types only:
@@ -210,7 +210,8 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
                on a GPU, not in Triton's interpreter);
       up_raw   blocks of a second weight of the same type and shape (an MoE's up projection beside its gate):
                row p is then silu(W_e x) * (U_e x), both in one launch;
-      weights  [P]: row p is multiplied by weights[p] (the routing weight of a (token, slot) pair)."""
+      weights  [P]: row p is multiplied by weights[p] (the routing weight of a (token, slot) pair);
+      x_int8   x already rounded (quantize_x(x, K)), read instead of rounding it again when x_q8."""
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"block_gemv reads {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
     _check_blocks(raw)
@@ -226,7 +227,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
     row_bytes = K // qtype.block_elems * qtype.block_bytes
     if P and N and qtype in GROUP_TYPES:
         q8 = not interpreting() if x_q8 is None else x_q8
-        xq = quantize_x(x, K) if q8 else None
+        xq = (x_int8 if x_int8 is not None else quantize_x(x, K)) if q8 else None
         block_n = GROUP_GEMV_BLOCK_N
         _group_gemv_kernel[(P, triton.cdiv(N, block_n))](
             out, raw, raw if up_raw is None else up_raw, raw if ids is None else ids, x if xq is None else xq.xq,

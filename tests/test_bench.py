@@ -106,11 +106,12 @@ def test_q4_k_m_decode_graphs_equal_eager_and_never_sync():
     engine = eager.engine
     slot = engine.cache.allocate()
     batch = ForwardBatch.build([7], [1], [slot], engine.device)
+    ids = torch.tensor([5], device=engine.device)  # a copy from the host: made before the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            engine.runner.decode(torch.tensor([5], device=engine.device), batch)
+            engine.runner.decode(ids, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
         engine.cache.release(slot)

@@ -21,8 +21,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_TYPES = [t for t in QuantType if t.is_quantized and t not in LAYOUTS]
 GROUP_TYPES = [t for t in BLOCK_TYPES if t.name.startswith(("IQ1", "IQ2", "IQ3"))]
 # Error allowed relative to the largest reference magnitude (both round the weights to bfloat16; the GEMM
-# outputs are rounded at different points).
-TOL = 2e-2
+# outputs are rounded at different points; on a GPU the decode kernels also round x and the MoE's intermediate
+# to int8 per 32 values).
+TOL = 4e-2 if DEVICE.type == "cuda" else 2e-2
 
 
 def test_every_read_only_type_is_covered() -> None:
@@ -162,11 +163,11 @@ def test_block_gemv_matches_dequantised_product(seed, qt: QuantType) -> None:
     from moerun.kernels.quant.from_blocks import block_gemv
 
     (E, N, K, k), w, dense, x, ids = _pairs_case(qt)
-    got = block_gemv(w.raw, qt, (E, N, K), x, ids, x_div=k)  # [6, N]
+    got = block_gemv(w.raw, qt, (E, N, K), x, ids, x_div=k, x_q8=False)  # [6, N], float x (the GPU rounds it)
     ref = torch.einsum("pnk,pk->pn", dense[ids], x.repeat_interleave(k, 0))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
     flat = random_quantized(qt, (N, K), DEVICE)
-    got = block_gemv(flat.raw, qt, (N, K), x)  # [3, N]
+    got = block_gemv(flat.raw, qt, (N, K), x, x_q8=False)  # [3, N]
     ref = x @ flat.dequantize(torch.float32).t()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
 

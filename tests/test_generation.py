@@ -174,3 +174,22 @@ def test_filter_probs_per_row_settings():
     full = logits[3].softmax(-1)
     assert torch.equal(probs[3] > 0, full >= 0.5 * full.max())
     assert torch.allclose(probs.sum(-1), torch.ones(4))
+
+
+def test_stop_string_inside_text_added_at_once():
+    # A step may add many characters at once (a character held back until its last token came): the first stop
+    # string in them ends the text, however far back it starts.
+    from moerun.engine.sequence import Sequence
+
+    class Chunks:  # token i decodes to chunks[i]; token 0 alone is an incomplete character
+        chunks = ["\ufffd", "x" + "***" + "y" * 60 + "***"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.chunks[i] for i in ids) if ids != [0] else "\ufffd"
+
+    seq = Sequence([1], SamplingParams(max_tokens=10, stop=["***"]))
+    seq.append(0, Chunks(), (), 100)
+    assert seq.text == "" and not seq.is_finished
+    seq.append(1, Chunks(), (), 100)
+    assert seq.is_finished and seq.finish_reason == "stop" and seq.text.startswith("\ufffdx")
+    assert "*" not in seq.text

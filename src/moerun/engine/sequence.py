@@ -65,9 +65,10 @@ class Sequence:
         if token in p.stop_token_ids or (token in eos_ids and not p.ignore_eos):
             self._finish("stop")
             return
+        before = len(self.text)
         if p.detokenize:
             self._extend_text(tokenizer)
-        if p.stop_strings and self._apply_stop_strings():
+        if p.stop_strings and self._apply_stop_strings(before):
             return
         if len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_len:
             self._finish("length")
@@ -82,9 +83,11 @@ class Sequence:
             self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(ids)
 
-    def _apply_stop_strings(self) -> bool:
+    def _apply_stop_strings(self, before: int) -> bool:
+        """Finishes at the first stop string that the text added after position `before` completes (a step may add
+        many characters at once: a multi-token character held back until whole)."""
         stops = self.params.stop_strings
-        window = len(self.text) - (max(len(s) for s in stops) + 32)
+        window = before - (max(len(s) for s in stops) - 1)
         hits = [(self.text.find(s, max(window, 0)), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

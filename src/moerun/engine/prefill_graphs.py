@@ -23,13 +23,14 @@ PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 class PrefillGraphs:
     """Graphed single-sequence prefills from position 0, returning the last prompt token's logits."""
 
-    def __init__(self, model: nn.Module, cache: KVCache, max_tokens: int) -> None:
+    def __init__(self, model: nn.Module, cache: KVCache, max_tokens: int,
+                 rounding: RoundingMatch | None = None) -> None:  # fmt: skip
         self.model, self.cache = model, cache
         self.buckets = [b for b in PREFILL_BUCKETS if b <= min(max_tokens, cache.max_len)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.buckets else None
         self._static: dict[str, torch.Tensor] = {}
-        self.rounding = RoundingMatch(model)
+        self.rounding = rounding or RoundingMatch(model)  # the runner's, shared with its decode buckets
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (bool(self.buckets) and batch.num_seqs == 1 and batch.start_positions[0] == 0

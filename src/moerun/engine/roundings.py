@@ -19,6 +19,7 @@ class RoundingMatch:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._of: dict[int, tuple[bool, ...]] = {}
+        self._bucket_of: dict[tuple[int, tuple[int, ...]], int | None] = {}  # each decode step asks: memoised
 
     def roundings(self, rows: int) -> tuple[bool, ...]:
         if rows not in self._of:
@@ -29,4 +30,7 @@ class RoundingMatch:
 
     def bucket(self, n: int, buckets: Sequence[int]) -> int | None:
         """The smallest of the (ascending) buckets >= n whose kernels round as those of n tokens, else None."""
-        return next((b for b in buckets if b >= n and self.roundings(b) == self.roundings(n)), None)
+        key = (n, tuple(buckets))
+        if key not in self._bucket_of:
+            self._bucket_of[key] = next((b for b in buckets if b >= n and self.roundings(b) == self.roundings(n)), None)
+        return self._bucket_of[key]

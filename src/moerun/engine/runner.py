@@ -79,7 +79,7 @@ class ModelRunner:
                 self.layer_graphs = LayerGraphs(self.model, self.cache, offload, self.buckets)
                 self.layer_graphs.capture()
             return
-        self.prefill_graphs = PrefillGraphs(self.model, self.cache, max_prefill_tokens)
+        self.prefill_graphs = PrefillGraphs(self.model, self.cache, max_prefill_tokens, self.rounding)
         n = self.buckets[-1]
         self._inputs = StaticInputs(n, self.cache)
         self._logits = torch.zeros(n, self.model.config.vocab_size, dtype=torch.float32, device=self.device)

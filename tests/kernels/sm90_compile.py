@@ -63,7 +63,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
-    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_dequantize, block_gemv
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, GroupBlocks, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
     from moerun.ops.quant import _pair_products, fused_moe_quantized
     from moerun.kernels.quant.decode import dequantize_triton
@@ -118,6 +118,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     v2_moe = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "BLOCK_N2": 8, "BLOCK_K2": 256,
               "num_warps2": 4}
     blocks = {t: random_quantized(t, (4, 64, 512)) for t in BLOCK_TYPES}
+    grid_up = {t: random_quantized(t, (4, 256, 512)) for t in BLOCK_TYPES}
     grid_gate = random_quantized(QuantType.IQ2_XXS, (4, 256, 512))
     cases = {
         f"{t.name} experts dequantised from their blocks": lambda t=t: block_dequantize(
@@ -146,6 +147,23 @@ def _cases() -> dict[str, Callable[[], None]]:
         torch.tensor([3, 0]), 2, up_raw=blocks[QuantType.IQ2_S].raw), block_gemv(
         blocks[QuantType.IQ3_S].raw, QuantType.IQ3_S, (4, 64, 512), torch.randn(2, 512, dtype=bf16),
         torch.tensor([3, 0]), weights=torch.rand(2), out_dtype=torch.float32))
+    grid_down = {t: random_quantized(t, (4, 512, 256)) for t in BLOCK_TYPES}
+    ids_t, w_t = torch.randint(0, 4, (64, 2)), torch.rand(64, 2)
+    cases.update({
+        f"{t.name} gate and up, {d.name} down at prefill: the tile kernels over the blocks": lambda t=t, d=d: (
+            fused_moe_quantized(torch.randn(64, 512, dtype=bf16), QuantizedWeight([grid_up[t], grid_up[t]]),
+                                QuantizedWeight([grid_down[d]]), w_t, ids_t))
+        for t, d in ((QuantType.IQ2_XXS, QuantType.IQ3_S), (QuantType.IQ2_XS, QuantType.IQ1_M),
+                     (QuantType.IQ2_S, QuantType.IQ2_XXS), (QuantType.IQ3_XXS, QuantType.IQ2_S),
+                     (QuantType.IQ3_S, QuantType.IQ1_S), (QuantType.IQ1_S, QuantType.IQ3_XXS),
+                     (QuantType.IQ1_M, QuantType.IQ2_XS))})
+    cases["IQ2_XXS gate and up, Q4_K down at prefill"] = lambda: fused_moe_quantized(
+        torch.randn(64, 512, dtype=bf16), QuantizedWeight([grid_gate] * 2),
+        QuantizedWeight([random_quantized(QuantType.Q4_K, (4, 512, 256))]), w_t, ids_t)
+    cases["q|k|v of IQ3_S, IQ1_M, Q4_K parts at prefill: the tile kernels"] = lambda: quant_matmul_triton(
+        torch.randn(64, 512, dtype=bf16), [GroupBlocks.of(random_quantized(t, (64, 512)))
+                                           for t in (QuantType.IQ3_S, QuantType.IQ1_M)]
+        + [pack(random_quantized(QuantType.Q4_K, (64, 512)))])
     return cases | {
         "fused_moe, decode, k slots summed in GEMM 2": lambda: fused_moe_triton(x8[:4], w13, w2, w1.repeat(4, 1),
                                                                                 ids1.repeat(4, 1), fused_gemm2),

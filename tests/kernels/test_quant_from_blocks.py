@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.kernels.quant.from_groups import group_values64, group_words64  # noqa: E402
 from moerun.kernels.quant.repack import LAYOUTS  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
@@ -44,8 +47,14 @@ def test_linear_reads_the_blocks(seed, qt: QuantType) -> None:
     assert out.dtype == few.dtype and out.shape == (3, 64)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
                                msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
-    many = torch.randn(2, 6, 256, device=DEVICE).bfloat16()  # dequantised once, then one matmul
-    assert torch.equal(quant_matmul(many, w, backend="triton"), F.linear(many, dense))
+    many = torch.randn(2, 6, 256, device=DEVICE).bfloat16()
+    out = quant_matmul(many, w, backend="triton")
+    if qt in GROUP_TYPES:  # the tile kernels decode the blocks as they multiply
+        ref = F.linear(many.float(), dense.float())
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
+                                   msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    else:  # dequantised once, then one matmul
+        assert torch.equal(out, F.linear(many, dense))
     assert w.parts, "the blocks stay"
 
 
@@ -191,8 +200,92 @@ def test_block_scratch_counts_the_largest_dense_copy() -> None:
     from moerun.ops.quant import block_scratch_bytes
 
     model = torch.nn.Module()
-    model.a, model.b = torch.nn.Module(), torch.nn.Module()
-    model.a.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.IQ2_XXS, (4, 64, 256), DEVICE)])
+    model.a, model.b, model.c = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    model.a.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.MXFP4, (4, 64, 256), DEVICE)])
     model.a.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.IQ3_S, (4, 256, 256), DEVICE)])
     model.b.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (512, 256), DEVICE)])  # packed
+    # read by the tile kernels as they are: no dense copy
+    model.c.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.IQ2_XXS, (4, 512, 256), DEVICE)])
+    model.c.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (4, 256, 256), DEVICE)])
+    model.c.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.IQ1_S, (64, 256), DEVICE)])
     assert block_scratch_bytes(model, torch.bfloat16) == 2 * 4 * (64 * 256 + 256 * 256)
+    model.c.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.TQ2_0, (2048, 256), DEVICE)])
+    assert block_scratch_bytes(model, torch.bfloat16) == 2 * 2048 * 256
+
+
+@triton.jit
+def _decode_pairs_kernel(out_ptr, raw, grid, KQ, QTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """from_groups' tile decode as the tile kernels run it (each step's words loaded the step before)."""
+    rows = (tl.program_id(0) * 16 + tl.arange(0, 16)).to(tl.int64)[:, None]  # [16, 1]
+    cols = tl.arange(0, 64)[None, :]
+    w0, w1, sc, dl = group_words64(QTYPE, raw, grid, rows, 0, KQ)
+    for q in range(0, KQ):
+        v = group_values64(QTYPE, w0, w1, sc, dl, INTERPRET)  # [16, 64]
+        w0, w1, sc, dl = group_words64(QTYPE, raw, grid, rows, tl.minimum(q + 1, KQ - 1), KQ)
+        tl.store(out_ptr + rows * (KQ * 64) + q * 64 + cols, v)
+
+
+@pytest.mark.parametrize("qt", GROUP_TYPES, ids=lambda t: t.name)
+def test_tile_decode_of_grid_types_is_bit_exact(seed, qt: QuantType) -> None:
+    from moerun.kernels.interpreter import interpreting
+    from moerun.kernels.quant.from_blocks import GroupBlocks
+
+    N, K = 32, 512
+    w = GroupBlocks.of(random_quantized(qt, (N, K), DEVICE, any_scales=True))
+    out = torch.empty(N, K, device=DEVICE)
+    _decode_pairs_kernel[(N // 16,)](out, w.codes, w.high, K // 64, QTYPE=int(qt), INTERPRET=interpreting())
+    ref = w.dequantize(torch.float32)
+    mismatch = (out.view(torch.int32) != ref.view(torch.int32)).nonzero()
+    assert mismatch.numel() == 0, f"seed={seed}: first mismatches at {mismatch[:4].tolist()}"
+
+
+# gate/up type, down type: every grid type once as gate/up, downs of grid and repacked types
+TILE_CASES = [(QuantType.IQ2_XXS, QuantType.Q4_K), (QuantType.IQ2_XS, QuantType.IQ3_XXS),
+              (QuantType.IQ2_S, QuantType.Q6_K), (QuantType.IQ3_XXS, QuantType.IQ1_S),
+              (QuantType.IQ3_S, QuantType.IQ2_S), (QuantType.IQ1_S, QuantType.IQ1_M),
+              (QuantType.IQ1_M, QuantType.IQ3_S)]  # fmt: skip
+
+
+@pytest.mark.parametrize("types", TILE_CASES, ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_grid_experts_at_prefill_sizes_run_the_tile_kernels(seed, types) -> None:
+    from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
+    from moerun.ops.quant import moe_tile_parts
+
+    E, H, I, k, T = 8, 256, 256, 2, 12  # noqa: E741
+    w13, w2 = _experts(types[0], E, H, I, down_qt=types[1])
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    hidden = torch.randn(T, H, device=DEVICE)
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    p13, p2 = moe_tile_parts(w13, w2)
+    out = fused_moe_quant(hidden, p13, p2, weights, ids)  # float32: the decode is exact, the sums reordered
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"seed={seed}: {m}")
+    if types[1] == QuantType.Q4_K:  # through the op, in bfloat16, as a model runs it
+        out = moe_ops.fused_moe(hidden.bfloat16(), w13, w2, weights, ids, backend="triton")
+        ref = fused_moe_reference(hidden.bfloat16(), w13, w2, weights, ids).float()
+        torch.testing.assert_close(out.float(), ref, rtol=TOL, atol=TOL * scale, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_tile_kernels_take_grid_experts_only_as_they_can() -> None:
+    from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
+    from moerun.kernels.quant.repack import PackedWeight
+    from moerun.ops.quant import moe_tile_parts
+
+    E, H, I = 4, 256, 256  # noqa: E741
+    mixed = QuantizedWeight([random_quantized(QuantType.IQ2_XXS, (E, I, H), DEVICE),
+                             random_quantized(QuantType.Q4_K, (E, I, H), DEVICE)])  # fmt: skip
+    down = QuantizedWeight([random_quantized(QuantType.Q4_K, (E, H, I), DEVICE)])
+    assert moe_tile_parts(mixed, down) is None  # gate a grid type, up not: dequantised instead
+    fp4 = QuantizedWeight([random_quantized(QuantType.MXFP4, (E, H, I), DEVICE)])
+    w13, _ = _experts(QuantType.IQ3_S, E, H, I)
+    assert moe_tile_parts(w13, fp4) is None
+    p13, p2 = moe_tile_parts(w13, down)
+    hidden = torch.randn(3, H, device=DEVICE)
+    weights, ids = route_reference(torch.randn(3, E), 2, True)
+    with pytest.raises(ValueError, match="tile64 path alone"):
+        fused_moe_quant(hidden, p13, p2, weights.to(DEVICE), ids.to(DEVICE),
+                        config={"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256})
+    raw = [PackedWeight(p.qtype, p.shape, p.k_pad, p.codes, p.high) for p in p13]  # not read as blocks
+    with pytest.raises(ValueError, match="GGUF blocks"):
+        fused_moe_quant(hidden, raw, p2, weights.to(DEVICE), ids.to(DEVICE))

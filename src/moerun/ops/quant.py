@@ -9,20 +9,25 @@ blocks of every weight that no embedding reads, so each weight is held once. The
 Types without a repacked layout (the grid types IQ1 ... IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: `has_kernel_layout`)
 keep their GGUF blocks on the Triton path too, read by kernels/quant/from_blocks.py as each call runs: a GEMV over
 the blocks for a few rows of x (a linear layer's tokens; an MoE's (token, slot) pairs when the step routes fewer
-pairs than the layer has experts), else the weight dequantised in one launch a part for the dense kernels. No host
-synchronisation either way, so CUDA graphs still capture them.
+pairs than the layer has experts). At more rows the tile64 kernels decode the grid types' blocks as they multiply
+(kernels/quant/from_groups.py), beside the repacked parts of other types (``MOERUN_GRID_TILES=0``: dequantised
+instead, the former path); weights with a part of the other types are dequantised in one launch a part for the
+dense kernels. No host synchronisation either way, so CUDA graphs
+still capture them.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moerun.formats.quants import QuantType
 from moerun.kernels.quant.repack import LAYOUTS, PackedWeight, cat_rows, pack
 from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
@@ -71,14 +76,21 @@ def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[P
 
 
 def block_scratch_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """The largest dense copy a forward pass makes of weights without a repacked layout (dequantised for the dense
-    kernels at prefill sizes): the most any one module's such weights take in ``dtype``; 0 when there are none."""
+    """The largest dense copy a forward pass makes of weights without a repacked layout that the tile kernels do not
+    read either (dequantised for the dense kernels at prefill sizes): the most any one module's such weights take
+    in ``dtype``; 0 when there are none."""
     elem = dtype.itemsize
     need = 0
     for module in model.modules():
-        weights = [v for k, v in module.__dict__.items()
-                   if k.startswith("q_") and isinstance(v, QuantizedWeight) and not has_kernel_layout(v)]  # fmt: skip
-        need = max(need, sum(math.prod(w.shape) for w in weights) * elem)
+        weights = {k: v for k, v in module.__dict__.items()
+                   if k.startswith("q_") and isinstance(v, QuantizedWeight) and not has_kernel_layout(v)}  # fmt: skip
+        # read by the tile kernels as they are: an MoE's experts (moe_tile_parts), a linear layer's weight
+        q13, q2 = module.__dict__.get("q_w13"), module.__dict__.get("q_w2")
+        if q13 is not None and q2 is not None and _moe_tiles_apply(q13, q2):
+            weights.pop("q_w13", None)
+            weights.pop("q_w2", None)
+        weights = {k: v for k, v in weights.items() if k in ("q_w13", "q_w2") or _tile_types(v) is None}
+        need = max(need, sum(math.prod(w.shape) for w in weights.values()) * elem)
     return need
 
 
@@ -116,9 +128,17 @@ def quant_matmul(
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if not has_kernel_layout(weight):
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-        # a few rows: a GEMV over the blocks; more: dequantise once for cuBLAS
-        y = _pair_products(weight, x2, None, 1) if x2.shape[0] <= _BLOCK_GEMV_ROWS else F.linear(
-            x2, dense_weight(weight, x.dtype))
+        # a few rows: a GEMV over the blocks; more: the tile kernels over grid-type blocks (tile64), else the
+        # weight dequantised once for cuBLAS
+        tiles = None if x2.shape[0] <= _BLOCK_GEMV_ROWS else _tile_parts(weight)
+        if x2.shape[0] <= _BLOCK_GEMV_ROWS:
+            y = _pair_products(weight, x2, None, 1)
+        elif tiles is not None:
+            from moerun.kernels.quant.matmul_quant import quant_matmul_triton
+
+            y = quant_matmul_triton(x2, tiles)
+        else:
+            y = F.linear(x2, dense_weight(weight, x.dtype))
         y = y if bias is None else y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
@@ -182,11 +202,17 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
     Few (token, slot) pairs (_pairs_by_gemv): each pair multiplies its expert's blocks. Gate and up of one grid type
     are one GEMV launch that also applies silu(gate) * up, a grid-type down one that also applies the routing
     weights; parts of other types take a GEMV over their blocks, or their experts dequantised and a batched GEMV.
-    Otherwise the whole layer is dequantised for the dense fused kernels."""
+    Otherwise the tile kernels of the fused quantized MoE decode the grid types' blocks as they multiply
+    (moe_tile_parts), or, for the types they do not read, the whole layer is dequantised for the dense kernels."""
     from moerun.kernels.fused_moe import fused_moe_triton
 
     T, k = topk_ids.shape
     if not _pairs_by_gemv(T, k, w13.shape[0]):
+        tiles = moe_tile_parts(w13, w2)
+        if tiles is not None:
+            from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
+
+            return fused_moe_quant(hidden, tiles[0], tiles[1], topk_weights, topk_ids)
         return fused_moe_triton(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype), topk_weights,
                                 topk_ids)  # fmt: skip
     ids = topk_ids.reshape(-1).long()  # [T*k]
@@ -202,6 +228,61 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
     if y is None:
         y = _pair_products(w2, act, ids, 1).float() * topk_weights.reshape(-1, 1).float()
     return y.view(T, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def moe_tile_parts(w13: Weight, w2: Weight) -> tuple[list[PackedWeight], PackedWeight] | None:
+    """(w13's parts, w2) as the fused quantized MoE's tile64 kernels read experts of which some part has no repacked
+    layout: grid-type parts as their GGUF blocks (GroupBlocks), the others repacked; None when some part is of
+    another type without a layout (ternary, FP4), a float type, or gate and up are not both grid types or both
+    not (those experts are dequantised for the dense kernels at prefill sizes)."""
+    if not _moe_tiles_apply(w13, w2):
+        return None
+    p13, p2 = _tile_parts(w13), _tile_parts(w2)
+    assert p13 is not None and p2 is not None
+    return p13, p2[0]
+
+
+def _moe_tiles_apply(w13: Weight, w2: Weight) -> bool:
+    """Whether moe_tile_parts takes these experts (decided from the parts' types and rows: nothing is repacked)."""
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+
+    t13, t2 = _tile_types(w13), _tile_types(w2)
+    if t13 is None or t2 is None or len(t2) != 1:
+        return False
+    half, start, kinds = sum(n for _, n in t13) // 2, 0, []
+    for qtype, n in t13:  # the part holding gate's rows [0, half) and the one holding up's [half, 2 half)
+        for first in (0, half):
+            if start <= first and first + half <= start + n:
+                kinds.append(qtype in GROUP_TYPES)
+        start += n
+    return len(kinds) == 2 and kinds[0] == kinds[1]
+
+
+def _tile_types(weight: Weight) -> list[tuple[QuantType, int]] | None:
+    """(type, rows) of each part of a weight the tile64 kernels read (grid types from their blocks, repacked
+    quantized types), or None when some part is neither."""
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+
+    if not isinstance(weight, QuantizedWeight) or weight.released:
+        parts = packed_parts(weight)
+        return None if any(p.is_dense for p in parts) else [(p.qtype, p.n) for p in parts]
+    if os.environ.get("MOERUN_GRID_TILES", "1") == "0":  # the former path, for A/B measurements: dequantised
+        return None
+    ok = all(p.qtype in GROUP_TYPES or (p.qtype in LAYOUTS and p.qtype.is_quantized) for p in weight.parts)
+    return [(p.qtype, p.shape[-2]) for p in weight.parts] if ok else None
+
+
+def _tile_parts(weight: Weight) -> list[PackedWeight] | None:
+    """A weight's parts as the tile64 kernels read them (grid types as GroupBlocks, the others repacked once), or
+    None when _tile_types says they do not."""
+    from moerun.kernels.quant.from_blocks import GroupBlocks
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+
+    if _tile_types(weight) is None:
+        return None
+    if not isinstance(weight, QuantizedWeight) or weight.released:
+        return packed_parts(weight)
+    return [GroupBlocks.of(p) if p.qtype in GROUP_TYPES else _part_pack(weight, i) for i, p in enumerate(weight.parts)]
 
 
 def _pairs_by_gemv(T: int, k: int, E: int) -> bool:

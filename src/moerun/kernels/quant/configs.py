@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.quant.from_groups import GROUP_TYPES
 from moerun.kernels.quant.repack import PACKED_TYPES
 from moerun.kernels.tile_configs import (
     CONFIG_DIR,
@@ -34,6 +35,8 @@ from moerun.kernels.tile_configs import (
 PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile", "tile64")
 # Gate types whose decode default is gemv_v2 with int8 x and whose prefill default is tile64: every packed type.
 PACKED_TYPE_NAMES = tuple(t.name for t in PACKED_TYPES)
+# Grid types, which fused_moe_quant multiplies at prefill sizes only, on the tile64 path (from_groups.py).
+GROUP_TYPE_NAMES = tuple(t.name for t in GROUP_TYPES)
 
 
 def normalize_config(cfg: Config) -> Config:
@@ -86,6 +89,13 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
     depends on it: gemv_v2 for the types it reads, gemv otherwise or when the type is not given)."""
     interpret = interpreting() if interpret is None else interpret
     pairs = m * k
+    if qtype in GROUP_TYPE_NAMES:
+        # Not yet tuned on a GPU: the packed types' prefill tiles (below), but 8 warps for blocks of 128 tokens (with
+        # 4, GEMM 1 needs more than 255 registers a thread: the group words of gate and up held a step ahead); in
+        # the interpreter the smallest, for its speed.
+        bm, s = (16, 3) if m <= 64 or interpret else (32, 4) if m <= 512 else (128, 4)
+        return normalize_config({"path": "tile64", "BLOCK_M": bm, "BLOCK_N": 64, "GROUP_M": 1 if bm == 16 else 8,
+                                 "num_warps": 8 if bm == 128 else 4, "num_stages": s, "reduce": "sum_out"})  # fmt: skip
     if interpret:
         # The interpreter runs programs one by one: few programs with big tiles.
         if pairs <= 16:
@@ -191,14 +201,17 @@ def get_matmul_config(qtype: str, n: int, k: int, m: int, device: str | None = N
 
 def default_matmul_config(m: int, n: int, interpret: bool | None = None, qtype: str | None = None) -> Config:
     """Config of y = x @ W^T for m rows of x and n output features of type qtype (decode takes gemv_v2 for the
-    types it reads, the gemv path otherwise or when the type is not given)."""
+    types it reads, the gemv path otherwise or when the type is not given; the grid types tile64 at any m)."""
     interpret = interpreting() if interpret is None else interpret
+    if interpret and qtype in GROUP_TYPE_NAMES:  # the grid types take tile64 alone
+        return {"path": "tile64", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": 1}
     if interpret:
         if m <= 2:
             return {"path": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
         return {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 1}  # fmt: skip
-    if m <= 4:
+    if m <= 4 and qtype not in GROUP_TYPE_NAMES:
         if qtype in PACKED_TYPE_NAMES:
             return dict(MATMUL_V2_DECODE)
         return {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
@@ -210,7 +223,7 @@ def default_matmul_config(m: int, n: int, interpret: bool | None = None, qtype: 
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8}
-    if qtype in PACKED_TYPE_NAMES:  # tile64 decodes these (BLOCK_K stays for the tile path of other parts)
+    if qtype in PACKED_TYPE_NAMES or qtype in GROUP_TYPE_NAMES:  # tile64 decodes these (BLOCK_K: the tile path's)
         return {"path": "tile64", "BLOCK_K": 128, "num_stages": 3, **cfg}
     return {"path": "tile", "BLOCK_K": 128, "num_stages": 3, **cfg}
 

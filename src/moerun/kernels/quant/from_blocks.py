@@ -16,11 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.formats.quants import FP4_VALUES, QuantType
+from moerun.formats.quants import FP4_VALUES, QuantizedTensor, QuantType, dequantize
 from moerun.formats.quants.grids import grid_table
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.from_groups import GROUP_TYPES, _group_dequant_kernel, _group_gemv_kernel, _half, _u8, _u16
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, quantize_x
+from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.rmsnorm import round_to
 
 BLOCK_TYPES: tuple[QuantType, ...] = (
@@ -126,6 +127,24 @@ def _check_blocks(raw: torch.Tensor) -> None:
 def _grid_words(qtype: QuantType, device: torch.device) -> torch.Tensor:
     """A grid type's table as int32 words of four entries' values (from_groups.group_words reads it so)."""
     return grid_table(qtype, device).view(torch.int32)
+
+
+class GroupBlocks(PackedWeight):
+    """A grid-type weight [*lead, N, K] as the tile kernels of fused_moe_quant.py read it: `codes` its GGUF blocks
+    [*lead, N, row_bytes] as they are (no copy), `high` the type's table (_grid_words); k_pad = K."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, part: QuantizedTensor) -> "GroupBlocks":
+        if part.qtype not in GROUP_TYPES:
+            raise ValueError(f"GroupBlocks holds the grid types {[t.name for t in GROUP_TYPES]}, not {part.qtype.name}")
+        _check_blocks(part.raw)
+        return cls(part.qtype, part.shape, part.shape[-1], part.raw, _grid_words(part.qtype, part.raw.device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight decoded by the GGUF reference decoder: [*lead, N, K]."""
+        return dequantize(self.codes, self.qtype, self.shape).to(dtype)
 
 
 def _step(qtype: QuantType, K: int) -> int:

@@ -10,9 +10,12 @@ load, one or two table loads and a few scale bytes, instead of a gather per valu
 delta and a factor 8 (a value is scale (8 g + delta) with scale = d (2s + 1) / 8).
 
 The words feed dp4a against x rounded to int8 (int8_dot.quantize_x, as llama.cpp's CUDA decode of these types
-does), or are split into bytes for the float kernels. Signs are applied a word at a time: a byte b becomes -b by
-(b ^ 0xFF) + 1, and no byte carries into the next because no table value is 0 where the pattern can negate it
-(IQ2: 8, 25, 43; IQ3: 1 ... 62; IQ1 is unsigned).
+does), or are split into bytes for the float kernels. The prefill tile kernels (fused_moe_quant.py, matmul_quant.py)
+take 64 values of BLOCK_N rows a step: `group_words64` loads the 8 groups' words a step ahead of `group_values64`,
+which turns each code into a float with one PRMT and one FMA (tile64.py's placement under the exponent of 0.5) and
+multiplies it by its group's scale. Signs are applied a word at a time: a byte b becomes -b by (b ^ 0xFF) + 1, and
+no byte carries into the next because no table value is 0 where the pattern can negate it (IQ2: 8, 25, 43; IQ3:
+1 ... 62; IQ1 is unsigned).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.quant.int8_dot import dp4a
+from moerun.kernels.quant.tile64 import _bytes_float
 from moerun.kernels.rmsnorm import round_to
 
 GROUP_TYPES: tuple[QuantType, ...] = (
@@ -142,6 +146,44 @@ def group_values(QTYPE: tl.constexpr, blk, g, grid):
     if QTYPE == 19 or QTYPE == 29:
         code = 8 * code + delta[:, :, None]
     return code.to(tl.float32) * scale[:, :, None]
+
+
+@triton.jit
+def group_words64(QTYPE: tl.constexpr, raw, grid, rows, q, KQ):
+    """group_words of the 8 groups of elements 64q .. 64q + 63 of `rows` ([BN, 1] int64 row indices) of the blocks
+    at raw (rows of KQ pairs, K a multiple of 256): (w0, w1, scale, delta), [8, BN, 1] each (delta [8, 1, 1] but
+    for IQ1). Groups lead: where the loads leave the order of the dimensions open, Triton's layouts make the first
+    one the fastest, and groups fastest keep a row's values of consecutive groups in one thread, as the tensor-core
+    operand wants them (rows fastest split the operand into four K = 16 pieces stored 16 bits at a time)."""
+    BB: tl.constexpr = (66 if QTYPE == 16 else 74 if QTYPE == 17 else 82 if QTYPE == 22 else 98 if QTYPE == 18
+                        else 110 if QTYPE == 21 else 50 if QTYPE == 19 else 56)  # bytes a block; fmt: skip
+    blk = raw + rows[None, :, :] * ((KQ // 4) * BB) + (q // 4) * BB  # [1, BN, 1] this pair's block
+    g = 8 * (q % 4) + tl.arange(0, 8)[:, None, None]  # [8, 1, 1] its groups
+    return group_words(QTYPE, blk, g, grid)
+
+
+@triton.jit
+def group_values64(QTYPE: tl.constexpr, w0, w1, scale, delta, INTERPRET: tl.constexpr):
+    """group_words64's groups as float32 [BN, 64] in element order (value i of group g at 8g + i), each value
+    exactly its code times the scale rounded once, as group_values (and the GGUF decoder) compute it."""
+    b = tl.arange(0, 4)[None, None, :]  # [1, 1, 4] byte of a word
+    # code + 128 under the exponent of 0.5: f = 0.5 + (code + 128) / 2^16, so code = f 2^16 - 32896 exactly
+    c0 = _bytes_float(w0 ^ -2139062144, b, 8, INTERPRET) * 65536.0 - 32896.0  # [8, BN, 4]
+    c1 = _bytes_float(w1 ^ -2139062144, b, 8, INTERPRET) * 65536.0 - 32896.0
+    s = scale  # [8, BN, 1]
+    if QTYPE == 19 or QTYPE == 29:  # (8 g + delta) s = g (8 s) + delta s, rounded once (8 s and delta s are exact)
+        ds = delta.to(tl.float32) * s
+        if INTERPRET:
+            v0 = tl.fma(c0, 8.0 * s, ds)
+            v1 = tl.fma(c1, 8.0 * s, ds)
+        else:
+            v0 = c0 * (8.0 * s) + ds
+            v1 = c1 * (8.0 * s) + ds
+    else:
+        v0 = c0 * s
+        v1 = c1 * s
+    v = tl.permute(tl.join(v0, v1), (1, 0, 3, 2))  # [BN, 8, 2, 4]: row, group, word, byte
+    return tl.reshape(v, (v.shape[0], 64))
 
 
 @triton.jit

@@ -13,8 +13,10 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
   dequant   prefill: the layer's experts decoded to the activation dtype in one launch per part
             (decode.dequantize_triton, into a scratch buffer), then kernels/fused_moe.py's fused_moe_triton, whose
             pipelined tensor-core tiles may outweigh the decoded layer's write and read at thousands of tokens.
-  tile64    prefill, Q4_K / Q5_K / Q6_K / Q8_0: the tile kernels with a whole 64-input pair decoded (tile64.py)
-            and multiplied a step (PAIR64), every load of a step issued ahead by Triton's pipeliner.
+  tile64    prefill, every packed type: the tile kernels with a whole 64-input pair decoded (tile64.py)
+            and multiplied a step (PAIR64), every load of a step issued ahead by Triton's pipeliner. Grid-type
+            parts (IQ1 ... IQ3, GroupBlocks: their GGUF blocks as they are) take this path alone, their groups'
+            words loaded a step ahead by the kernel itself (from_groups.py; GROUPS).
 Gate and up may be different quant types (two pointer sets) or rows of one packed tensor (row offsets).
 Nothing reads back to the host, so a decode step can be captured in a CUDA graph.
 """
@@ -31,6 +33,8 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported, x_planes
+from moerun.kernels.quant.from_blocks import GroupBlocks
+from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_words64
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
@@ -218,6 +222,7 @@ def _gemm1_tile_kernel(
     INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
     PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
     EXPERT_DIV: tl.constexpr = 1,  # runs padded to EXPERT_DIV blocks (GEMM 2's larger BLOCK_M)
+    GROUPS: tl.constexpr = False,  # gate and up grid types: gc / uc their GGUF blocks, gh / uh their tables
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -248,7 +253,21 @@ def _gemm1_tile_kernel(
     cdt = x_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # gate^T
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
+    if GROUPS:  # a pair a step, its group words loaded one step ahead (their loads are too narrow to pipeline)
+        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        tl.assume(KQ > 0)
+        g0, g1, gsc, gdl = group_words64(QG, gc, gh, rows_g, 0, KQ)  # [BLOCK_N, 8] each
+        u0, u1, usc, udl = group_words64(QU, uc, uh, rows_u, 0, KQ)
+        for q in range(0, KQ):
+            g = group_values64(QG, g0, g1, gsc, gdl, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
+            u = group_values64(QU, u0, u1, usc, udl, INTERPRET).to(cdt).to(DOT_DTYPE)
+            g0, g1, gsc, gdl = group_words64(QG, gc, gh, rows_g, tl.minimum(q + 1, KQ - 1), KQ)
+            u0, u1, usc, udl = group_words64(QU, uc, uh, rows_u, tl.minimum(q + 1, KQ - 1), KQ)
+            k = q * 64 + offs_k  # [64, 1]
+            xt = tl.load(x_cols + k, mask=row_ok[None, :] & (k < H), other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
+            acc_g = tl.dot(g, xt, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(u, xt, acc_u, input_precision=DOT_PRECISION)
+    elif PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
         tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
         for q in range(0, KQ):
@@ -312,6 +331,7 @@ def _gemm2_tile_kernel(
     DOT_PRECISION: tl.constexpr,
     INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
     PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
+    GROUPS: tl.constexpr = False,  # down a grid type: wc its GGUF blocks, wh its table
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
@@ -329,7 +349,17 @@ def _gemm2_tile_kernel(
     a_cols = inter_ptr + irow[None, :] * stride_it  # [1, BLOCK_M]
     cdt = inter_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-    if PAIR64:
+    if GROUPS:  # as GEMM 1's
+        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        tl.assume(KQ > 0)
+        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [BLOCK_N, 8] each
+        for q in range(0, KQ):
+            w = group_values64(QW, w0, w1, wsc, wdl, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
+            w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, tl.minimum(q + 1, KQ - 1), KQ)
+            k = q * 64 + offs_k  # [64, 1]
+            at = tl.load(a_cols + k, mask=k < I, other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
+            acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
+    elif PAIR64:
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
         tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
         for q in range(0, KQ):
@@ -461,7 +491,8 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         x, inter, sorted_ids, block_expert, *gw.kernel_args(), *uw.kernel_args(),
         *(tables[:2] if tables else (ids, ids)), slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m * div,
         x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
-        PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, EXPERT_DIV=div, **dot,
+        PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, EXPERT_DIV=div,
+        GROUPS=gw.qtype in GROUP_TYPES, **dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
@@ -470,7 +501,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(), tables[2] if tables else ids,
         slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
         QW=int(w2.qtype), BLOCK_M=block_m2, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
-        GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, **dot,
+        GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, GROUPS=w2.qtype in GROUP_TYPES, **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
@@ -519,8 +550,14 @@ def fused_moe_quant(
     for name, p, n in (("gate", gw, None), ("up", uw, None), ("down", w2, H)):
         if len(p.shape) != 3 or (tables is None and p.shape[0] != E) or (n is not None and p.n != n):
             raise ValueError(f"{name} weight has shape {p.shape}; expected [E={E}, rows, K]")
-        if not supported(p.qtype):
+        if not supported(p.qtype) and p.qtype not in GROUP_TYPES:
             raise ValueError(f"{name} weight type {p.qtype.name} has no quantized kernel")
+    if (gw.qtype in GROUP_TYPES) != (uw.qtype in GROUP_TYPES):
+        raise ValueError(f"gate {gw.qtype.name} and up {uw.qtype.name}: both grid types or neither")
+    grouped = any(p.qtype in GROUP_TYPES for p in (gw, uw, w2))
+    if grouped and (tables is not None or any(not isinstance(p, GroupBlocks) for p in (gw, uw, w2)
+                                              if p.qtype in GROUP_TYPES)):  # fmt: skip
+        raise ValueError("grid-type experts are read from their GGUF blocks (GroupBlocks), stacked")
     if gw.k != H or uw.k != H or gw.kq != uw.kq:
         raise ValueError(f"gate/up rows have {gw.k}/{uw.k} inputs; expected H = {H}")
     two_i = sum(p.n for p in parts13)
@@ -562,6 +599,11 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
     tables; the dequant path, whose dense kernels round the slot sum to x's dtype, only for stacked experts and
     an output in x's dtype: ``dense_out``)."""
     cfg = normalize_config(config) if config is not None else get_moe_config(gw.qtype.name, E, gw.k, w2.k, k, T)
+    group = next((p.qtype.name for p in (gw, uw, w2) if p.qtype in GROUP_TYPES), None)
+    if group is not None and cfg["path"] != "tile64":
+        if config is not None:
+            raise ValueError(f"experts of grid types run the tile64 path alone, not {cfg['path']!r}")
+        return default_moe_config(T, k, qtype=group)
     if cfg["path"] == "dequant" and (indirect or not dense_out):
         cfg = default_moe_config(T, k, qtype=gw.qtype.name)
     chosen = config is None or (indirect and cfg["path"] == "gemv")  # a gemv_v2 config not given as such

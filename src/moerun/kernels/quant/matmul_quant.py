@@ -8,7 +8,8 @@ Three paths, by config:
   tile     tl.dot over [BLOCK_N, 32] decoded planes as the left operand (y^T = W x^T), M-blocks of x grouped
            so a band of weight tiles is reused from L2.
   tile64   the same grid, one 64-input pair decoded and multiplied a step, every load issued ahead by Triton's
-           pipeliner (tile64.py; every packed type).
+           pipeliner (tile64.py; every packed type). Grid-type parts (from_blocks.GroupBlocks: their GGUF blocks)
+           take this path alone, their groups' words loaded a step ahead by the kernel (from_groups.py; GROUPS).
 A weight given as several parts (q | k | v of different types) runs one launch per part, each writing its own
 output columns; parts that are float types use torch. Two consecutive gemv_v2 parts (q|k Q4_K and v Q6_K in a
 Q4_K_M file) share one launch under the first one's config (``MOERUN_QUANT_JOINT=0``: one launch each; a Q4_K_M
@@ -26,8 +27,10 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.fused_moe import _dot_precision, _tile_pid
-from moerun.kernels.quant.configs import dot_steps, get_matmul_config, gemv_steps
+from moerun.kernels.quant.configs import default_matmul_config, dot_steps, get_matmul_config, gemv_steps
+from moerun.kernels.quant.from_blocks import GroupBlocks
 from moerun.kernels.quant.decode import dequant_pair, supported, x_planes
+from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_words64
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES, matmul_v2_part
 from moerun.kernels.quant.int8_dot import Int8Rows
@@ -109,6 +112,7 @@ def _tile_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py)
+    GROUPS: tl.constexpr = False,  # a grid type: wc its GGUF blocks, wh its table (from_groups.py)
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -121,7 +125,17 @@ def _tile_kernel(
     x_cols = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
     cdt = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T
-    if PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
+    if GROUPS:  # a pair a step, its group words loaded one step ahead (their loads are too narrow to pipeline)
+        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+        tl.assume(KQ > 0)
+        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [BLOCK_N, 8] each
+        for q in range(0, KQ):
+            w = group_values64(QW, w0, w1, wsc, wdl, INTERPRET)  # [BLOCK_N, 64]
+            w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, tl.minimum(q + 1, KQ - 1), KQ)
+            k = q * 64 + offs_k  # [64, 1]
+            xt = tl.load(x_cols + k, mask=m_ok[None, :] & (k < K), other=0.0)  # [64, BLOCK_M]
+            acc = tl.dot(w.to(cdt).to(DOT_DTYPE), xt.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    elif PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
         tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
         for q in range(0, KQ):
@@ -155,6 +169,9 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
     b = bias if has_bias else y
     common = dict(QW=int(w.qtype), HAS_BIAS=has_bias, BLOCK_N=cfg["BLOCK_N"], EVEN_K=w.k_pad == K,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    grouped = w.qtype in GROUP_TYPES
+    if grouped and cfg["path"] != "tile64":
+        cfg = default_matmul_config(M, w.n, qtype=w.qtype.name)
     if cfg["path"] == "gemv_v2" and w.qtype in V2_TYPES:
         matmul_v2_part(x, y, w, bias, col_off, cfg, x_int8)
         return
@@ -169,7 +186,8 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
         x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
         BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], PAIRS=dot_steps(cfg["BLOCK_K"], w.kq),
         DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        PAIR64=cfg["path"] == "tile64" and tile64_supported(w.qtype), INTERPRET=interpreting(), **common,
+        PAIR64=cfg["path"] == "tile64" and tile64_supported(w.qtype), GROUPS=grouped, INTERPRET=interpreting(),
+        **common,
     )  # fmt: skip
 
 
@@ -190,8 +208,10 @@ def quant_matmul_triton(
     for p in parts:
         if len(p.shape) != 2 or p.k != K:
             raise ValueError(f"weight part of shape {p.shape} does not take inputs of length {K}")
-        if not p.is_dense and not supported(p.qtype):
+        if not p.is_dense and not supported(p.qtype) and p.qtype not in GROUP_TYPES:
             raise ValueError(f"weight type {p.qtype.name} has no quantized kernel")
+        if p.qtype in GROUP_TYPES and not isinstance(p, GroupBlocks):
+            raise ValueError(f"a {p.qtype.name} part is read from its GGUF blocks (GroupBlocks)")
     if bias is not None and tuple(bias.shape) != (n_total,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match {n_total} outputs")
     y = torch.empty(M, n_total, dtype=x.dtype, device=x.device)  # [M, N]

@@ -142,11 +142,11 @@ class PackedWeight:
             raise IndexError(f"indexing needs a leading dim besides [N, K], shape is {self.shape}")
         parts = [None if t is None else t[index] for t in self.tensors()]
         lead = tuple(self.codes[index].shape[:-2])
-        return PackedWeight(self.qtype, (*lead, *self.shape[-2:]), self.k_pad, *parts)
+        return type(self)(self.qtype, (*lead, *self.shape[-2:]), self.k_pad, *parts)
 
     def to(self, device: torch.device | str) -> "PackedWeight":
         parts = [None if t is None else t.to(device) for t in self.tensors()]
-        return PackedWeight(self.qtype, self.shape, self.k_pad, *parts)
+        return type(self)(self.qtype, self.shape, self.k_pad, *parts)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Reference decoding in torch: [*lead, N, K], bit-exact with formats.quants.dequantize in float32."""

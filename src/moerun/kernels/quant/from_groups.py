@@ -12,10 +12,10 @@ delta and a factor 8 (a value is scale (8 g + delta) with scale = d (2s + 1) / 8
 The words feed dp4a against x rounded to int8 (int8_dot.quantize_x, as llama.cpp's CUDA decode of these types
 does), or are split into bytes for the float kernels. The prefill tile kernels (fused_moe_quant.py, matmul_quant.py)
 take 64 values of BLOCK_N rows a step: `group_words64` loads the 8 groups' words a step ahead of `group_values64`,
-which turns each code into a float with one PRMT and one FMA (tile64.py's placement under the exponent of 0.5) and
-multiplies it by its group's scale. Signs are applied a word at a time: a byte b becomes -b by (b ^ 0xFF) + 1, and
-no byte carries into the next because no table value is 0 where the pattern can negate it (IQ2: 8, 25, 43; IQ3:
-1 ... 62; IQ1 is unsigned).
+which turns each value into a float with one PRMT and one FMA (tile64.py's placement under the exponent of 0.5 of
+the code + 64, which the signs give at no extra cost: _biased). Signs are applied a word at a time: a byte b
+becomes -b by (b ^ 0xFF) + 1, and no byte carries into the next because no table value is 0 where the pattern can
+negate it (IQ2: 8, 25, 43; IQ3: 1 ... 62; IQ1 is unsigned).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.quant.int8_dot import dp4a
-from moerun.kernels.quant.tile64 import _bytes_float
+from moerun.kernels.quant.tile64 import _bytes_float, _scaled
 from moerun.kernels.rmsnorm import round_to
 
 GROUP_TYPES: tuple[QuantType, ...] = (
@@ -75,10 +75,31 @@ def _signed(w, nibble):
 
 
 @triton.jit
+def _biased(w, nibble):
+    """Word w of four table values t (1 <= t < 64) -> four bytes 64 + t, or 64 - t where bit i of nibble is set:
+    t ^ 0x40 and (t ^ 0x3F) + 1, every byte below 128, so nothing carries and the PRMT placement of codes below 128
+    takes them (group_values64)."""
+    ones = ((nibble * 0x204081) & 0x01010101)  # bit i -> bit 0 of byte i
+    return (w ^ (ones * 0x3F) ^ ((ones ^ 0x01010101) * 0x40)) + ones
+
+
+@triton.jit
 def group_words(QTYPE: tl.constexpr, blk, g, grid):
     """Group g (0-31; values 8g .. 8g + 7) of the 256-value blocks at blk (g and blk broadcast together):
     (w0, w1 int32: the group's codes, four a word; scale float32; delta int32, 0 but for IQ1: +-1)."""
+    w0, w1, sgn, scale, delta = _group_fields(QTYPE, blk, g, grid)
+    if QTYPE != 19 and QTYPE != 29:
+        w0 = _signed(w0, sgn & 15)
+        w1 = _signed(w1, sgn >> 4)
+    return w0, w1, scale, delta
+
+
+@triton.jit
+def _group_fields(QTYPE: tl.constexpr, blk, g, grid):
+    """group_words before the signs: (w0, w1 the table's values of group g, four a word; its signs, a byte (0 for
+    IQ1); scale; delta, 0 but for IQ1)."""
     zero = g * 0
+    delta = zero
     if QTYPE == 16:  # IQ2_XXS: per 32, 4 index bytes then a word of 4 x 7-bit sign patterns + 4-bit scale
         base = 2 + 8 * (g // 4)
         idx = _u8(blk, base + g % 4)
@@ -129,11 +150,7 @@ def group_words(QTYPE: tl.constexpr, blk, g, grid):
                 | ((_u16(blk, zero + 52) >> 4) & 0xF00) | (_u16(blk, zero + 54) & 0xF000))  # fmt: skip
         scale = _half(bits) * ((2 * s + 1).to(tl.float32) * 0.125)
         delta = tl.where((nib & 8) != 0, -1, 1)
-    if QTYPE != 19 and QTYPE != 29:
-        w0 = _signed(w0, sgn & 15)
-        w1 = _signed(w1, sgn >> 4)
-        delta = zero
-    return w0, w1, scale, delta
+    return w0, w1, sgn, scale, delta
 
 
 @triton.jit
@@ -151,15 +168,21 @@ def group_values(QTYPE: tl.constexpr, blk, g, grid):
 @triton.jit
 def group_words64(QTYPE: tl.constexpr, raw, grid, rows, q, KQ):
     """group_words of the 8 groups of elements 64q .. 64q + 63 of `rows` ([BN, 1] int64 row indices) of the blocks
-    at raw (rows of KQ pairs, K a multiple of 256): (w0, w1, scale, delta), [8, BN, 1] each (delta [8, 1, 1] but
-    for IQ1). Groups lead: where the loads leave the order of the dimensions open, Triton's layouts make the first
-    one the fastest, and groups fastest keep a row's values of consecutive groups in one thread, as the tensor-core
-    operand wants them (rows fastest split the operand into four K = 16 pieces stored 16 bits at a time)."""
+    at raw (rows of KQ pairs, K a multiple of 256), but with codes + 64 (_biased) in place of the signed codes, save
+    for IQ1 (signed codes and a delta): (w0, w1, scale, delta), [8, BN, 1] each (delta [8, 1, 1] but for IQ1).
+
+    Groups lead: where the loads leave the order of the dimensions open, Triton's layouts make the first one the
+    fastest, and groups fastest keep a row's values of consecutive groups in one thread, as the tensor-core operand
+    wants them (rows fastest split the operand into four K = 16 pieces stored 16 bits at a time)."""
     BB: tl.constexpr = (66 if QTYPE == 16 else 74 if QTYPE == 17 else 82 if QTYPE == 22 else 98 if QTYPE == 18
                         else 110 if QTYPE == 21 else 50 if QTYPE == 19 else 56)  # bytes a block; fmt: skip
     blk = raw + rows[None, :, :] * ((KQ // 4) * BB) + (q // 4) * BB  # [1, BN, 1] this pair's block
     g = 8 * (q % 4) + tl.arange(0, 8)[:, None, None]  # [8, 1, 1] its groups
-    return group_words(QTYPE, blk, g, grid)
+    w0, w1, sgn, scale, delta = _group_fields(QTYPE, blk, g, grid)
+    if QTYPE != 19 and QTYPE != 29:  # codes + 64, for group_values64's single FMA
+        w0 = _biased(w0, sgn & 15)
+        w1 = _biased(w1, sgn >> 4)
+    return w0, w1, scale, delta
 
 
 @triton.jit
@@ -167,21 +190,19 @@ def group_values64(QTYPE: tl.constexpr, w0, w1, scale, delta, INTERPRET: tl.cons
     """group_words64's groups as float32 [BN, 64] in element order (value i of group g at 8g + i), each value
     exactly its code times the scale rounded once, as group_values (and the GGUF decoder) compute it."""
     b = tl.arange(0, 4)[None, None, :]  # [1, 1, 4] byte of a word
-    # code + 128 under the exponent of 0.5: f = 0.5 + (code + 128) / 2^16, so code = f 2^16 - 32896 exactly
-    c0 = _bytes_float(w0 ^ -2139062144, b, 8, INTERPRET) * 65536.0 - 32896.0  # [8, BN, 4]
-    c1 = _bytes_float(w1 ^ -2139062144, b, 8, INTERPRET) * 65536.0 - 32896.0
     s = scale  # [8, BN, 1]
-    if QTYPE == 19 or QTYPE == 29:  # (8 g + delta) s = g (8 s) + delta s, rounded once (8 s and delta s are exact)
-        ds = delta.to(tl.float32) * s
-        if INTERPRET:
-            v0 = tl.fma(c0, 8.0 * s, ds)
-            v1 = tl.fma(c1, 8.0 * s, ds)
-        else:
-            v0 = c0 * (8.0 * s) + ds
-            v1 = c1 * (8.0 * s) + ds
+    if QTYPE == 19 or QTYPE == 29:
+        # g + 128 under the exponent of 0.5: f = 0.5 + (g + 128) / 2^16, so g = f 2^16 - 32896 exactly; then
+        # (8 g + delta) s = g (8 s) + delta s, rounded once (8 s and delta s are exact)
+        c0 = _bytes_float(w0 ^ -2139062144, b, 8, INTERPRET) * 65536.0 - 32896.0  # [8, BN, 4]
+        c1 = _bytes_float(w1 ^ -2139062144, b, 8, INTERPRET) * 65536.0 - 32896.0
+        v0 = _scaled(c0, 8.0 * s, -(delta.to(tl.float32) * s), INTERPRET)
+        v1 = _scaled(c1, 8.0 * s, -(delta.to(tl.float32) * s), INTERPRET)
     else:
-        v0 = c0 * s
-        v1 = c1 * s
+        # code + 64 under the exponent of 0.5: f = 0.5 + (code + 64) / 256, so code s = f (256 s) - 192 s, one FMA
+        # rounding once: 256 s and 192 s are exact (s has at most 16 significant bits: fp16 d times 2k + 1 < 32)
+        v0 = _scaled(_bytes_float(w0, b, 16, INTERPRET), 256.0 * s, 192.0 * s, INTERPRET)  # [8, BN, 4]
+        v1 = _scaled(_bytes_float(w1, b, 16, INTERPRET), 256.0 * s, 192.0 * s, INTERPRET)
     v = tl.permute(tl.join(v0, v1), (1, 0, 3, 2))  # [BN, 8, 2, 4]: row, group, word, byte
     return tl.reshape(v, (v.shape[0], 64))
 

@@ -211,6 +211,10 @@ def test_block_scratch_counts_the_largest_dense_copy() -> None:
     assert block_scratch_bytes(model, torch.bfloat16) == 2 * 4 * (64 * 256 + 256 * 256)
     model.c.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.TQ2_0, (2048, 256), DEVICE)])
     assert block_scratch_bytes(model, torch.bfloat16) == 2 * 2048 * 256
+    # a repacked gate/up beside an FP4 down: the layer is dequantised whole, both count
+    model.c.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (4, 2048, 256), DEVICE)])
+    model.c.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.MXFP4, (4, 256, 1024), DEVICE)])
+    assert block_scratch_bytes(model, torch.bfloat16) == 2 * (2048 * 256 + 4 * (2048 * 256 + 256 * 1024))
 
 
 @triton.jit

@@ -12,8 +12,7 @@ the blocks for a few rows of x (a linear layer's tokens; an MoE's (token, slot) 
 pairs than the layer has experts). At more rows the tile64 kernels decode the grid types' blocks as they multiply
 (kernels/quant/from_groups.py), beside the repacked parts of other types (``MOERUN_GRID_TILES=0``: dequantised
 instead, the former path); weights with a part of the other types are dequantised in one launch a part for the
-dense kernels. No host synchronisation either way, so CUDA graphs
-still capture them.
+dense kernels. No host synchronisation either way, so CUDA graphs still capture them.
 """
 
 from __future__ import annotations
@@ -84,12 +83,14 @@ def block_scratch_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     for module in model.modules():
         weights = {k: v for k, v in module.__dict__.items()
                    if k.startswith("q_") and isinstance(v, QuantizedWeight) and not has_kernel_layout(v)}  # fmt: skip
-        # read by the tile kernels as they are: an MoE's experts (moe_tile_parts), a linear layer's weight
-        q13, q2 = module.__dict__.get("q_w13"), module.__dict__.get("q_w2")
-        if q13 is not None and q2 is not None and _moe_tiles_apply(q13, q2):
-            weights.pop("q_w13", None)
-            weights.pop("q_w2", None)
+        # a linear layer's weight the tile kernels read as it is takes no copy
         weights = {k: v for k, v in weights.items() if k in ("q_w13", "q_w2") or _tile_types(v) is None}
+        q13, q2 = module.__dict__.get("q_w13"), module.__dict__.get("q_w2")
+        if "q_w13" in weights or "q_w2" in weights:  # an MoE's experts: both read by the tile kernels, or both copied
+            moe = {"q_w13": q13, "q_w2": q2}
+            weights = {k: v for k, v in weights.items() if k not in moe}
+            if not _moe_tiles_apply(q13, q2):
+                weights.update({k: v for k, v in moe.items() if isinstance(v, QuantizedWeight)})
         need = max(need, sum(math.prod(w.shape) for w in weights.values()) * elem)
     return need
 
@@ -130,10 +131,9 @@ def quant_matmul(
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         # a few rows: a GEMV over the blocks; more: the tile kernels over grid-type blocks (tile64), else the
         # weight dequantised once for cuBLAS
-        tiles = None if x2.shape[0] <= _BLOCK_GEMV_ROWS else _tile_parts(weight)
         if x2.shape[0] <= _BLOCK_GEMV_ROWS:
             y = _pair_products(weight, x2, None, 1)
-        elif tiles is not None:
+        elif (tiles := _tile_parts(weight)) is not None:
             from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
             y = quant_matmul_triton(x2, tiles)
@@ -242,7 +242,7 @@ def moe_tile_parts(w13: Weight, w2: Weight) -> tuple[list[PackedWeight], PackedW
     return p13, p2[0]
 
 
-def _moe_tiles_apply(w13: Weight, w2: Weight) -> bool:
+def _moe_tiles_apply(w13: Weight | torch.Tensor | None, w2: Weight | torch.Tensor | None) -> bool:
     """Whether moe_tile_parts takes these experts (decided from the parts' types and rows: nothing is repacked)."""
     from moerun.kernels.quant.from_groups import GROUP_TYPES
 
@@ -258,11 +258,13 @@ def _moe_tiles_apply(w13: Weight, w2: Weight) -> bool:
     return len(kinds) == 2 and kinds[0] == kinds[1]
 
 
-def _tile_types(weight: Weight) -> list[tuple[QuantType, int]] | None:
+def _tile_types(weight: Weight | torch.Tensor | None) -> list[tuple[QuantType, int]] | None:
     """(type, rows) of each part of a weight the tile64 kernels read (grid types from their blocks, repacked
     quantized types), or None when some part is neither."""
     from moerun.kernels.quant.from_groups import GROUP_TYPES
 
+    if weight is None or isinstance(weight, torch.Tensor):  # a dense weight beside a quantized one
+        return None
     if not isinstance(weight, QuantizedWeight) or weight.released:
         parts = packed_parts(weight)
         return None if any(p.is_dense for p in parts) else [(p.qtype, p.n) for p in parts]

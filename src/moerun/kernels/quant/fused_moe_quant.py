@@ -256,7 +256,7 @@ def _gemm1_tile_kernel(
     if GROUPS:  # a pair a step, its group words loaded one step ahead (their loads are too narrow to pipeline)
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
         tl.assume(KQ > 0)
-        g0, g1, gsc, gdl = group_words64(QG, gc, gh, rows_g, 0, KQ)  # [BLOCK_N, 8] each
+        g0, g1, gsc, gdl = group_words64(QG, gc, gh, rows_g, 0, KQ)  # [8, BLOCK_N, 1] each
         u0, u1, usc, udl = group_words64(QU, uc, uh, rows_u, 0, KQ)
         for q in range(0, KQ):
             g = group_values64(QG, g0, g1, gsc, gdl, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
@@ -352,7 +352,7 @@ def _gemm2_tile_kernel(
     if GROUPS:  # as GEMM 1's
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
         tl.assume(KQ > 0)
-        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [BLOCK_N, 8] each
+        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [8, BLOCK_N, 1] each
         for q in range(0, KQ):
             w = group_values64(QW, w0, w1, wsc, wdl, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
             w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, tl.minimum(q + 1, KQ - 1), KQ)

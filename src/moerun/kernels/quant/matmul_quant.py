@@ -128,7 +128,7 @@ def _tile_kernel(
     if GROUPS:  # a pair a step, its group words loaded one step ahead (their loads are too narrow to pipeline)
         offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
         tl.assume(KQ > 0)
-        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [BLOCK_N, 8] each
+        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [8, BLOCK_N, 1] each
         for q in range(0, KQ):
             w = group_values64(QW, w0, w1, wsc, wdl, INTERPRET)  # [BLOCK_N, 64]
             w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, tl.minimum(q + 1, KQ - 1), KQ)
@@ -200,8 +200,9 @@ def quant_matmul_triton(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types).
 
-    config applies to every part; by default each part takes its own (configs.get_matmul_config). x_int8: x
-    already rounded to int8 (int8_dot.Int8Rows), which the parts whose config rounds x read instead."""
+    config applies to every part; by default each part takes its own (configs.get_matmul_config). Grid-type parts
+    (GroupBlocks) run tile64 alone: under a config of another path they take its default tiles. x_int8: x already
+    rounded to int8 (int8_dot.Int8Rows), which the parts whose config rounds x read instead."""
     parts = [parts] if isinstance(parts, PackedWeight) else list(parts)
     M, K = x.shape
     n_total = sum(p.n for p in parts)

@@ -237,25 +237,22 @@ def moe_tile_parts(w13: Weight, w2: Weight) -> tuple[list[PackedWeight], PackedW
     not (those experts are dequantised for the dense kernels at prefill sizes)."""
     if not _moe_tiles_apply(w13, w2):
         return None
-    p13, p2 = _tile_parts(w13), _tile_parts(w2)
-    assert p13 is not None and p2 is not None
-    return p13, p2[0]
+    return _tile_parts(w13), _tile_parts(w2)[0]
 
 
 def _moe_tiles_apply(w13: Weight | torch.Tensor | None, w2: Weight | torch.Tensor | None) -> bool:
     """Whether moe_tile_parts takes these experts (decided from the parts' types and rows: nothing is repacked)."""
+    from moerun.kernels.quant.fused_moe_quant import gate_up_parts
     from moerun.kernels.quant.from_groups import GROUP_TYPES
 
     t13, t2 = _tile_types(w13), _tile_types(w2)
     if t13 is None or t2 is None or len(t2) != 1:
         return False
-    half, start, kinds = sum(n for _, n in t13) // 2, 0, []
-    for qtype, n in t13:  # the part holding gate's rows [0, half) and the one holding up's [half, 2 half)
-        for first in (0, half):
-            if start <= first and first + half <= start + n:
-                kinds.append(qtype in GROUP_TYPES)
-        start += n
-    return len(kinds) == 2 and kinds[0] == kinds[1]
+    try:
+        (g, _), (u, _) = gate_up_parts([n for _, n in t13])
+    except ValueError:  # a part straddles the gate/up boundary
+        return False
+    return (t13[g][0] in GROUP_TYPES) == (t13[u][0] in GROUP_TYPES)
 
 
 def _tile_types(weight: Weight | torch.Tensor | None) -> list[tuple[QuantType, int]] | None:
@@ -275,8 +272,8 @@ def _tile_types(weight: Weight | torch.Tensor | None) -> list[tuple[QuantType, i
 
 
 def _tile_parts(weight: Weight) -> list[PackedWeight] | None:
-    """A weight's parts as the tile64 kernels read them (grid types as GroupBlocks, the others repacked once), or
-    None when _tile_types says they do not."""
+    """A weight's parts as the tile64 kernels read them (grid types as GroupBlocks, the others repacked), or None
+    when _tile_types says they do not; made once and kept on the weight (every prefill asks)."""
     from moerun.kernels.quant.from_blocks import GroupBlocks
     from moerun.kernels.quant.from_groups import GROUP_TYPES
 
@@ -284,7 +281,12 @@ def _tile_parts(weight: Weight) -> list[PackedWeight] | None:
         return None
     if not isinstance(weight, QuantizedWeight) or weight.released:
         return packed_parts(weight)
-    return [GroupBlocks.of(p) if p.qtype in GROUP_TYPES else _part_pack(weight, i) for i, p in enumerate(weight.parts)]
+    cached = weight.__dict__.get("tile_parts")
+    if cached is None or cached[0].device != weight.device:
+        cached = [GroupBlocks.of(p) if p.qtype in GROUP_TYPES else _part_pack(weight, i)
+                  for i, p in enumerate(weight.parts)]  # fmt: skip
+        weight.tile_parts = cached
+    return cached
 
 
 def _pairs_by_gemv(T: int, k: int, E: int) -> bool:

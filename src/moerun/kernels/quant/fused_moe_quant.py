@@ -410,21 +410,28 @@ def dot_operand_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
-def _locate(parts: Sequence[PackedWeight], start: int, length: int) -> tuple[PackedWeight, int]:
-    """The part holding rows [start, start + length) of the row-stacked parts, and the offset inside it."""
-    offset = 0
-    for p in parts:
-        if offset <= start and start + length <= offset + p.n:
-            return p, start - offset
-        offset += p.n
-    raise ValueError(f"rows [{start}, {start + length}) straddle the parts {[p.shape for p in parts]}")
+def gate_up_parts(rows: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((index, first row) of the part holding gate's rows, the same for up's) of w13 [E, 2I, H] given as parts of
+    these row counts, stacked; ValueError when a part straddles the gate/up boundary."""
+    half = sum(rows) // 2
+    found = []
+    for start in (0, half):
+        offset = 0
+        for i, n in enumerate(rows):
+            if offset <= start and start + half <= offset + n:
+                found.append((i, start - offset))
+                break
+            offset += n
+        else:
+            raise ValueError(f"rows [{start}, {start + half}) straddle parts of {list(rows)} rows")
+    return found[0], found[1]
 
 
 def split_gate_up(w13: Sequence[PackedWeight] | PackedWeight) -> tuple[RowsOf, RowsOf]:
     """((gate part, first row), (up part, first row)) of w13 given as row-stacked parts of [E, 2I, H]."""
     parts = [w13] if isinstance(w13, PackedWeight) else list(w13)
-    two_i = sum(p.n for p in parts)
-    return _locate(parts, 0, two_i // 2), _locate(parts, two_i // 2, two_i // 2)
+    (g, g_off), (u, u_off) = gate_up_parts([p.n for p in parts])
+    return (parts[g], g_off), (parts[u], u_off)
 
 
 def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,

@@ -107,6 +107,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     iq4 = [pack(random_quantized(QuantType.IQ4_XS, (E, I, H), "cpu")) for _ in range(2)]
     iq4_down = pack(random_quantized(QuantType.IQ4_NL, (E, H, I), "cpu"))
     iq4_rows = pack(random_quantized(QuantType.IQ4_XS, (64, H), "cpu"))
+    fp4 = [pack(random_quantized(QuantType.MXFP4, (E, I, H), "cpu")) for _ in range(2)]
+    fp4_down = pack(random_quantized(QuantType.MXFP4, (E, H, I), "cpu"))
     low_bits = [[pack(random_quantized(t, (E, I, H), "cpu")) for _ in range(2)] for t in (QuantType.Q3_K,
                                                                                            QuantType.Q5_1)]
     low_down = [pack(random_quantized(t, (E, H, I), "cpu")) for t in (QuantType.Q2_K, QuantType.Q4_0)]
@@ -199,6 +201,10 @@ def _cases() -> dict[str, Callable[[], None]]:
             fused_moe_quant(x1, iq4, iq4_down, w1, ids1), fused_moe_quant(x64, iq4, iq4_down, w64, ids64),
             fused_moe_quant(x64, iq4, iq4_down, w64, ids64, {"path": "tile", "BLOCK_M": 64, "BLOCK_N": 64,
                                                              "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})],
+        "quant MoE, MXFP4 (bfloat16 scales): int8 decode, its int8 intermediate, and tile64": lambda: [
+            fused_moe_quant(x1, fp4, fp4_down, w1, ids1), fused_moe_quant(x64, fp4, fp4_down, w64, ids64),
+            fused_moe_quant(x1, fp4, fp4_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": True,
+                                                          "BLOCK_N": 32})],
         "quant MoE, int8 decode and tile64 of Q3_K / Q2_K and Q5_1 / Q4_0": lambda: [
             fused_moe_quant(x, gu, down, w, ids) for gu, down in zip(low_bits, low_down)
             for x, w, ids in ((x1, w1, ids1), (x64, w64, ids64))],

@@ -31,8 +31,7 @@ TOL = 4e-2 if DEVICE.type == "cuda" else 2e-2
 
 def test_every_read_only_type_is_covered() -> None:
     names = {t.name for t in BLOCK_TYPES}
-    assert names == {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
-                     "NVFP4"}  # fmt: skip
+    assert names == {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4"}
 
 
 @pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
@@ -61,13 +60,13 @@ def test_linear_reads_the_blocks(seed, qt: QuantType) -> None:
 def _experts(qt: QuantType, E: int, H: int, I: int, down_qt: QuantType | None = None):  # noqa: E741
     gate = random_quantized(qt, (E, I, H), DEVICE)
     up = random_quantized(qt, (E, I, H), DEVICE)
-    down_qt = down_qt or (QuantType.Q4_K if qt != QuantType.MXFP4 else qt)
+    down_qt = down_qt or (QuantType.Q4_K if qt != QuantType.NVFP4 else qt)
     down = random_quantized(down_qt, (E, H, I), DEVICE)
     return QuantizedWeight([gate, up]), QuantizedWeight([down])
 
 
 @pytest.mark.parametrize("T", [1, 3, 5], ids=lambda t: f"T{t}")  # few pairs: gathered experts; else the layer
-@pytest.mark.parametrize("qt", [QuantType.IQ2_XXS, QuantType.IQ3_S, QuantType.IQ1_M, QuantType.MXFP4],
+@pytest.mark.parametrize("qt", [QuantType.IQ2_XXS, QuantType.IQ3_S, QuantType.IQ1_M, QuantType.NVFP4],
                          ids=lambda t: t.name)
 def test_moe_matches_reference(seed, qt: QuantType, T: int) -> None:
     E, H, I, k = 8, 256, 256, 2  # noqa: E741
@@ -201,7 +200,7 @@ def test_block_scratch_counts_the_largest_dense_copy() -> None:
 
     model = torch.nn.Module()
     model.a, model.b, model.c = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
-    model.a.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.MXFP4, (4, 64, 256), DEVICE)])
+    model.a.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.NVFP4, (4, 64, 256), DEVICE)])
     model.a.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.IQ3_S, (4, 256, 256), DEVICE)])
     model.b.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (512, 256), DEVICE)])  # packed
     # read by the tile kernels as they are: no dense copy
@@ -211,9 +210,9 @@ def test_block_scratch_counts_the_largest_dense_copy() -> None:
     assert block_scratch_bytes(model, torch.bfloat16) == 2 * 4 * (64 * 256 + 256 * 256)
     model.c.__dict__["q_weight"] = QuantizedWeight([random_quantized(QuantType.TQ2_0, (2048, 256), DEVICE)])
     assert block_scratch_bytes(model, torch.bfloat16) == 2 * 2048 * 256
-    # a repacked gate/up beside an FP4 down: the layer is dequantised whole, both count
+    # a repacked gate/up beside an NVFP4 down: the layer is dequantised whole, both count
     model.c.__dict__["q_w13"] = QuantizedWeight([random_quantized(QuantType.Q4_K, (4, 2048, 256), DEVICE)])
-    model.c.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.MXFP4, (4, 256, 1024), DEVICE)])
+    model.c.__dict__["q_w2"] = QuantizedWeight([random_quantized(QuantType.NVFP4, (4, 256, 1024), DEVICE)])
     assert block_scratch_bytes(model, torch.bfloat16) == 2 * (2048 * 256 + 4 * (2048 * 256 + 256 * 1024))
 
 
@@ -282,7 +281,7 @@ def test_tile_kernels_take_grid_experts_only_as_they_can() -> None:
                              random_quantized(QuantType.Q4_K, (E, I, H), DEVICE)])  # fmt: skip
     down = QuantizedWeight([random_quantized(QuantType.Q4_K, (E, H, I), DEVICE)])
     assert moe_tile_parts(mixed, down) is None  # gate a grid type, up not: dequantised instead
-    fp4 = QuantizedWeight([random_quantized(QuantType.MXFP4, (E, H, I), DEVICE)])
+    fp4 = QuantizedWeight([random_quantized(QuantType.NVFP4, (E, H, I), DEVICE)])
     w13, _ = _experts(QuantType.IQ3_S, E, H, I)
     assert moe_tile_parts(w13, fp4) is None
     p13, p2 = moe_tile_parts(w13, down)

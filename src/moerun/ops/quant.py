@@ -6,7 +6,7 @@ along the rows, so gate|up or q|k|v of one type become one tensor. `pack_model` 
 after loading a GGUF model on CUDA, before capturing CUDA graphs); with release_blocks it also drops the GGUF
 blocks of every weight that no embedding reads, so each weight is held once. The torch backend (CPU) dequantises.
 
-Types without a repacked layout (the grid types IQ1 ... IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: `has_kernel_layout`)
+Types without a repacked layout (the grid types IQ1 ... IQ3, TQ1_0, TQ2_0, NVFP4: `has_kernel_layout`)
 keep their GGUF blocks on the Triton path too, read by kernels/quant/from_blocks.py as each call runs: a GEMV over
 the blocks for a few rows of x (a linear layer's tokens; an MoE's (token, slot) pairs when the step routes fewer
 pairs than the layer has experts). At more rows the tile64 kernels decode the grid types' blocks as they multiply
@@ -233,7 +233,7 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
 def moe_tile_parts(w13: Weight, w2: Weight) -> tuple[list[PackedWeight], PackedWeight] | None:
     """(w13's parts, w2) as the fused quantized MoE's tile64 kernels read experts of which some part has no repacked
     layout: grid-type parts as their GGUF blocks (GroupBlocks), the others repacked; None when some part is of
-    another type without a layout (ternary, FP4), a float type, or gate and up are not both grid types or both
+    another type without a layout (ternary, NVFP4), a float type, or gate and up are not both grid types or both
     not (those experts are dequantised for the dense kernels at prefill sizes)."""
     if not _moe_tiles_apply(w13, w2):
         return None

@@ -117,8 +117,8 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
         v1 = ((c1 | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * tl.where(lo, dl_c, dl_d) - tl.where(
             lo, ml_c, ml_d
         )
-    elif QTYPE == 20 or QTYPE == 23:  # IQ4_NL, IQ4_XS: level(c) d, level(c) (d sc) with sc per 32
-        if QTYPE == 20:  # fp16 d per 32
+    elif (QTYPE == 20 or QTYPE == 23) or QTYPE == 39:  # IQ4_NL, MXFP4: level(c) d; IQ4_XS: level(c) (d sc)
+        if QTYPE != 23:  # d per 32 (IQ4_NL fp16, MXFP4 bf16)
             sp = scale + rows * (KQ * 2) + q * 2
             d0 = tl.load(sp).to(tl.float32)
             d1 = tl.load(sp + 1).to(tl.float32)
@@ -127,12 +127,16 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
             d = tl.load(scale + rows * (KQ // 4) + q // 4).to(tl.float32)
             d0 = d * (((((w >> 0) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
             d1 = d * (((((w >> 8) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
-        # The 16 levels (IQ4_VALUES) as signed bytes of four int32 words, four levels a word: code c is byte c % 4
-        # of word c // 4, picked by two selects on bits 2 and 3 and a shift.
-        t0 = tl.where((c0 & 4) != 0, -152379953, -1079142271)  # levels 4..7 | 0..3
-        t0 = tl.where(c0 >= 8, tl.where((c0 & 4) != 0, 1901675829, 639175937), t0)  # levels 12..15 | 8..11
-        t1 = tl.where((c1 & 4) != 0, -152379953, -1079142271)
-        t1 = tl.where(c1 >= 8, tl.where((c1 & 4) != 0, 1901675829, 639175937), t1)
+        # The 16 levels (IQ4_VALUES, MXFP4's FP4_VALUES) as signed bytes of four int32 words, four levels a word:
+        # code c is byte c % 4 of word c // 4, picked by two selects on bits 2 and 3 and a shift.
+        if QTYPE == 39:
+            w0, w1, w2, w3 = 50462976, 201852420, -33620224, -185009412
+        else:
+            w0, w1, w2, w3 = -1079142271, -152379953, 639175937, 1901675829
+        t0 = tl.where((c0 & 4) != 0, w1, w0)  # levels 4..7 | 0..3
+        t0 = tl.where(c0 >= 8, tl.where((c0 & 4) != 0, w3, w2), t0)  # levels 12..15 | 8..11
+        t1 = tl.where((c1 & 4) != 0, w1, w0)
+        t1 = tl.where(c1 >= 8, tl.where((c1 & 4) != 0, w3, w2), t1)
         l0 = ((((t0 >> ((c0 & 3) * 8)) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         l1 = ((((t1 >> ((c1 & 3) * 8)) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         v0 = l0 * d0

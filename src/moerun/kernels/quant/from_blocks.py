@@ -1,10 +1,10 @@
-"""Kernels for the types without a repacked layout (grid, ternary and FP4 types) that read their GGUF blocks
+"""Kernels for the types without a repacked layout (grid, ternary and NVFP4 types) that read their GGUF blocks
 directly: dequantisation in one launch (a whole stacked weight, or the experts of given ids, repeats allowed), and
 a GEMV for a few rows of x (each row against the expert its id names: the MoE's (token, slot) pairs at decode).
 
 The grid types decode a group of 8 values a thread (from_groups.py); on the GPU their GEMV reads x rounded to int8
 and multiplies four values an instruction (dp4a), as llama.cpp's CUDA decode of these types does. The ternary and
-FP4 types (TQ1_0, TQ2_0, MXFP4, NVFP4) decode up to 256 elements of BLOCK_N rows a step, each element's bytes read
+NVFP4 types (TQ1_0, TQ2_0, NVFP4) decode up to 256 elements of BLOCK_N rows a step, each element's bytes read
 from its block (loads of one address by many lanes are one transaction), FP4 levels from a 16-entry table.
 Every value is a product of exact factors, so the dequantised float32 values are formats.quants.dequantize's bit
 for bit (the torch reference the tests compare with); the float GEMV sums their products with x in float32.
@@ -26,7 +26,7 @@ from moerun.kernels.rmsnorm import round_to
 
 BLOCK_TYPES: tuple[QuantType, ...] = (
     QuantType.IQ2_XXS, QuantType.IQ2_XS, QuantType.IQ2_S, QuantType.IQ3_XXS, QuantType.IQ3_S, QuantType.IQ1_S,
-    QuantType.IQ1_M, QuantType.TQ1_0, QuantType.TQ2_0, QuantType.MXFP4, QuantType.NVFP4,
+    QuantType.IQ1_M, QuantType.TQ1_0, QuantType.TQ2_0, QuantType.NVFP4,
 )  # fmt: skip
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 GROUP_GEMV_BLOCK_N = 16  # rows a program of the grid types' GEMV (4 warps: 4 groups of 8 values a thread a step)
@@ -50,12 +50,6 @@ def _block_values(QTYPE: tl.constexpr, blk, j, levels):
         neg = j * 0
         mult = 1.0
         d = _half(_u16(blk, j * 0 + 64))
-    elif QTYPE == 39:  # MXFP4: E8M0 scale byte (2^(e - 128)), FP4 nibbles (element j low, j + 16 high)
-        gv = tl.load(levels + ((_u8(blk, 1 + j % 16) >> (4 * (j // 16))) & 15)).to(tl.float32)
-        neg = j * 0
-        mult = 1.0
-        e = _u8(blk, j * 0)
-        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
     else:  # NVFP4: UE4M3 scale byte per 16 (halved), FP4 nibbles
         tl.static_assert(QTYPE == 40, "from_blocks: unsupported type")
         gv = tl.load(levels + ((_u8(blk, 4 + 8 * (j // 16) + j % 8) >> (4 * ((j % 16) // 8))) & 15)).to(tl.float32)

@@ -23,8 +23,9 @@ def q4_k_scales(sub, scale, rows3, g3, KQ, ok3):
 
 @triton.jit
 def block32_scales(QT: tl.constexpr, scale, rows3, g3, KQ, ok3):
-    """Pair g of a type with a scale per 32-element block (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, IQ4_NL 20): (d0, m0, d1,
-    m1) of its plane-0 and plane-1 blocks as float32 [R0, R1, G]; m is the fp16 offset of Q4_1 / Q5_1, else 0."""
+    """Pair g of a type with a scale per 32-element block (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, IQ4_NL 20, MXFP4 39): (d0,
+    m0, d1, m1) of its plane-0 and plane-1 blocks as float32 [R0, R1, G]; m is the fp16 offset of Q4_1 / Q5_1, else
+    0 (MXFP4's d is bfloat16, read as the scale array's type)."""
     if QT == 3 or QT == 7:  # (d, m) per block
         sp = scale + (rows3 * (KQ * 2) + 2 * g3) * 2
         d0 = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)

@@ -8,10 +8,10 @@ tiles in registers. Here x [T, K] becomes, once per call (one launch, `quantize_
   xs  float32 [T, K_pad / 16]  sums of every 16 consecutive values of x^ = dx * xq (the min / code-bias terms)
 A weight word's four code bytes (Q4_K: a nibble plane masked out; Q6_K: the merged 6-bit codes; Q8_0: the
 bytes, sign restored) meet the x word of the same four elements in one dp4a, so a Q4_K word of eight weights
-costs two logic operations and two dp4a; an IQ4_NL / IQ4_XS word's codes become two words of signed levels by
-byte permutes first (iq4_levels.py). Sub-block scales are applied per group as in gemv_v2:
+costs two logic operations and two dp4a; an IQ4_NL / IQ4_XS / MXFP4 word's codes become two words of signed
+levels by byte permutes first (iq4_levels.py). Sub-block scales are applied per group as in gemv_v2:
   Q4_K  d sc dx sum(c xq) - dmin mn X      Q6_K  d sc (dx sum(c xq) - 32 X)      Q8_0  d dx sum((c - 128) xq)
-  IQ4_NL  d dx sum(level(c) xq)            IQ4_XS  (d sc) dx sum(level(c) xq)
+  IQ4_NL, MXFP4  d dx sum(level(c) xq)     IQ4_XS  (d sc) dx sum(level(c) xq)
   Q4_0 / Q5_0  d (dx sum(c xq) - 8 / 16 X)  Q4_1 / Q5_1  d dx sum(c xq) + m X
   Q3_K  d sc (dx sum(c xq) - 4 X)           Q2_K  d sc dx sum(c xq) - dmin mn X
 (X the sum of x^ over the elements a scale covers: 16 for Q6_K, Q3_K and Q2_K, 32 for the others).
@@ -177,12 +177,12 @@ def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, 
         isum = tl.sum(dp4a(w ^ -0x7F7F7F80, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         d = tl.load(scale + rows3 * (KQ * 2) + g3, mask=ok3, other=0.0).to(tl.float32)
         part = (d * da) * isum.to(tl.float32)
-    elif QT == 20 or QT == 23:  # IQ4_NL / IQ4_XS pair: the levels of the low nibbles plane 0, high plane 1
+    elif (QT == 20 or QT == 23) or QT == 39:  # IQ4_NL / IQ4_XS / MXFP4 pair: low nibbles plane 0, high plane 1
         w = tl.load(codes + rows4 * (KQ * 8) + g4 * 8 + j4, mask=ok4, other=0)  # [R0, R1, G, 8] int32
-        l0, l1 = iq4_levels(w, False, EMULATE_DP4A)  # signed levels, four a word
+        l0, l1 = iq4_levels(w, False, EMULATE_DP4A, QT == 39)  # signed levels, four a word
         i0 = tl.sum(dp4a(l0, tl.broadcast_to(xa, w.shape), EMULATE_DP4A), axis=3)  # [R0, R1, G]
         i1 = tl.sum(dp4a(l1, tl.broadcast_to(xb, w.shape), EMULATE_DP4A), axis=3)
-        if QT == 20:
+        if QT != 23:
             d0, _, d1, _ = block32_scales(QT, scale, rows3, g3, KQ, ok3)  # [R0, R1, G] each
         else:
             d0, d1 = iq4_xs_scales(sub, scale, rows3, g3, KQ, ok3)

@@ -1,12 +1,13 @@
-"""The IQ4_NL / IQ4_XS level lookup on packed code words, for the int8-x decode (int8_dot.q8_dot) and the tile64
-prefill step (tile64.decode_pair64).
+"""The IQ4_NL / IQ4_XS / MXFP4 level lookup on packed code words, for the int8-x decode (int8_dot.q8_dot) and the
+tile64 prefill step (tile64.decode_pair64).
 
 A repacked 4-bit code word holds eight codes: byte b has the plane-0 code of element 4j + b in its low nibble and
 the plane-1 code of element 32 + 4j + b in its high nibble (repack.py). `iq4_levels` turns one such word into two
-words of four levels each (IQ4_VALUES as signed bytes, or + 128 as unsigned bytes), one per plane, with eight byte
-permutes (PTX prmt, as llama.cpp's CUDA kernels do): the low three bits of each code pick a byte of one half of
-the 16-entry table, held in two pairs of int32 words, and its top bit picks the half. In Triton's interpreter, and
-on GPUs that take no PTX, prmt is emulated with shifts and selects (constexpr EMULATE), the same permutes.
+words of four levels each (IQ4_VALUES, or MXFP4's FP4_VALUES, as signed bytes, or + 128 as unsigned bytes), one per
+plane, with eight byte permutes (PTX prmt, as llama.cpp's CUDA kernels do): the low three bits of each code pick a
+byte of one half of the 16-entry table, held in two pairs of int32 words, and its top bit picks the half. In
+Triton's interpreter, and on GPUs that take no PTX, prmt is emulated with shifts and selects (constexpr EMULATE),
+the same permutes.
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ def prmt(a, b, sel, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def iq4_levels(w, UNSIGNED: tl.constexpr, EMULATE: tl.constexpr):
+def iq4_levels(w, UNSIGNED: tl.constexpr, EMULATE: tl.constexpr, FP4: tl.constexpr = False):
     """The levels of the eight codes of int32 words w (any shape): (plane-0 word, plane-1 word), byte b of each
-    the level of the code in the low / high nibble of byte b of w; signed bytes, or level + 128 (UNSIGNED)."""
-    # The levels -127, -104, ..., 113 (formats.quants.IQ4_VALUES) as little-endian bytes, four a word: levels 0-3,
-    # 4-7, 8-11, 12-15; plus 128 (UNSIGNED: the bytes tile64 turns into floats) or signed.
-    if UNSIGNED:
+    the level of the code in the low / high nibble of byte b of w; signed bytes, or level + 128 (UNSIGNED).
+    FP4 picks MXFP4's table (formats.quants.FP4_VALUES) instead of IQ4_VALUES."""
+    # The levels as little-endian bytes, four a word: levels 0-3, 4-7, 8-11, 12-15; plus 128 (UNSIGNED: the bytes
+    # tile64 turns into floats) or signed. IQ4: -127, -104, ..., 113; FP4: 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12.
+    if FP4:
+        if UNSIGNED:
+            t0, t1, t2, t3 = -2088599168, -1937209724, 2105442176, 1954052732
+        else:
+            t0, t1, t2, t3 = 50462976, 201852420, -33620224, -185009412
+    elif UNSIGNED:
         t0, t1, t2, t3 = 1059919873, 1986682191, -1499886207, -237386315
     else:
         t0, t1, t2, t3 = -1079142271, -152379953, 639175937, 1901675829

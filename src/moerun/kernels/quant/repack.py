@@ -7,7 +7,7 @@ plane 0 = elements 64q + l and plane 1 = elements 64q + 32 + l, l = 0..31 (decod
 
 codes  uint8, the low code bits of every element
        8-bit (Q8_0)         [.., K_pad]      byte 64q + 32p + l: element 64q + 32p + l as q8 + 128 (unsigned)
-       4-bit (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
+       4-bit (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)
                             [.., K_pad / 2]  byte 32q + l: element 64q + l (low nibble), 64q + 32 + l (high)
        2-bit (Q2_K, Q3_K)   [.., K_pad / 4]  byte 32h + l: elements 128h + 32j + l at bits 2j (j = 0..3)
 high   uint8, the top code bits
@@ -18,7 +18,7 @@ sub    int32 [.., K_pad / 64] (K-quants): pair q's sub-block scales as four litt
        Q6_K, Q3_K  signed scales of the 16-element sub-blocks 4q .. 4q + 3 (Q3_K's already minus 32)
        Q2_K        (min << 4) | scale of the 16-element sub-blocks 4q .. 4q + 3
        IQ4_XS      signed scales (stored - 32) of the 32-element sub-blocks 2q, 2q + 1, then two zero bytes
-scale  float16 block scales
+scale  float16 block scales (MXFP4: bfloat16, which holds every E8M0 scale 2^(e - 128) exactly)
        K-quants          [.., K_pad / 256, C]  d (C = 1), or d, dmin (C = 2: Q2_K, Q4_K, Q5_K)
        32-element types  [.., K_pad / 32, C]   d (C = 1), or d, m (C = 2: Q4_1, Q5_1)
 
@@ -27,8 +27,9 @@ is, computed in float32 in this order, exactly what formats.quants.dequantize gi
   Q8_0 (c - 128) d    Q4_0 (c - 8) d    Q5_0 (c - 16) d    Q4_1, Q5_1  c d + m
   Q4_K, Q5_K, Q2_K  c (d sc) - dmin mn    Q6_K (c - 32)(d sc)    Q3_K (c - 4)(d sc)
   IQ4_NL  level(c) d    IQ4_XS  level(c) (d sc)    (level: the 16 non-linear values IQ4_VALUES)
-Bytes per 256 elements against GGUF's: Q4_K 148/144, Q5_K 180/176, Q3_K 114/110, IQ4_XS 146/136, all others
-equal.
+  MXFP4   level(c) d    (level: the doubled FP4 values FP4_VALUES; d = 2^(e - 128), half the E8M0 scale)
+Bytes per 256 elements against GGUF's: Q4_K 148/144, Q5_K 180/176, Q3_K 114/110, IQ4_XS 146/136, MXFP4 144/136,
+all others equal.
 Float types (F32, F16, BF16) stay dense: `codes` is the [*lead, N, K] tensor in its own dtype.
 """
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.formats.quants import IQ4_VALUES, QK_K, QuantizedTensor, QuantType
+from moerun.formats.quants import FP4_VALUES, IQ4_VALUES, QK_K, QuantizedTensor, QuantType
 
 _F16 = torch.float16
 # Rows are repacked in chunks of about this many elements, which bounds the temporaries on the GPU.
@@ -56,6 +57,7 @@ class Layout:
     has_sub: bool  # K-quants: 8-bit sub-block scales in `sub`
     scale_block: int  # elements per fp16 scale entry: 256 (K-quants) or 32
     scale_fields: int  # fp16 values per scale entry: 1 (d) or 2 (d, dmin / d, m)
+    scale_dtype: torch.dtype = _F16  # of `scale`: float16, or bfloat16 (MXFP4's powers of two)
 
 
 LAYOUTS: dict[QuantType, Layout] = {
@@ -71,7 +73,11 @@ LAYOUTS: dict[QuantType, Layout] = {
     QuantType.Q6_K: Layout(4, 2, True, QK_K, 1),
     QuantType.IQ4_NL: Layout(4, 0, False, 32, 1),
     QuantType.IQ4_XS: Layout(4, 0, True, QK_K, 1),
+    QuantType.MXFP4: Layout(4, 0, False, 32, 1, torch.bfloat16),
 }
+# 4-bit types whose code selects one of 16 levels (a table lookup), with one scale per 32 elements or sub-block.
+LEVEL_TYPES: dict[QuantType, tuple[int, ...]] = {QuantType.IQ4_NL: IQ4_VALUES, QuantType.IQ4_XS: IQ4_VALUES,
+                                                 QuantType.MXFP4: FP4_VALUES}  # fmt: skip
 PACKED_TYPES: tuple[QuantType, ...] = tuple(LAYOUTS)
 _DENSE_DTYPES = {QuantType.F32: torch.float32, QuantType.F16: torch.float16, QuantType.BF16: torch.bfloat16}
 
@@ -309,6 +315,13 @@ def _pack_iq4_nl(b):
     return {"codes": _nibbles(_nibble_codes(b[..., 2:18])), "scale": _f16(b, 0)}
 
 
+def _pack_mxfp4(b):
+    # E8M0 byte e -> 2^(e - 128) as bfloat16 bits: exponent field e - 1, or the subnormals 2^-128, 2^-127 for e < 2.
+    e = b[..., 0:1].to(torch.int32)
+    bits = torch.where(e < 2, 0x20 << e, (e - 1) << 7)
+    return {"codes": _nibbles(_nibble_codes(b[..., 1:17])), "scale": bits.to(torch.int16).view(torch.bfloat16)}
+
+
 def _pack_iq4_xs(b):
     r, nb = b.shape[:2]
     codes = _nibble_codes(b[..., 8:136].reshape(r, nb * 8, 16)).reshape(r, -1)  # [r, K] in element order
@@ -334,13 +347,14 @@ _PACKERS: dict[QuantType, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {
     QuantType.Q6_K: _pack_q6_k,
     QuantType.IQ4_NL: _pack_iq4_nl,
     QuantType.IQ4_XS: _pack_iq4_xs,
+    QuantType.MXFP4: _pack_mxfp4,
 }
 
 
 def _row_shapes(lay: Layout, k_pad: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per-row shape and dtype of each array of a layout."""
     shapes = {"codes": ((k_pad * lay.code_bits // 8,), torch.uint8),
-              "scale": ((k_pad // lay.scale_block, lay.scale_fields), _F16)}  # fmt: skip
+              "scale": ((k_pad // lay.scale_block, lay.scale_fields), lay.scale_dtype)}  # fmt: skip
     if lay.high_bits:
         shapes["high"] = ((k_pad * lay.high_bits // 8,), torch.uint8)
     if lay.has_sub:
@@ -423,11 +437,11 @@ def unpack_reference(pw: PackedWeight) -> torch.Tensor:
     if lay.high_bits:
         c = c | (_unfields(pw.high.reshape(rows, -1), lay.high_bits) << lay.code_bits)
     qt = pw.qtype
-    if qt in (QuantType.IQ4_NL, QuantType.IQ4_XS):
-        c = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=c.device)[c.long()]  # the levels
+    if qt in LEVEL_TYPES:
+        c = torch.tensor(LEVEL_TYPES[qt], dtype=torch.float32, device=c.device)[c.long()]  # the levels
     code = c.float()  # [rows, K_pad], exact small integers
     scale = pw.scale.reshape(rows, -1, lay.scale_fields).float()  # [rows, blocks, C]
-    if qt == QuantType.IQ4_NL:
+    if qt in (QuantType.IQ4_NL, QuantType.MXFP4):
         out = code.view(rows, -1, 32) * scale
     elif qt == QuantType.IQ4_XS:
         sub = pw.sub.reshape(rows, -1).contiguous().view(torch.int8).reshape(rows, k_pad // QK_K, 4, 4)

@@ -23,8 +23,8 @@ addend would round away the code's bits): one float instruction a value fewer. T
 Q4_0 and Q5_0. For Q4_K, Q5_K, Q2_K, Q4_1 and Q5_1 the addend 128 s + m (128 d - m) is rounded once, by half its
 float32 ulp: 2^-17 s where the scale's term leads, about one float32 rounding of the value where the minimum's does.
 
-IQ4_NL and IQ4_XS codes become their levels + 128 by byte permutes (iq4_levels.py), then the level itself by one
-exact FMA (f 2^16 - 32896) and the value by one product with the plane's scale, as the GGUF decoder rounds it.
+IQ4_NL, IQ4_XS and MXFP4 codes become their levels + 128 by byte permutes (iq4_levels.py), then the level itself by
+one exact FMA (f 2^16 - 32896) and the value by one product with the plane's scale, as the GGUF decoder rounds it.
 """
 
 from __future__ import annotations
@@ -109,13 +109,17 @@ def decode_pair64(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, KQ, INT
         # (byte - 128) d = f 2^16 d - (2^15 + 128) d for f = 0.5 + byte / 2^16: exact in one FMA
         v0 = _scaled(_bytes_float(tl.load(cp), b, 8, INTERPRET), 65536.0 * d0, 32896.0 * d0, INTERPRET)  # [BN, 8, 4]
         v1 = _scaled(_bytes_float(tl.load(cp + 8), b, 8, INTERPRET), 65536.0 * d1, 32896.0 * d1, INTERPRET)
-    elif QTYPE == 20 or QTYPE == 23:  # IQ4_NL, IQ4_XS: level(c) times the plane's scale
+    elif (QTYPE == 20 or QTYPE == 23) or QTYPE == 39:  # IQ4_NL, IQ4_XS, MXFP4: level(c) times the plane's scale
         cw = tl.load(codes.to(tl.pointer_type(tl.int32)) + rows3 * (KQ * 8) + q * 8 + wi)  # [BN, 8, 1]
-        u0, u1 = iq4_levels(cw, True, INTERPRET)  # levels + 128, four a word
+        u0, u1 = iq4_levels(cw, True, INTERPRET, QTYPE == 39)  # levels + 128, four a word
         if QTYPE == 20:  # fp16 d of each 32-element block, both of the pair in one word
             dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1]
             d0 = _half(dd, 0)
             d1 = _half(dd, 1)
+        elif QTYPE == 39:  # bf16 d of each 32-element block (a float32's top half), both in one word
+            dd = tl.load(words + rows3 * KQ + q)  # [BN, 1, 1]
+            d0 = (dd << 16).to(tl.float32, bitcast=True)
+            d1 = (dd & -65536).to(tl.float32, bitcast=True)
         else:  # d (d per 256) times the signed scale of sub-block 2q + p
             idx = rows3 * (KQ // 4) + q // 4
             d = _half(tl.load(words + idx // 2), idx % 2)  # [BN, 1, 1]

@@ -7,14 +7,20 @@ by a compile for an sm_90 target (Triton's own ptxas, no driver needed), so each
 constexprs the GPU path would give it, PDL variants included. Outputs are never computed: the cases only launch.
 
     python tests/kernels/sm90_compile.py        # prints one line per compiled kernel; exit code 1 on any failure
+    python tests/kernels/sm90_compile.py --only "MXFP4" --audit   # the cases naming MXFP4, with each kernel's
+                                                # registers, spill (local) bytes and SASS instruction count
 
 tests/kernels/test_sm90_compile.py runs it in a subprocess (the other kernel tests run in the interpreter).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import replace
@@ -29,6 +35,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 # launch keywords that are compile options; launch_pdl only changes the launch
 COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 compiled: list[str] = []
+cubins: list[bytes] = []  # with --audit: each compiled kernel's cubin, in `compiled`'s order
 _pdl_override: int | None = None
 
 
@@ -48,8 +55,23 @@ def _compile_instead_of_launch(self, *args, grid, warmup=False, **kwargs):  # no
             constexprs[(i,)] = value
         else:
             signature[p.name] = jit.mangle_type(value)
-    triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
     compiled.append(self.fn.__name__)
+    cubins.append(kernel.asm["cubin"])
+
+
+def audit(cubin: bytes) -> str:
+    """Registers, local memory (spills) and SASS instruction count of one cubin, by the CUDA tools Triton ships."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True).stdout  # fmt: skip
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), f.name], capture_output=True, text=True).stdout
+    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    count = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/[^;\n]*;", sass, flags=re.M))  # instructions, not data
+    return f"{regs.group(1) if regs else '?'} regs, {local.group(1) if local else '?'} B local, {count} SASS"
 
 
 def _cases() -> dict[str, Callable[[], None]]:
@@ -277,6 +299,10 @@ def _cases() -> dict[str, Callable[[], None]]:
 
 def main() -> int:
     global _pdl_override
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="compile only the cases whose name contains this text")
+    parser.add_argument("--audit", action="store_true", help="print each kernel's registers, spills and SASS size")
+    args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: the point is to compile")
     jit.JITFunction.run = _compile_instead_of_launch
@@ -284,6 +310,8 @@ def main() -> int:
     for pdl in (None, 1, 2):  # as launched on the CPU (no PDL), then each PDL mode where a kernel takes one
         _pdl_override = pdl
         for name, call in _cases().items():
+            if args.only and args.only not in name:
+                continue
             before = len(compiled)
             try:
                 call()
@@ -292,6 +320,9 @@ def main() -> int:
                 print(f"FAILED {name} (PDL {pdl}):\n{traceback.format_exc()}", flush=True)
                 continue
             print(f"ok {name} (PDL {pdl}): {', '.join(compiled[before:]) or 'no launch'}", flush=True)
+            if args.audit:
+                for kernel, cubin in zip(compiled[before:], cubins[before:]):
+                    print(f"    {kernel}: {audit(cubin)}", flush=True)
     print(f"{len(compiled)} compiles, {len(failures)} failed cases")
     return 1 if failures else 0
 

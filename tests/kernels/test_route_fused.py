@@ -265,8 +265,8 @@ def test_cuda_graph_capture_and_replay(seed, split) -> None:
 # x rounded to int8 for quantized experts (route_fused_int8)
 
 
-@pytest.mark.parametrize("H", [40, 512])
-@pytest.mark.parametrize("split", [1, 4, 16])
+@pytest.mark.parametrize("H", [40, 512, 600])  # 600: a slice of 512 values a program past the row's 768
+@pytest.mark.parametrize("split", [1, 2, 3, 16])  # each program rounds a slice of the row; 3: the last one none
 def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> None:
     from moerun.kernels.quant.int8_dot import quantize_x
     from moerun.kernels.quant.repack import padded_k

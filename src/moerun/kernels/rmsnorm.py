@@ -59,25 +59,50 @@ def add_rms_norm_row(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, n_store, eps, stride_x, stride_r,
     H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """weight * rms_normalise(x + residual) of one row -> [BLOCK_H] in x's dtype; its first n_store columns are
-    stored in out [T, H], with x + residual in res_out [T, H] (n_store = H, or 0 where another program stores)."""
+    """(weight * rms_normalise(x + residual) of one row -> [BLOCK_H] in x's dtype, its float32 1 / rms); the first
+    n_store columns are stored in out [T, H], with x + residual in res_out [T, H] (n_store = H, or 0 where another
+    program stores)."""
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    x = _added_row(x_ptr, res_ptr, res_out_ptr, row, cols, n_store, stride_x, stride_r, H, HAS_RESIDUAL, INTERPRET)
+    inv_rms = tl.math.rsqrt(mean_of_squares(x.to(tl.float32), H, INTERPRET) + eps)
+    out = _scaled_row(x, inv_rms, w_ptr, cols, H, INTERPRET)  # [BLOCK_H]
+    tl.store(out_ptr + row * H + cols, out, mask=cols < n_store)
+    return out, inv_rms
+
+
+@triton.jit
+def rms_norm_slice(
+    x_ptr, res_ptr, w_ptr, row, start, inv_rms, stride_x, stride_r,
+    H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Columns start + [0, BLOCK) of add_rms_norm_row's output for the row whose 1 / rms is inv_rms, bit for bit
+    (the same operations on those columns; zero past H), loaded again rather than taken from another program."""
+    cols = start + tl.arange(0, BLOCK)  # [BLOCK]
+    x = _added_row(x_ptr, res_ptr, x_ptr, row, cols, 0, stride_x, stride_r, H, HAS_RESIDUAL, INTERPRET)
+    return _scaled_row(x, inv_rms, w_ptr, cols, H, INTERPRET)
+
+
+@triton.jit
+def _added_row(x_ptr, res_ptr, res_out_ptr, row, cols, n_store, stride_x, stride_r, H: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """x + residual at columns cols of one row, in x's dtype (zero past H); stored to res_out below n_store."""
     mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_H] in x's dtype
-    dtype = x.dtype
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # in x's dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # torch adds in float32 and rounds once to x's dtype
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), dtype, INTERPRET)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, INTERPRET)
         tl.store(res_out_ptr + row * H + cols, x, mask=cols < n_store)
-    xf = x.to(tl.float32)
-    inv_rms = tl.math.rsqrt(mean_of_squares(xf, H, INTERPRET) + eps)
-    normed = round_to(xf * inv_rms, dtype, INTERPRET)  # rounded to x's dtype before the weight, as torch does
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _scaled_row(x, inv_rms, w_ptr, cols, H: tl.constexpr, INTERPRET: tl.constexpr):
+    """weight * round(x / rms) at columns cols, in x's dtype."""
+    normed = round_to(x.to(tl.float32) * inv_rms, x.dtype, INTERPRET)  # rounded before the weight, as torch does
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
     # a product of two 16-bit floats is exact in float32, so this is one rounding like torch's
-    out = round_to(w.to(tl.float32) * normed.to(tl.float32), dtype, INTERPRET)  # [BLOCK_H]
-    tl.store(out_ptr + row * H + cols, out, mask=cols < n_store)
-    return out
+    return round_to(w.to(tl.float32) * normed.to(tl.float32), x.dtype, INTERPRET)
 
 
 @triton.jit
@@ -104,8 +129,8 @@ def _rms_norm_kernel(
     launch_dependents(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    out = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
-                           HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
+    out, _ = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
+                              HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
     if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
         quantize_store_row(out.to(tl.float32), BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, row, K_PAD, K_PAD)
 

@@ -5,9 +5,9 @@ launch) and computes the logits of its share of the E router rows, rounded to th
 returns them, into a float32 scratch [T, E]. A per-token ticket counter elects the last program to finish: it
 reads the scratch back through L2 and does the float32 softmax, top-k and renormalisation, then resets the
 counter to zero so that the next launch (or CUDA-graph replay) starts clean. Program 0 of each token writes
-the normalised row and the new residual (and, for quantized experts whose kernels round x to int8, that row
-rounded: route_fused_int8_triton). Splitting the 0.5 MB of router weights over SPLIT programs per token
-spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
+the normalised row and the new residual; for quantized experts whose kernels round x to int8, that row rounded
+too (route_fused_int8_triton), a slice a program after the routing. Splitting the 0.5 MB of router weights over
+SPLIT programs per token spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
 
 The roundings follow the unfused path (kernels/rmsnorm.py's, then F.linear in the model dtype, then
 kernels/router.py's softmax_topk), so only float32 summation orders differ.
@@ -24,7 +24,7 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row
-from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, round_to
+from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, rms_norm_slice, round_to
 from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
 
@@ -105,6 +105,7 @@ def _route_fused_kernel(
     xs_ptr=None,
     K_PAD: tl.constexpr = 0,
     Q8: tl.constexpr = False,
+    Q_BLOCK: tl.constexpr = 32,  # Q8: values each program rounds, a power of two >= 32 with SPLIT x Q_BLOCK >= K_PAD
 ):
     launch_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -115,13 +116,11 @@ def _route_fused_kernel(
     g, rows, row_ok = _load_router_rows(gate_ptr, first, 0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
     wait_for_previous(PDL)
     # every program normalises the token's row; the first one stores it and the new residual
-    normed = add_rms_norm_row(
+    normed, inv_rms = add_rms_norm_row(
         x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
         stride_r, H, HAS_RESIDUAL, BLOCK_H, INTERPRET,
-    ).to(tl.float32)  # fmt: skip
-    if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
-        if split == SPLIT - 1:  # the last program, as program 0 already stores the row
-            quantize_store_row(normed, BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, token, K_PAD, K_PAD)
+    )  # fmt: skip
+    normed = normed.to(tl.float32)
     _store_logits(logits_ptr, g, normed, token, rows, row_ok, E, INTERPRET)
     for r0 in range(BLOCK_ROWS, ROWS, BLOCK_ROWS):
         g_r, rows_r, ok_r = _load_router_rows(gate_ptr, first, r0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
@@ -135,6 +134,15 @@ def _route_fused_kernel(
         if ticket == SPLIT - 1:
             _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E, BLOCK_K)
             tl.store(counter_ptr + token, 0)
+    if Q8:
+        # The int8 row in slices of Q_BLOCK values, one a program (programs past K_PAD have none), after the
+        # routing so that it never delays the last program's top-k. A slice is the normalised row's columns
+        # computed again from x and the residual (L1 / L2 hits), bit for bit the values above.
+        start = split * Q_BLOCK
+        if start < K_PAD:
+            v = rms_norm_slice(x_ptr, res_ptr, norm_w_ptr, token, start, inv_rms, stride_x, stride_r, H,
+                               HAS_RESIDUAL, Q_BLOCK, INTERPRET).to(tl.float32)  # fmt: skip
+            quantize_store_row(v, Q_BLOCK, start, xq_ptr, dx_ptr, xs_ptr, token, K_PAD, K_PAD)
 
 
 @triton.jit
@@ -276,5 +284,6 @@ def _route_fused(
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
         enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
         **(int8_rows.store_args() if int8_rows is not None else {}),
+        **({"Q_BLOCK": max(32, triton.next_power_of_2(triton.cdiv(k_pad, split)))} if k_pad is not None else {}),
     )  # fmt: skip
     return normed, residual_out, weights, ids, int8_rows

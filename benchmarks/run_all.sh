@@ -18,6 +18,9 @@
 #             (MOERUN_DECODE_QK_FUSED=1) and every kernel in PDL mode 2 against the default; Q4_K_M also with q|k
 #             and v in two launches (MOERUN_QUANT_JOINT=0)
 #   prefill-quant  the Q4_K table at M = 1 ... 4096 (prefill sizes: tile against dequant + bf16), then Q4_K_M prefill
+#   pending    what RESULTS lists as not yet measured: the GPU tests of the grid types' tile kernels, MXFP4 and the
+#              fused router's int8 slices; their MoE layers (grid tiles on and off); Q4_K_M batch-1 decode with a
+#              profile (the router's line); IQ2_M (grid tiles on and off) and MXFP4_MOE end to end
 # Tuned tables are written into src/moerun/kernels/configs/ (copy them back into the repository).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [STAGE ...]}
@@ -95,6 +98,22 @@ for stage in $stages; do
             --m 1 2 4 8 --out "$out/quant_tune"
         run quant 240 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M --prefill-lens 2048 \
             --batch-sizes 1 --max-model-len 4096 --steps 32 --profile --out "$out/bench_q4km" ;;
+    pending)
+        run pending 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_from_blocks.py \
+            tests/kernels/test_route_fused.py tests/kernels/test_quant_moe.py tests/kernels/test_int8_dot.py \
+            tests/kernels/test_quant_matmul.py tests/test_gguf_model.py -k "MXFP4 or IQ or int8 or grid or tile"
+        run pending 420 python3 benchmarks/bench_quant_moe.py --types IQ2_XXS IQ3_S MXFP4 Q4_K --m 1 8 64 1024 2048 \
+            --out "$out/quant_pending"
+        run pending 240 env MOERUN_GRID_TILES=0 python3 benchmarks/bench_quant_moe.py --types IQ2_XXS IQ3_S \
+            --m 64 1024 2048 --out "$out/quant_pending_grid_off"
+        run pending 240 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant Q4_K_M --prefill-lens 128 \
+            --batch-sizes 1 --max-model-len 4096 --steps 32 --profile --out "$out/pending_q4km"
+        for quant in IQ2_M MXFP4_MOE; do
+            run pending 300 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant $quant \
+                --prefill-lens 512,2048 --batch-sizes 1,8 --max-model-len 4096 --steps 16 --out "$out/pending_$quant"
+        done
+        run pending 240 env MOERUN_GRID_TILES=0 python3 -m moerun.cli bench --preset qwen3-30b-a3b --quant IQ2_M \
+            --prefill-lens 512,2048 --batch-sizes 1 --max-model-len 4096 --steps 8 --out "$out/pending_IQ2_M_off" ;;
     gguf-offload)
         run gguf-offload 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_moe_indirect.py \
             tests/offload/test_zero_copy.py tests/offload/test_offload_generation.py tests/offload/test_packed_pool.py

@@ -67,11 +67,15 @@ def table(store: PackedWeight, pool: PackedWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("path,T", [("gemv_v2", 3), ("gemv_v2_int8", 3), ("gemv", 2), ("gemv_dot", 2), ("tile", 9),
                                     ("tile-m2", 9)])
-@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K")], ids=lambda t: "-".join(t))
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K"), ("MXFP4", "MXFP4")],
+                         ids=lambda t: "-".join(t))  # MXFP4: scales in bfloat16
 def test_indirect_matches_stacked(seed, types, path, T) -> None:
+    from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES
+
     gate_t, down_t = (QuantType[t] for t in types)
-    if path == "gemv_v2" and gate_t == QuantType.Q5_K:
-        pytest.skip("gemv_v2 reads Q5_K with int8 x only")
+    int8_only = gate_t not in FLOAT_X_TYPES
+    if path == "gemv_v2" and int8_only:
+        pytest.skip(f"gemv_v2 reads {gate_t.name} with int8 x only")
     w13 = QuantizedWeight([random_quantized(gate_t, (E, I, H), DEVICE), random_quantized(gate_t, (E, I, H), DEVICE)])
     w2 = QuantizedWeight([random_quantized(down_t, (E, H, I), DEVICE)])
     p13, p2 = packed_parts(w13), packed_parts(w2)[0]
@@ -84,7 +88,7 @@ def test_indirect_matches_stacked(seed, types, path, T) -> None:
     out = fused_moe_quant(hidden, pool13, pool2, weights, ids, cfg, tables=tables)
     if path != "gemv":
         ref_cfg = cfg
-    elif gate_t == QuantType.Q5_K:  # the gemv path takes no tables: gemv_v2 runs, with the only x Q5_K takes
+    elif int8_only:  # the gemv path takes no tables: gemv_v2 runs, with the only x the type takes
         ref_cfg = {**cfg, "path": "gemv_v2", "x_q8": True}
     else:
         ref_cfg = CONFIGS["gemv_v2"]

@@ -25,11 +25,10 @@ def seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-def specs(down: QuantType) -> list[PartSpec]:
-    """A Q4_K_M-like layer: gate and up Q4_K, down of type ``down``."""
-    q4 = QuantType.Q4_K
-    return [PartSpec("w13", (I, row_nbytes(H, q4)), torch.uint8, q4, H, "gate"),
-            PartSpec("w13", (I, row_nbytes(H, q4)), torch.uint8, q4, H, "up"),
+def specs(down: QuantType, gate: QuantType = QuantType.Q4_K) -> list[PartSpec]:
+    """A Q4_K_M-like layer: gate and up Q4_K (or ``gate``), down of type ``down``."""
+    return [PartSpec("w13", (I, row_nbytes(H, gate)), torch.uint8, gate, H, "gate"),
+            PartSpec("w13", (I, row_nbytes(H, gate)), torch.uint8, gate, H, "up"),
             PartSpec("w2", (H, row_nbytes(I, down)), torch.uint8, down, I, "down")]  # fmt: skip
 
 
@@ -40,10 +39,11 @@ def expert_blocks(layer: list[PartSpec], n: int, gen: torch.Generator) -> list[t
 
 def test_batched_repack_is_per_expert_repack(seed) -> None:
     gen = torch.Generator().manual_seed(seed)
-    layers = [specs(QuantType.Q6_K), specs(QuantType.Q4_K), specs(QuantType.Q6_K)]
+    mxfp4 = specs(QuantType.MXFP4, QuantType.MXFP4)  # an MXFP4_MOE layer: bfloat16 scales in its slots
+    layers = [specs(QuantType.Q6_K), specs(QuantType.Q4_K), specs(QuantType.Q6_K), mxfp4]
     pool = PackedSlotPool(layers, slots_per_layer=5, device=torch.device("cpu"))
     assert pool.staging_rows == 5 and pool.staging[0] is pool.staging[2] and pool.staging[0] is not pool.staging[1]
-    for layer, slots in ((0, [3, 0, 4]), (1, [1]), (2, [2, 1, 0, 3, 4]), (0, [1, 2])):
+    for layer, slots in ((0, [3, 0, 4]), (1, [1]), (2, [2, 1, 0, 3, 4]), (0, [1, 2]), (3, [4, 0])):
         blocks = expert_blocks(layers[layer], len(slots), gen)
         for row in range(len(slots)):
             for view, part in zip(pool.staging_views(layer, row), blocks):
@@ -56,7 +56,7 @@ def test_batched_repack_is_per_expert_repack(seed) -> None:
                 for d, s in zip(ours.tensors(), alone.tensors()):
                     if d is not None:
                         assert torch.equal(d[slot], s[0]), f"seed={seed} layer={layer} slot={slot}"
-    for layer in range(3):  # the null slot still decodes to zeros
+    for layer in range(4):  # the null slot still decodes to zeros
         for p in pool.weights(layer)[0] + pool.weights(layer)[1]:
             assert p.dequantize(torch.float32)[pool.null_slot].abs().max() == 0
 
@@ -71,10 +71,11 @@ def test_batch_limits() -> None:
         pool.repack_staged(0, [3])
 
 
-@pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q4_K, QuantType.Q8_0, QuantType.MXFP4],
+                         ids=lambda t: t.name)
 def test_slot_bytes_as_the_planner_counts_them(down) -> None:
     # the planner budgets each slot by packed_part_bytes; a slot of the pool holds exactly that
-    layer = specs(down)
+    layer = specs(down, down if down == QuantType.MXFP4 else QuantType.Q4_K)
     pool = PackedSlotPool([layer], slots_per_layer=2, device=torch.device("cpu"))
     held = sum(t[0].numel() * t.element_size() for parts in pool.weights(0) for p in parts for t in p.tensors()
                if t is not None)

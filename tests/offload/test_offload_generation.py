@@ -57,6 +57,23 @@ def test_identical_to_the_resident_engine(hf_model, reference, policy, prefetch,
     llm.model.expert_offload.table.check()
 
 
+def test_copy_mode_on_triton_takes_the_layers_tuned_tables(hf_model, monkeypatch):
+    # the slot pool stacks 3 + 1 slots, but the layer's 8 experts pick the kernels' configs (tuned per shape and E)
+    pytest.importorskip("triton")
+    from moerun.kernels import fused_moe, tile_configs
+
+    looked_up = set()
+    for module in (fused_moe, tile_configs):
+        lookup = module.get_config
+        monkeypatch.setattr(module, "get_config", lambda E, *a, lookup=lookup: looked_up.add(E) or lookup(E, *a))
+    opts, few, expected = triton_run(LLM, hf_model, "cpu", OPTS)
+    llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), **opts,
+              offload=OffloadConfig(policy="lru", prefetch=False, mode="copy"))
+    looked_up.clear()
+    assert [o.token_ids for o in llm.generate(few, SHORT)] == expected
+    assert looked_up == {llm.model.expert_offload.num_experts}
+
+
 def test_cost_model_splits_misses_between_cpu_and_copies(hf_model, reference):
     # rates chosen so that one copy costs about as much as a 3-token CPU expert: both paths get work
     llm = run_offloaded(hf_model, cache_gb(hf_model, 4), policy="lru", cpu_compute="auto", pcie_gbps=1.0,
@@ -131,16 +148,22 @@ def test_read_only_types_offloaded_on_triton(gguf_model, tmp_path):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device):
+def test_gguf_slots_stay_repacked_for_the_fused_kernels(gguf_model, device, monkeypatch):
     # the fused quantized kernels (Triton's interpreter on the CPU) run on slot ids over the repacked slot pool
+    from moerun.kernels.quant import fused_moe_quant
     from moerun.moe.offload.packed_pool import PackedSlotPool
 
+    looked_up = set()  # the expert counts the kernels' configs were looked up for
+    lookup = fused_moe_quant.get_moe_config
+    monkeypatch.setattr(fused_moe_quant, "get_moe_config", lambda q, E, *a: looked_up.add(E) or lookup(q, E, *a))
     opts, few, expected = triton_run(LLM, gguf_model, device, OPTS)
     llm = LLM(str(gguf_model), expert_cache_gb=cache_gb(gguf_model, 3, gguf=True), **opts,
               offload=OffloadConfig(policy="lru", prefetch=True, mode="copy"))
     manager = llm.model.expert_offload
     assert isinstance(manager.pool, PackedSlotPool) and not manager.compact
+    looked_up.clear()
     assert [o.token_ids for o in llm.generate(few, SHORT)] == expected
+    assert looked_up == {manager.num_experts}, "the layer's expert count picks the tuned tables, not the pool's"
     assert llm.stats()["misses_copied"] > 0
     for layer in range(manager.num_layers):  # every slot holds its expert's repacked blocks, the null slot zeros
         for part, ours in zip(manager.store.weights(layer), manager.pool.weights(layer)):

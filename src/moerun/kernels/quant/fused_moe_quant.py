@@ -538,6 +538,7 @@ def fused_moe_quant(
     out_dtype: torch.dtype | None = None,
     tables: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None,
     x_int8: Int8Rows | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
     w2 [E, H, I] packed -> [T, H] in out_dtype (default: hidden's dtype); the expert GEMMs run in hidden's dtype as
@@ -547,7 +548,8 @@ def fused_moe_quant(
     of row e (``expert_addresses``), which may lie in any allocation, device or pinned host memory (read over
     PCIe); w13 and w2 then only give the types, shapes and pointer types (any number of experts). The decode
     paths run gemv_v2 or gemv_dot, prefill the tile path. ``x_int8``: hidden already
-    rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x."""
+    rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x. ``num_experts``: the layer's expert
+    count, which picks the tuned tables, where w13 and w2 stack another number of experts (a slot pool)."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
@@ -588,7 +590,7 @@ def fused_moe_quant(
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
-    cfg = _kernel_config(config, gw, uw, w2, E, k, T, indirect=part_tables is not None,
+    cfg = _kernel_config(config, gw, uw, w2, num_experts or E, k, T, indirect=part_tables is not None,
                          dense_out=out_dtype == x.dtype)  # fmt: skip
     if cfg["path"] == "dequant":
         return _dequant(x, parts13, w2, weights, ids)

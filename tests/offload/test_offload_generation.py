@@ -57,7 +57,8 @@ def test_identical_to_the_resident_engine(hf_model, reference, policy, prefetch,
     llm.model.expert_offload.table.check()
 
 
-def test_copy_mode_on_triton_takes_the_layers_tuned_tables(hf_model, monkeypatch):
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_copy_mode_on_triton_takes_the_layers_tuned_tables(hf_model, device, monkeypatch):
     # the slot pool stacks 3 + 1 slots, but the layer's 8 experts pick the kernels' configs (tuned per shape and E)
     pytest.importorskip("triton")
     from moerun.kernels import fused_moe, tile_configs
@@ -66,7 +67,7 @@ def test_copy_mode_on_triton_takes_the_layers_tuned_tables(hf_model, monkeypatch
     for module in (fused_moe, tile_configs):
         lookup = module.get_config
         monkeypatch.setattr(module, "get_config", lambda E, *a, lookup=lookup: looked_up.add(E) or lookup(E, *a))
-    opts, few, expected = triton_run(LLM, hf_model, "cpu", OPTS)
+    opts, few, expected = triton_run(LLM, hf_model, device, OPTS)
     llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), **opts,
               offload=OffloadConfig(policy="lru", prefetch=False, mode="copy"))
     looked_up.clear()

@@ -35,7 +35,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 # launch keywords that are compile options; launch_pdl only changes the launch
 COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 compiled: list[str] = []
-cubins: list[bytes] = []  # with --audit: each compiled kernel's cubin, in `compiled`'s order
+cubins: list[bytes | None] = []  # with --audit: each compiled kernel's cubin (else None), in `compiled`'s order
+keep_cubins = False
 _pdl_override: int | None = None
 
 
@@ -57,7 +58,7 @@ def _compile_instead_of_launch(self, *args, grid, warmup=False, **kwargs):  # no
             signature[p.name] = jit.mangle_type(value)
     kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
     compiled.append(self.fn.__name__)
-    cubins.append(kernel.asm["cubin"])
+    cubins.append(kernel.asm["cubin"] if keep_cubins else None)
 
 
 def audit(cubin: bytes) -> str:
@@ -298,13 +299,14 @@ def _cases() -> dict[str, Callable[[], None]]:
 
 
 def main() -> int:
-    global _pdl_override
+    global _pdl_override, keep_cubins
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="compile only the cases whose name contains this text")
     parser.add_argument("--audit", action="store_true", help="print each kernel's registers, spills and SASS size")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: the point is to compile")
+    keep_cubins = args.audit
     jit.JITFunction.run = _compile_instead_of_launch
     failures = []
     for pdl in (None, 1, 2):  # as launched on the CPU (no PDL), then each PDL mode where a kernel takes one

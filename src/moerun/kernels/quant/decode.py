@@ -118,10 +118,14 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
             lo, ml_c, ml_d
         )
     elif (QTYPE == 20 or QTYPE == 23) or QTYPE == 39:  # IQ4_NL, MXFP4: level(c) d; IQ4_XS: level(c) (d sc)
-        if QTYPE != 23:  # d per 32 (IQ4_NL fp16, MXFP4 bf16)
+        if QTYPE == 20:  # fp16 d per 32
             sp = scale + rows * (KQ * 2) + q * 2
             d0 = tl.load(sp).to(tl.float32)
             d1 = tl.load(sp + 1).to(tl.float32)
+        elif QTYPE == 39:  # bf16 d per 32, widened by its bits (group_scales.bf16_pair, inlined)
+            sp = scale.to(tl.pointer_type(tl.int16)) + rows * (KQ * 2) + q * 2
+            d0 = (tl.load(sp).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            d1 = (tl.load(sp + 1).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:  # signed bytes (sc 2q, sc 2q + 1, 0, 0), fp16 d per 256
             w = tl.load(sub + rows * KQ + q)
             d = tl.load(scale + rows * (KQ // 4) + q // 4).to(tl.float32)

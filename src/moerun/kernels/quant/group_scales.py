@@ -25,20 +25,34 @@ def q4_k_scales(sub, scale, rows3, g3, KQ, ok3):
 def block32_scales(QT: tl.constexpr, scale, rows3, g3, KQ, ok3):
     """Pair g of a type with a scale per 32-element block (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, IQ4_NL 20, MXFP4 39): (d0,
     m0, d1, m1) of its plane-0 and plane-1 blocks as float32 [R0, R1, G]; m is the fp16 offset of Q4_1 / Q5_1, else
-    0 (MXFP4's d is bfloat16, read as the scale array's type)."""
+    0 (MXFP4's d is bfloat16: bf16_pair)."""
     if QT == 3 or QT == 7:  # (d, m) per block
         sp = scale + (rows3 * (KQ * 2) + 2 * g3) * 2
         d0 = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
         m0 = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
         d1 = tl.load(sp + 2, mask=ok3, other=0.0).to(tl.float32)
         m1 = tl.load(sp + 3, mask=ok3, other=0.0).to(tl.float32)
-    else:  # d per block
+    elif QT == 39:  # MXFP4: bf16 d per block
+        d0, d1 = bf16_pair(scale, rows3 * (KQ * 2) + 2 * g3, ok3)
+        m0 = tl.zeros_like(d0)
+        m1 = m0
+    else:  # fp16 d per block
         sp = scale + rows3 * (KQ * 2) + 2 * g3
         d0 = tl.load(sp, mask=ok3, other=0.0).to(tl.float32)
         d1 = tl.load(sp + 1, mask=ok3, other=0.0).to(tl.float32)
         m0 = tl.zeros_like(d0)
         m1 = m0
     return d0, m0, d1, m1
+
+
+@triton.jit
+def bf16_pair(scale, idx, ok):
+    """float32 of the bfloat16 scales at idx and idx + 1 (masked by ok), widened by their bits: Triton's
+    interpreter flushes bfloat16 subnormals (MXFP4's 2^-128, 2^-127) to zero in a conversion; the GPU's does not."""
+    bits = scale.to(tl.pointer_type(tl.int16)) + idx
+    d0 = (tl.load(bits, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    d1 = (tl.load(bits + 1, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return d0, d1
 
 
 @triton.jit

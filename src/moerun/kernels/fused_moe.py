@@ -753,8 +753,11 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: Config | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
-    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
+    """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
+    ``num_experts``: the layer's expert count, which picks the tuned tables, where w13 and w2 stack another number
+    of experts (a slot pool)."""
     T, H = hidden.shape
     E, two_i, h_w = w13.shape
     I = two_i // 2  # noqa: E741
@@ -772,5 +775,5 @@ def fused_moe_triton(
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
-    cfg = normalize(config) if config is not None else get_config(E, H, I, k, w13.dtype, T)
+    cfg = normalize(config) if config is not None else get_config(num_experts or E, H, I, k, w13.dtype, T)
     return run_fused_moe(x, ExpertWeights.stacked(w13), ExpertWeights.stacked(w2), I, weights, ids, cfg, hidden.dtype)

@@ -63,7 +63,9 @@ def add_rms_norm_row(
     n_store columns are stored in out [T, H], with x + residual in res_out [T, H] (n_store = H, or 0 where another
     program stores)."""
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    x = _added_row(x_ptr, res_ptr, res_out_ptr, row, cols, n_store, stride_x, stride_r, H, HAS_RESIDUAL, INTERPRET)
+    x = _added_row(x_ptr, res_ptr, row, cols, stride_x, stride_r, H, HAS_RESIDUAL, INTERPRET)
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + row * H + cols, x, mask=cols < n_store)
     inv_rms = tl.math.rsqrt(mean_of_squares(x.to(tl.float32), H, INTERPRET) + eps)
     out = _scaled_row(x, inv_rms, w_ptr, cols, H, INTERPRET)  # [BLOCK_H]
     tl.store(out_ptr + row * H + cols, out, mask=cols < n_store)
@@ -78,21 +80,20 @@ def rms_norm_slice(
     """Columns start + [0, BLOCK) of add_rms_norm_row's output for the row whose 1 / rms is inv_rms, bit for bit
     (the same operations on those columns; zero past H), loaded again rather than taken from another program."""
     cols = start + tl.arange(0, BLOCK)  # [BLOCK]
-    x = _added_row(x_ptr, res_ptr, x_ptr, row, cols, 0, stride_x, stride_r, H, HAS_RESIDUAL, INTERPRET)
+    x = _added_row(x_ptr, res_ptr, row, cols, stride_x, stride_r, H, HAS_RESIDUAL, INTERPRET)
     return _scaled_row(x, inv_rms, w_ptr, cols, H, INTERPRET)
 
 
 @triton.jit
-def _added_row(x_ptr, res_ptr, res_out_ptr, row, cols, n_store, stride_x, stride_r, H: tl.constexpr,
-               HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """x + residual at columns cols of one row, in x's dtype (zero past H); stored to res_out below n_store."""
+def _added_row(x_ptr, res_ptr, row, cols, stride_x, stride_r, H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
+    """x + residual at columns cols of one row, in x's dtype (zero past H)."""
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # in x's dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # torch adds in float32 and rounds once to x's dtype
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, INTERPRET)
-        tl.store(res_out_ptr + row * H + cols, x, mask=cols < n_store)
     return x
 
 

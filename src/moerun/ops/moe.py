@@ -70,22 +70,25 @@ def fused_moe(
     topk_ids: torch.Tensor,
     backend: str | None = None,
     x_int8: Int8Rows | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
 
     w13 / w2 may be quantized weights (layers/quantized.py): the torch path dequantises the touched experts;
     the Triton path runs kernels that read the repacked GGUF blocks and dequantise in registers (ops/quant.py).
     x_int8: hidden already rounded to int8 (route_fused_int8), for quantized kernels that round it.
+    num_experts: the layer's expert count where w13 / w2 stack a slot pool (offloading), which picks the Triton
+    kernels' tuned tables.
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
 
-        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8)
+        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8, num_experts=num_experts)
     from moerun.kernels.fused_moe import fused_moe_triton
 
-    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, num_experts=num_experts)
 
 
 from typing import TYPE_CHECKING  # noqa: E402

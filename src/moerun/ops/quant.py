@@ -275,20 +275,21 @@ def _tile_types(weight: Weight | torch.Tensor | None) -> list[tuple[QuantType, i
 
 def _tile_parts(weight: Weight) -> list[PackedWeight] | None:
     """A weight's parts as the tile64 kernels read them (grid types as GroupBlocks, the others repacked), or None
-    when _tile_types says they do not; made once and kept on the weight (every prefill asks)."""
+    when _tile_types says they do not; made once and kept on the weight (every prefill asks), so
+    ``MOERUN_GRID_TILES`` counts when they are first made."""
     from moerun.kernels.quant.from_blocks import GroupBlocks
     from moerun.kernels.quant.from_groups import GROUP_TYPES
 
+    if not isinstance(weight, QuantizedWeight) or weight.released:
+        return None if _tile_types(weight) is None else packed_parts(weight)
+    cached = weight.__dict__.get("tile_parts")
+    if cached is not None and cached[0].device == weight.device:
+        return cached
     if _tile_types(weight) is None:
         return None
-    if not isinstance(weight, QuantizedWeight) or weight.released:
-        return packed_parts(weight)
-    cached = weight.__dict__.get("tile_parts")
-    if cached is None or cached[0].device != weight.device:
-        cached = [GroupBlocks.of(p) if p.qtype in GROUP_TYPES else _part_pack(weight, i)
-                  for i, p in enumerate(weight.parts)]  # fmt: skip
-        weight.tile_parts = cached
-    return cached
+    weight.tile_parts = [GroupBlocks.of(p) if p.qtype in GROUP_TYPES else _part_pack(weight, i)
+                         for i, p in enumerate(weight.parts)]  # fmt: skip
+    return weight.tile_parts
 
 
 def _pairs_by_gemv(T: int, k: int, E: int) -> bool:

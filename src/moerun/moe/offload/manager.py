@@ -363,20 +363,13 @@ class ExpertOffload(OffloadManagerBase):
              slot_ids: torch.Tensor, fp32: bool) -> torch.Tensor:
         w13, w2 = weights
         dense = isinstance(w13, torch.Tensor)
+        # The weights stack the pool's slots: the layer's expert count, not theirs, picks the kernels' tuned tables.
+        if fp32 and not dense and pick_backend(self.backend, x.device, "MoE") == "triton":
+            # the quantized kernels compute in x's dtype and return the k-slot sum unrounded
+            return fused_moe_quantized(x, w13, w2, topk_weights, slot_ids, out_dtype=torch.float32,
+                                       num_experts=self.num_experts)  # fmt: skip
         h = x.float() if fp32 and dense else x  # the kernels cast x to the weights' dtype; the sum stays fp32
-        if pick_backend(self.backend, x.device, "MoE") == "triton":
-            # The weights stack the pool's slots: the layer's expert count, not theirs, picks the tuned tables.
-            if not dense:  # the quantized kernels compute in x's dtype; fp32 keeps the k-slot sum unrounded
-                return fused_moe_quantized(x, w13, w2, topk_weights, slot_ids, num_experts=self.num_experts,
-                                           out_dtype=torch.float32 if fp32 else None)  # fmt: skip
-            from moerun.kernels.fused_moe import fused_moe_triton
-            from moerun.kernels.tile_configs import get_config
-
-            T, H = h.shape
-            config = get_config(self.num_experts, H, w2.shape[-1], slot_ids.shape[1], w13.dtype, T)
-            out = fused_moe_triton(h, w13, w2, topk_weights, slot_ids, config=config)
-        else:
-            out = ops.fused_moe(h, w13, w2, topk_weights, slot_ids, backend=self.backend)
+        out = ops.fused_moe(h, w13, w2, topk_weights, slot_ids, backend=self.backend, num_experts=self.num_experts)
         return out.float() if fp32 else out
 
     def _cpu(self, layer: int, x_h: torch.Tensor, w_h: torch.Tensor, ids_h: np.ndarray,

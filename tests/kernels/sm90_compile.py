@@ -213,6 +213,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, prefill, tile64 with GEMM 2 in blocks of 4 of GEMM 1's": lambda: fused_moe_quant(
             x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_M2": 256, "BLOCK_N": 64,
                                            "num_warps": 4, "num_stages": 4, "num_stages2": 3}),
+        "quant MoE, prefill, tile64 with registers capped (maxnreg)": lambda: fused_moe_quant(
+            x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_M2": 256, "BLOCK_N": 64,
+                                           "num_warps": 4, "num_stages": 4, "num_stages2": 3, "maxnreg": 168,
+                                           "maxnreg2": 168}),
         "quant matmul, prefill tiles": lambda: quant_matmul_triton(x64, [qk, v]),
         "quant matmul, tile64 tiles": lambda: quant_matmul_triton(
             x64, [qk, v], config={"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,

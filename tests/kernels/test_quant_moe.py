@@ -10,8 +10,8 @@ from helpers import check_graphed_moe, on_int8_grid
 pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantType  # noqa: E402
-from moerun.kernels.quant.configs import default_moe_config  # noqa: E402
-from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
+from moerun.kernels.quant.configs import default_moe_config, normalize_config  # noqa: E402
+from moerun.kernels.quant.fused_moe_quant import fused_moe_quant, register_cap  # noqa: E402
 from moerun.kernels.quant.repack import PACKED_TYPES, pack  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.kernels.router import route_triton  # noqa: E402
@@ -42,6 +42,8 @@ CONFIGS = {"gemv": GEMV, "tile": TILE, "tile64": TILE64, "gemv_dot": GEMV_DOT,
            "tile64-sum": {**TILE64, "reduce": "sum"},
            # GEMM 2 in M-blocks of 4 (interpreter: 2) of GEMM 1's; GEMM 1 skips its blocks of padding alone
            "tile64-m2": {**TILE64, "BLOCK_M2": 64 if ON_CUDA else 32},
+           # registers capped a thread (a launch option: on a GPU a compile of its own; the interpreter ignores it)
+           "tile64-capped": {**TILE64, "maxnreg": 168, "maxnreg2": 160},
            "tile-m2": {**TILE, "BLOCK_M2": 32}}  # fmt: skip
 
 # Error allowed relative to the largest reference magnitude: the reference rounds the dequantised weights and
@@ -104,7 +106,7 @@ def test_mixed_types_gate_up_down(seed, path) -> None:
     [(torch.float32, "gemv"), (torch.float32, "tile"), (torch.float32, "gemv_dot"),
      (torch.float16, "gemv-atomic"), (torch.float16, "tile-sum"), (torch.float16, "gemv_dot-atomic"),
      (torch.bfloat16, "tile-sum_out"), (torch.float32, "tile64"), (torch.float16, "tile64-sum"),
-     (torch.bfloat16, "tile64-sum_out"), (torch.float16, "tile64-m2")],
+     (torch.bfloat16, "tile64-sum_out"), (torch.float16, "tile64-m2"), (torch.bfloat16, "tile64-capped")],
 )  # fmt: skip
 def test_hidden_dtypes_and_reductions(seed, dtype, config) -> None:
     T, E, H, I, k = 1, 3, 512, 256, 1  # noqa: E741
@@ -161,6 +163,17 @@ def test_empty_batch_and_shape_errors() -> None:
     split = [pack(random_quantized(QuantType.Q4_0, (3, n, 256), DEVICE)) for n in (200, 100)]
     with pytest.raises(ValueError, match="straddle"):
         fused_moe_quant(hidden, split, p2, empty, empty.int())
+
+
+def test_register_caps() -> None:
+    assert register_cap({"maxnreg": 168, "maxnreg2": 128}, "") == {"maxnreg": 168}
+    assert register_cap({"maxnreg": 168, "maxnreg2": 128}, "2") == {"maxnreg": 128}
+    assert register_cap({"path": "tile64"}, "") == {}
+    assert normalize_config({**CONFIGS["tile64"], "maxnreg": 168})["maxnreg"] == 168
+    for bad in ({**CONFIGS["tile64"], "maxnreg": 300}, {**CONFIGS["tile"], "maxnreg2": 16.0},
+                {**CONFIGS["gemv"], "maxnreg": 168}):
+        with pytest.raises(ValueError, match="maxnreg"):
+            normalize_config(bad)
 
 
 def test_default_configs() -> None:

@@ -51,6 +51,11 @@ def normalize_config(cfg: Config) -> Config:
         m1 = cfg.get("BLOCK_M", 16)
         if path not in ("tile", "tile64") or m2 < m1 or m2 % m1 or (m2 // m1) & (m2 // m1 - 1):
             raise ValueError(f"BLOCK_M2 must be a power-of-two multiple of BLOCK_M on the tile paths, got {cfg}")
+    for key in ("maxnreg", "maxnreg2"):
+        cap = cfg.get(key)
+        if cap is not None and (path not in ("tile", "tile64") or not isinstance(cap, int) or not 32 <= cap <= 255):
+            raise ValueError(f"{key} caps a tile kernel's registers a thread: an int in [32, 255] on the tile paths, "
+                             f"got {cap!r} on path {path!r}")
     if path == "dequant":
         return {"path": path}
     if path == "gemv_dot":

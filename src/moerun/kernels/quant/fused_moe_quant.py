@@ -402,6 +402,13 @@ def _gemm2_tile_kernel(
 # ------------------------------------------------------------------------------------------------ host side
 
 
+def register_cap(cfg: Config, gemm: str) -> dict[str, int]:
+    """The launch option capping registers a thread (config key "maxnreg" for GEMM 1, "maxnreg2" for GEMM 2), so
+    that more programs fit an SM; none where the config sets no cap."""
+    cap = cfg.get(f"maxnreg{gemm}")
+    return {"maxnreg": cap} if cap else {}
+
+
 def dot_operand_dtype(dtype: torch.dtype) -> tl.dtype:
     """tl.dot operand dtype for activations of `dtype`; float32 in the interpreter, which multiplies 16-bit
     operands as raw bits."""
@@ -500,7 +507,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
         PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, EXPERT_DIV=div,
         GROUPS=gw.qtype in GROUP_TYPES, **dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **register_cap(cfg, ""),
     )  # fmt: skip
     acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
     bn2 = cfg["BLOCK_N2"]
@@ -509,7 +516,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
         QW=int(w2.qtype), BLOCK_M=block_m2, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
         GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, GROUPS=w2.qtype in GROUP_TYPES, **dot,
-        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], **register_cap(cfg, "2"),
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)
 

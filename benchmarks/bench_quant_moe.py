@@ -167,10 +167,14 @@ POOL: dict[str, Config] = {
     # in an offline sm_90 compile; Q5_K 255, Q4_K 248), at 8 warps 198 (Q5_K 182, Q4_K 163)
     "k128x64w8m256": {**_dot("tile64", 128, 64, 64, 8, 8, 4), "BLOCK_M2": 256, "num_stages2": 3},
     "k128x64w8m256so": {**_dot("tile64", 128, 64, 64, 8, 8, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3},
-    # the 4-warp winners with registers capped at 168 a thread: three programs an SM instead of two (255 registers
-    # x 128 threads leave room for two); no spills in an offline sm_90 compile, about 15% more instructions
-    "k128x64m256r168": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3, "maxnreg": 168,
-                        "maxnreg2": 168},
+    # the 4-warp winners with GEMM 2 at 8 warps: at 4 warps its [64, 256] accumulator leaves the loop 36 spill stores
+    # and 187 spill loads of 1,146 instructions a thread (offline sm_90 compile, Triton 3.6); at 8 warps 25 loads of
+    # 521 (twice the threads)
+    "k128x64m256w2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3, "num_warps2": 8},
+    "k128x64m256sow2": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
+                        "num_warps2": 8},
+    # the same capped at 168 registers a thread (three programs an SM instead of two): more spills in the loop
+    # (GEMM 1 of Q4_K 56 -> 189 spill loads and stores a step, GEMM 2 223 -> 410); for --compare
     "k128x64m256sor168": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                           "maxnreg": 168, "maxnreg2": 168},
 }
@@ -198,8 +202,8 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
         return ["t32x128", "t64x128", "deq", "k32x64", "k32x128", "k64x64"]
     # (k64x64m128 and k64x64m256 stay in the pool for --compare: they lost at every M >= 1024 on the H200)
     return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq", "k64x64", "k128x64", "k128x128so",
-            "k128x64m256", "k128x64m256so", "k128x64m256s2", "k128x64w8m256", "k128x64w8m256so", "k128x64m256r168",
-            "k128x64m256sor168"]
+            "k128x64m256", "k128x64m256so", "k128x64m256s2", "k128x64w8m256", "k128x64w8m256so", "k128x64m256w2",
+            "k128x64m256sow2"]
 
 
 # ---------------------------------------------------------------------------------------------- workload

@@ -8,7 +8,7 @@ constexprs the GPU path would give it, PDL variants included. Outputs are never 
 
     python tests/kernels/sm90_compile.py        # prints one line per compiled kernel; exit code 1 on any failure
     python tests/kernels/sm90_compile.py --only "MXFP4" --audit   # the cases naming MXFP4, with each kernel's
-                                                # registers, spill (local) bytes and SASS instruction count
+                                                # registers, stack (spill) bytes, spill stores / loads, SASS count
 
 tests/kernels/test_sm90_compile.py runs it in a subprocess (the other kernel tests run in the interpreter).
 """
@@ -62,7 +62,8 @@ def _compile_instead_of_launch(self, *args, grid, warmup=False, **kwargs):  # no
 
 
 def audit(cubin: bytes) -> str:
-    """Registers, local memory (spills) and SASS instruction count of one cubin, by the CUDA tools Triton ships."""
+    """Registers, stack bytes (spills) with the spill stores and loads, and the SASS instruction count of one cubin,
+    by the CUDA tools Triton ships."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -70,9 +71,13 @@ def audit(cubin: bytes) -> str:
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                text=True).stdout  # fmt: skip
         sass = subprocess.run([os.path.join(tools, "nvdisasm"), f.name], capture_output=True, text=True).stdout
-    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     count = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/[^;\n]*;", sass, flags=re.M))  # instructions, not data
-    return f"{regs.group(1) if regs else '?'} regs, {local.group(1) if local else '?'} B local, {count} SASS"
+    # Spilled registers live in the thread's stack frame (STACK; cuobjdump's LOCAL counts only local arrays),
+    # stored by STL and read back by LDL.
+    spills = len(re.findall(r"\bSTL(?:\.\w+)*\s", sass)), len(re.findall(r"\bLDL(?:\.\w+)*\s", sass))
+    return (f"{regs.group(1) if regs else '?'} regs, {stack.group(1) if stack else '?'} B stack "
+            f"({spills[0]} STL / {spills[1]} LDL), {count} SASS")
 
 
 def _cases() -> dict[str, Callable[[], None]]:

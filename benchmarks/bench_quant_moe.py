@@ -45,7 +45,7 @@ from moerun.kernels.interpreter import interpreting  # noqa: E402
 from moerun.kernels.tile_configs import CONFIG_DIR, Config, device_name  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
 from moerun.ops.moe_reference import route_reference  # noqa: E402
-from moerun.ops.quant import fused_moe_quantized, has_kernel_layout, packed_parts  # noqa: E402
+from moerun.ops.quant import fused_moe_quantized, has_kernel_layout, moe_tile_parts, packed_parts  # noqa: E402
 
 DEFAULT_MS = tuple(2**i for i in range(13))  # 1 .. 4096
 # Pseudo-types for mixed layers: (gate, up, down), as most layers of those files hold them.
@@ -163,18 +163,17 @@ POOL: dict[str, Config] = {
     "k128x64m256s2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 2},
     "k64x64m128": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 128},
     "k64x64m256": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3},
-    # the same with 8 warps: GEMM 1 of Q6_K at 4 warps needs more than 255 registers a thread (48 bytes of spills
-    # in an offline sm_90 compile; Q5_K 255, Q4_K 248), at 8 warps 198 (Q5_K 182, Q4_K 163)
+    # Variants with fewer spills, all slower on an H200 (us at M = 2048 / 4096 against k128x64m256so's 733.6 /
+    # 1,214.0 for Q4_K_M, 777.5 / 1,260.5 for Q6_K; benchmarks/RESULTS.md, twenty-fourth sitting); for --compare.
+    # Both GEMMs at 8 warps (no spill loads in GEMM 1's loop): 1,249.2 / 1,988.8 and 1,336.6 / 2,157.8.
     "k128x64w8m256": {**_dot("tile64", 128, 64, 64, 8, 8, 4), "BLOCK_M2": 256, "num_stages2": 3},
     "k128x64w8m256so": {**_dot("tile64", 128, 64, 64, 8, 8, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3},
-    # the 4-warp winners with GEMM 2 at 8 warps: at 4 warps its [64, 256] accumulator leaves the loop 36 spill stores
-    # and 187 spill loads of 1,146 instructions a thread (offline sm_90 compile, Triton 3.6); at 8 warps 25 loads of
-    # 521 (twice the threads)
+    # GEMM 2 alone at 8 warps (its loop's spill loads and stores a thread 223 -> 25): 892.0 / 1,391.6, 939.5 / 1,497.0
     "k128x64m256w2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3, "num_warps2": 8},
     "k128x64m256sow2": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                         "num_warps2": 8},
-    # the same capped at 168 registers a thread (three programs an SM instead of two): more spills in the loop
-    # (GEMM 1 of Q4_K 56 -> 189 spill loads and stores a step, GEMM 2 223 -> 410); for --compare
+    # registers capped at 168 a thread, three programs an SM instead of two, more spills: 1,090.1 / 1,711.5,
+    # 1,350.0 / 2,160.9
     "k128x64m256sor168": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                           "maxnreg": 168, "maxnreg2": 168},
 }
@@ -200,10 +199,10 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
         return ["t16x64", "t16x128", "t32x128", "k16x64", "k32x64", "k32x128"]
     if m <= 512:
         return ["t32x128", "t64x128", "deq", "k32x64", "k32x128", "k64x64"]
-    # (k64x64m128 and k64x64m256 stay in the pool for --compare: they lost at every M >= 1024 on the H200)
+    # (k64x64m128, k64x64m256 and the 8-warp and capped variants stay in the pool for --compare: they lost at
+    # every M >= 1024 on the H200)
     return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq", "k64x64", "k128x64", "k128x128so",
-            "k128x64m256", "k128x64m256so", "k128x64m256s2", "k128x64w8m256", "k128x64w8m256so", "k128x64m256w2",
-            "k128x64m256sow2"]
+            "k128x64m256", "k128x64m256so", "k128x64m256s2"]
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -281,7 +280,8 @@ def compare_configs(name: str, types: tuple[str, str, str], args, ceilings: dict
     qtype = types[0]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     raw = [build_layer(types, E, H, I, gen) for _ in range(2)]
-    layers = [(packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw]
+    # grid types (no repacked layout) as the tile kernels read them: their GGUF blocks
+    layers = [moe_tile_parts(w13, w2) or (packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw]
     per_expert = expert_gguf_bytes(*raw[0], E)
     rows = []
     for m in args.m:

@@ -28,6 +28,16 @@ def test_bench_quant_moe_tiny(tmp_path) -> None:
     assert (tmp_path / "bench_quant_moe.md").read_text().count("| Q4_K | 1 |") == 1
 
 
+def test_bench_quant_moe_compare_grid_type(tmp_path) -> None:
+    # --compare on a grid type (no repacked layout): the tile configs read its GGUF blocks
+    _main("bench_quant_moe.py")(["--types", "IQ2_XXS", "--E", "4", "--H", "256", "--I", "256", "--k", "2", "--m", "16",
+                                 "--compare", "k16x64", "--budget-s", "0.01", "--max-runs", "1", "--out",
+                                 str(tmp_path)])  # fmt: skip
+    rows = json.loads((tmp_path / "compare.json").read_text())
+    assert [(r["type"], r["config"], r["path"]) for r in rows] == [("IQ2_XXS", "default", "tile64"),
+                                                                   ("IQ2_XXS", "k16x64", "tile64")]
+
+
 def test_bench_moe_tiny(tmp_path) -> None:
     _main("bench_moe.py")(["--E", "4", "--H", "64", "--I", "64", "--k", "2", "--m", "1", "4", "--impl",
                            "triton,torch_ref", "--budget-s", "0.01", "--max-runs", "2", "--routing-sets", "1",

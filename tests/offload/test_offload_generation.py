@@ -133,17 +133,17 @@ def test_gguf_experts_offloaded_as_blocks(gguf_model, gguf_reference, policy, pr
         assert stats["bytes_copied"] == stats["bytes_copied_miss"] + stats["bytes_copied_prefetch"] > 0
 
 
-def test_read_only_types_offloaded_on_triton(gguf_model, tmp_path):
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_read_only_types_offloaded_on_triton(gguf_model, tmp_path, device):
     # Grid types have no repacked layout: their experts move as GGUF blocks (copy mode) and the Triton path (the
-    # interpreter here) reads the slots' blocks with its own kernels; the tokens are the resident torch path's.
+    # interpreter on the CPU) reads the slots' blocks with its own kernels; the tokens are the resident engine's.
     from helpers import with_random_blocks
 
     path = tmp_path / "m-IQ3_XXS.gguf"
     with_random_blocks(gguf_model, path, "IQ3_XXS", seed=5, names=("_exps.", "attn_q."))
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(path), **OPTS).generate(prompts(1), params)]
-    cached = LLM(str(path), expert_cache_gb=cache_gb(path, 3, gguf=True), moe_backend="triton", **OPTS)
-    assert [o.token_ids for o in cached.generate(prompts(1), params)] == want
+    opts, few, want = triton_run(LLM, path, device, OPTS)
+    cached = LLM(str(path), expert_cache_gb=cache_gb(path, 3, gguf=True), **opts)
+    assert [o.token_ids for o in cached.generate(few, SHORT)] == want
     stats = cached.stats()
     assert stats["mode"] == "copy" and stats["misses"] > 0
 

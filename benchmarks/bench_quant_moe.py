@@ -169,7 +169,6 @@ POOL: dict[str, Config] = {
     "k128x64w8m256": {**_dot("tile64", 128, 64, 64, 8, 8, 4), "BLOCK_M2": 256, "num_stages2": 3},
     "k128x64w8m256so": {**_dot("tile64", 128, 64, 64, 8, 8, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3},
     # GEMM 2 alone at 8 warps (its loop's spill loads and stores a thread 223 -> 25): 892.0 / 1,391.6, 939.5 / 1,497.0
-    "k128x64m256w2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3, "num_warps2": 8},
     "k128x64m256sow2": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                         "num_warps2": 8},
     # registers capped at 168 a thread, three programs an SM instead of two, more spills: 1,090.1 / 1,711.5,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.quant.group_scales import bf16_pair
 from moerun.kernels.quant.repack import LAYOUTS, PackedWeight
 from moerun.kernels.rmsnorm import round_to
 
@@ -122,10 +123,8 @@ def dequant_pair(QTYPE: tl.constexpr, codes, high, sub, scale, rows, q, lane, KQ
             sp = scale + rows * (KQ * 2) + q * 2
             d0 = tl.load(sp).to(tl.float32)
             d1 = tl.load(sp + 1).to(tl.float32)
-        elif QTYPE == 39:  # bf16 d per 32, widened by its bits (group_scales.bf16_pair, inlined)
-            sp = scale.to(tl.pointer_type(tl.int16)) + rows * (KQ * 2) + q * 2
-            d0 = (tl.load(sp).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            d1 = (tl.load(sp + 1).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        elif QTYPE == 39:  # bf16 d per 32
+            d0, d1 = bf16_pair(scale, rows * (KQ * 2) + q * 2)
         else:  # signed bytes (sc 2q, sc 2q + 1, 0, 0), fp16 d per 256
             w = tl.load(sub + rows * KQ + q)
             d = tl.load(scale + rows * (KQ // 4) + q // 4).to(tl.float32)

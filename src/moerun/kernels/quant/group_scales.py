@@ -46,13 +46,17 @@ def block32_scales(QT: tl.constexpr, scale, rows3, g3, KQ, ok3):
 
 
 @triton.jit
-def bf16_pair(scale, idx, ok):
-    """float32 of the bfloat16 scales at idx and idx + 1 (masked by ok), widened by their bits: Triton's
+def bf16_pair(scale, idx, ok=None):
+    """float32 of the bfloat16 scales at idx and idx + 1 (masked by ok, if given), widened by their bits: Triton's
     interpreter flushes bfloat16 subnormals (MXFP4's 2^-128, 2^-127) to zero in a conversion; the GPU's does not."""
     bits = scale.to(tl.pointer_type(tl.int16)) + idx
-    d0 = (tl.load(bits, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    d1 = (tl.load(bits + 1, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return d0, d1
+    if ok is None:
+        b0 = tl.load(bits)
+        b1 = tl.load(bits + 1)
+    else:
+        b0 = tl.load(bits, mask=ok, other=0)
+        b1 = tl.load(bits + 1, mask=ok, other=0)
+    return (b0.to(tl.int32) << 16).to(tl.float32, bitcast=True), (b1.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -121,6 +121,37 @@ def test_read_only_types_match_dequantized_reference(hf_checkpoint, tmp_path, qt
         assert relative_error(tiles.logits(ids), expected) <= 1e-4
 
 
+def test_grid_experts_take_hidden_rounded_by_the_router(hf_checkpoint, tmp_path, monkeypatch):
+    # Where the grid types' GEMV rounds x to int8 (a GPU; forced here), the fused router's kernel hands the experts
+    # hidden already rounded at decode, and the GEMV reads those rows: the same tokens as rounding it itself.
+    import moerun.kernels.quant.from_blocks as from_blocks
+    import moerun.ops.quant as quant_ops
+
+    if not interpreting():
+        pytest.skip("the Triton MoE on CPU tensors runs in Triton's interpreter")
+    base, path = write(hf_checkpoint, tmp_path / "q8.gguf", "Q8_0"), tmp_path / "m-IQ2_S.gguf"
+    with_random_blocks(base, path, "IQ2_S", seed=11, names=("_exps.",))
+    monkeypatch.setattr(from_blocks, "grid_rounds_x", lambda: True)
+    llm = LLM(str(path), device="cpu", max_model_len=64, moe_backend="triton", cuda_graphs=False)
+    handed = []
+    gemv = from_blocks.block_gemv
+
+    def spy(*args, **kwargs):
+        if kwargs.get("up_raw") is not None:
+            handed.append(kwargs.get("x_int8") is not None)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(from_blocks, "block_gemv", spy)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompt = [[random.randrange(362)]]  # one token: its prefill takes the GEMV too
+    rounded_by_router = llm.generate(prompt, params)[0].token_ids
+    assert handed and all(handed), handed  # every decode step's gate and up GEMVs read the router's rows
+    handed.clear()
+    monkeypatch.setattr(quant_ops, "moe_int8_input_pad", lambda *args, **kwargs: None)
+    assert llm.generate(prompt, params)[0].token_ids == rounded_by_router
+    assert handed and not any(handed)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("base_type", ["F32", "Q8_0"])
 def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path, base_type):

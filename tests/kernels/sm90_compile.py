@@ -177,6 +177,19 @@ def _cases() -> dict[str, Callable[[], None]]:
         torch.tensor([3, 0]), 2, up_raw=blocks[QuantType.IQ2_S].raw), block_gemv(
         blocks[QuantType.IQ3_S].raw, QuantType.IQ3_S, (4, 64, 512), torch.randn(2, 512, dtype=bf16),
         torch.tensor([3, 0]), weights=torch.rand(2), out_dtype=torch.float32))
+    real = {t: random_quantized(t, (4, 256, 2048)) for t in (QuantType.IQ2_S, QuantType.IQ3_S)}
+    real_down = random_quantized(QuantType.IQ2_S, (4, 256, 768))
+    cases["IQ2_S, IQ3_S GEMVs at K = 2048: gate and up of a pair, a weight's rows"] = lambda: (block_gemv(
+        real[QuantType.IQ2_S].raw, QuantType.IQ2_S, (4, 256, 2048), torch.randn(1, 2048, dtype=bf16),
+        torch.tensor([3, 0]), 2, up_raw=real[QuantType.IQ2_S].raw), block_gemv(
+        real[QuantType.IQ3_S].raw[0], QuantType.IQ3_S, (256, 2048), torch.randn(1, 2048, dtype=bf16)))
+    gathered = {"BLOCK_N": 4, "GROUPS": 256, "num_warps": 4, "gather": 1}
+    cases["IQ2_S, IQ3_S, IQ1_M GEMVs at K = 2048, the table gathered from registers"] = lambda: [block_gemv(
+        w.raw[0], w.qtype, (256, 2048), torch.randn(1, 2048, dtype=bf16), config=gathered)
+        for w in (*real.values(), random_quantized(QuantType.IQ1_M, (1, 256, 2048)))]
+    cases["IQ2_S down at K = 768, a token's 2 slots summed"] = lambda: block_gemv(
+        real_down.raw, QuantType.IQ2_S, (4, 256, 768), torch.randn(2, 768, dtype=bf16), torch.tensor([3, 0]),
+        weights=torch.rand(2), sum_slots=2)
     grid_down = {t: random_quantized(t, (4, 512, 256)) for t in BLOCK_TYPES}
     ids_t, w_t = torch.randint(0, 4, (64, 2)), torch.rand(64, 2)
     cases.update({

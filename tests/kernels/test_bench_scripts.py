@@ -1,5 +1,6 @@
-"""The per-layer benchmark scripts (benchmarks/bench_moe.py, bench_quant_moe.py) run end to end on tiny shapes in
-Triton's interpreter and write their JSON: the timings are meaningless there, the code paths are not."""
+"""The per-layer benchmark scripts (benchmarks/bench_moe.py, bench_quant_moe.py, bench_grid_gemv.py) run end to end
+on tiny shapes in Triton's interpreter and write their JSON: the timings are meaningless there, the code paths are
+not."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ def test_bench_quant_moe_tiny(tmp_path) -> None:
     assert [(r["type"], r["M"]) for r in rows] == [("Q4_K", 1)]
     assert rows[0]["quant"]["us"] > 0 and rows[0]["max_rel_err_vs_bf16"] < 3e-2
     assert (tmp_path / "bench_quant_moe.md").read_text().count("| Q4_K | 1 |") == 1
+
+
+def test_bench_grid_gemv_tiny(tmp_path) -> None:
+    # the default tiles and a named config (the table gathered from registers) on the q projection and the experts
+    out = tmp_path / "grid.json"
+    _main("bench_grid_gemv.py")(["--shape", "tiny", "--quant", "IQ2_M", "--m", "1", "--only", "attn_q",
+                                 "ffn_down_exps", "--configs", "4x64w2g", "--rep-ms", "1", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(r["part"], r["config"]) for r in rows] == [("attn_q", "default"), ("attn_q", "4x64w2g"),
+                                                        ("ffn_down_exps", "default"), ("ffn_down_exps", "4x64w2g")]
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows
+    assert rows[1]["cfg"] == {"BLOCK_N": 4, "GROUPS": 64, "num_warps": 2, "gather": 1}
 
 
 def test_bench_quant_moe_compare_grid_type(tmp_path) -> None:

@@ -12,7 +12,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from moerun.formats.quants import QuantType  # noqa: E402
+from moerun.kernels.quant.from_blocks import grid_rounds_x  # noqa: E402
 from moerun.kernels.quant.from_groups import group_values64, group_words64  # noqa: E402
+from moerun.kernels.quant.int8_dot import quantize_x  # noqa: E402
 from moerun.kernels.quant.repack import LAYOUTS  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
@@ -40,12 +42,14 @@ def test_linear_reads_the_blocks(seed, qt: QuantType) -> None:
     assert not has_kernel_layout(w)
     dense = w.dequantize(torch.bfloat16)
     few = torch.randn(3, 256, device=DEVICE).bfloat16()  # a GEMV over the blocks
-    assert int8_input_pad(few, w, backend="triton") is None
+    rounds = qt in GROUP_TYPES and grid_rounds_x()  # on a GPU: x rounded to int8, which a producer may hand over
+    assert int8_input_pad(few, w, backend="triton") == (256 if rounds else None)
     ref = F.linear(few.float(), dense.float())
     out = quant_matmul(few, w, backend="triton")
     assert out.dtype == few.dtype and out.shape == (3, 64)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
                                msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    assert torch.equal(quant_matmul(few, w, backend="triton", x_int8=quantize_x(few, 256)), out)  # rounded alike
     many = torch.randn(2, 6, 256, device=DEVICE).bfloat16()
     out = quant_matmul(many, w, backend="triton")
     if qt in GROUP_TYPES:  # the tile kernels decode the blocks as they multiply
@@ -117,8 +121,36 @@ def test_block_gemv_fuses_gate_up_and_routing_weights(seed, x_q8: bool) -> None:
     ref = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8).double() * w.double()[:, None]
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    summed = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8, weights=w, out_dtype=torch.float64, sum_slots=k)
+    ref = ref.view(-1, k, N).sum(dim=1)  # [3, N]: each token's slots
+    torch.testing.assert_close(summed, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
     with pytest.raises(ValueError, match="do not match"):
         block_gemv(gate.raw, qt, shape, x, ids, k, up_raw=up.raw[:2])
+    with pytest.raises(ValueError, match="sum_slots"):
+        block_gemv(gate.raw, qt, shape, x, ids, k, sum_slots=4)  # 6 pairs
+
+
+@pytest.mark.parametrize("qt", [QuantType.IQ3_S, QuantType.IQ1_M, QuantType.IQ2_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 8, "GROUPS": 64, "num_warps": 2},
+                                 {"BLOCK_N": 2, "GROUPS": 128, "num_warps": 4, "gather": 1}],
+                         ids=["2_steps", "1_step_gathered"])  # fmt: skip
+def test_block_gemv_steps_past_the_row_count_nothing(seed, qt: QuantType, cfg) -> None:
+    # K = 768: 96 groups a row, so the last step of 64 (and the one step of 128) holds 32 groups past the row; the
+    # table read per lane from global memory, or gathered from the program's copy in registers
+    from moerun.kernels.quant.from_blocks import block_gemv
+    from moerun.kernels.quant.int8_dot import dequantize_xq, quantize_x
+
+    E, N, K, k = 3, 20, 768, 2
+    w = random_quantized(qt, (E, N, K), DEVICE)
+    dense = w.dequantize(torch.float32)
+    x = torch.randn(2, K, device=DEVICE)
+    ids = torch.tensor([2, 0, 1, 2], device=DEVICE)
+    x_hat = dequantize_xq(*quantize_x(x, K)[:2])
+    for q8, xs in ((False, x), (True, x_hat)):
+        got = block_gemv(w.raw, qt, (E, N, K), x, ids, x_div=k, x_q8=q8, config=cfg)  # [4, N]
+        ref = torch.einsum("pnk,pk->pn", dense[ids], xs.repeat_interleave(k, 0))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(),
+                                   msg=lambda m: f"seed={seed} q8={q8}: {m}")  # fmt: skip
 
 
 def test_gathered_experts_equal_stacked_ones() -> None:

@@ -132,7 +132,7 @@ def quant_matmul(
         # a few rows: a GEMV over the blocks; more: the tile kernels over grid-type blocks (tile64), else the
         # weight dequantised once for cuBLAS
         if x2.shape[0] <= _BLOCK_GEMV_ROWS:
-            y = _pair_products(weight, x2, None, 1)
+            y = _pair_products(weight, x2, None, 1, x_int8)
         elif (tiles := _tile_parts(weight)) is not None:
             from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
@@ -152,8 +152,11 @@ def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) 
     """The padded row length at which quant_matmul's Triton path rounds x [..., K] to int8 for some part of
     weight (its tuned or default config says so), else None: a producer of x may then hand it over already
     rounded (ops.rms_norm_int8)."""
-    if pick_backend(backend, x.device, "quantized matmul") == "torch" or not has_kernel_layout(weight):
+    if pick_backend(backend, x.device, "quantized matmul") == "torch":
         return None
+    if not has_kernel_layout(weight):  # the GEMV over the blocks: grid-type parts round x, at their row length
+        rows, K = x.numel() // x.shape[-1], x.shape[-1]
+        return K if rows <= _BLOCK_GEMV_ROWS and K % 256 == 0 and _grid_rounds(weight) else None
     from moerun.kernels.quant.matmul_quant import int8_input_pad as pad_of
 
     return pad_of(packed_parts(weight), x.numel() // x.shape[-1])
@@ -180,7 +183,7 @@ def fused_moe_quantized(
     if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
         if tables is not None:
             raise ValueError("experts through address tables need the fused quantized kernels")
-        out = _moe_from_blocks(hidden, w13, w2, topk_weights, topk_ids)
+        out = _moe_from_blocks(hidden, w13, w2, topk_weights, topk_ids, x_int8)
         return out if out_dtype is None else out.to(out_dtype)
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if fused_kernels_apply(p13, p2):
@@ -198,12 +201,13 @@ def fused_moe_quantized(
 
 
 def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """The MoE of experts without a repacked layout, from their GGUF blocks as it runs: -> [T, H].
+                     topk_ids: torch.Tensor, x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
+    """The MoE of experts without a repacked layout, from their GGUF blocks as it runs: -> [T, H]. x_int8: hidden
+    already rounded to int8 (moe_int8_input_pad), read by the pairs' GEMV over grid-type gate and up blocks.
 
     Few (token, slot) pairs (_pairs_by_gemv): each pair multiplies its expert's blocks. Gate and up of one grid type
     are one GEMV launch that also applies silu(gate) * up, a grid-type down one that also applies the routing
-    weights; parts of other types take a GEMV over their blocks, or their experts dequantised and a batched GEMV.
+    weights and sums each token's slots; parts of other types take a GEMV over their blocks, or their experts dequantised and a batched GEMV.
     Otherwise the tile kernels of the fused quantized MoE decode the grid types' blocks as they multiply
     (moe_tile_parts), or, for the types they do not read, the whole layer is dequantised for the dense kernels."""
     from moerun.kernels.fused_moe import fused_moe_triton
@@ -217,18 +221,19 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
             return fused_moe_quant(hidden, tiles[0], tiles[1], topk_weights, topk_ids)
         return fused_moe_triton(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype), topk_weights,
                                 topk_ids)  # fmt: skip
-    ids = topk_ids.reshape(-1).long()  # [T*k]
-    act = _grid_gate_up(hidden, w13, ids, k)  # [T*k, I]
+    ids = topk_ids.reshape(-1)  # [T*k] (the kernels and index_select read int32 ids as they are)
+    act = _grid_gate_up(hidden, w13, ids, k, x_int8)  # [T*k, I]
     if act is None:
-        gate_up = _pair_products(w13, hidden, ids, k)  # [T*k, 2I]
+        gate_up = _pair_products(w13, hidden, ids, k, x_int8)  # [T*k, 2I]
         inter = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     packed = _packed_down(act, w2, topk_ids, topk_weights, hidden.dtype)
     if packed is not None:
         return packed
-    y = _grid_down(act, w2, ids, topk_weights)  # [T*k, H] float32, weighted
-    if y is None:
-        y = _pair_products(w2, act, ids, 1).float() * topk_weights.reshape(-1, 1).float()
+    out = _grid_down(act, w2, ids, topk_weights, hidden.dtype)  # [T, H]
+    if out is not None:
+        return out
+    y = _pair_products(w2, act, ids, 1).float() * topk_weights.reshape(-1, 1).float()  # [T*k, H]
     return y.view(T, k, -1).sum(dim=1).to(hidden.dtype)
 
 
@@ -310,7 +315,8 @@ def _grid_parts(weight: Weight, n: int) -> list | None:
     return parts if same and parts[0].qtype in GROUP_TYPES else None
 
 
-def _grid_gate_up(hidden: torch.Tensor, w13: Weight, ids: torch.Tensor, k: int) -> torch.Tensor | None:
+def _grid_gate_up(hidden: torch.Tensor, w13: Weight, ids: torch.Tensor, k: int,
+                  x_int8: Int8Rows | None = None) -> torch.Tensor | None:  # fmt: skip
     """silu(gate) * up of every (token, slot) pair [T*k, I] in one GEMV launch, when gate and up are one grid type;
     else None."""
     from moerun.kernels.quant.from_blocks import block_gemv
@@ -319,12 +325,13 @@ def _grid_gate_up(hidden: torch.Tensor, w13: Weight, ids: torch.Tensor, k: int) 
     if parts is None:
         return None
     gate, up = parts
-    return block_gemv(gate.raw, gate.qtype, gate.shape, hidden.contiguous(), ids, k, up_raw=up.raw)
+    return block_gemv(gate.raw, gate.qtype, gate.shape, hidden.contiguous(), ids, k, up_raw=up.raw, x_int8=x_int8)
 
 
-def _grid_down(act: torch.Tensor, w2: Weight, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor | None:
-    """Each pair's down projection times its routing weight, [T*k, H] float32 in one GEMV launch, when down is a
-    grid type; else None."""
+def _grid_down(act: torch.Tensor, w2: Weight, ids: torch.Tensor, topk_weights: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """The pairs' down projections times their routing weights, summed over each token's slots: [T, H] in
+    out_dtype from one GEMV launch, when down is a grid type; else None."""
     from moerun.kernels.quant.from_blocks import block_gemv
 
     parts = _grid_parts(w2, 1)
@@ -332,7 +339,7 @@ def _grid_down(act: torch.Tensor, w2: Weight, ids: torch.Tensor, topk_weights: t
         return None
     down = parts[0]
     return block_gemv(down.raw, down.qtype, down.shape, act.contiguous(), ids, 1, weights=topk_weights.reshape(-1),
-                      out_dtype=torch.float32)  # fmt: skip
+                      out_dtype=out_dtype, sum_slots=topk_weights.shape[1])  # fmt: skip
 
 
 def _packed_down(act: torch.Tensor, w2: Weight, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -354,9 +361,20 @@ def _packed_down(act: torch.Tensor, w2: Weight, topk_ids: torch.Tensor, topk_wei
     return moe_down_v2(quantize_x(act, down.k_pad), topk_ids, topk_weights, down, cfg, out_dtype)
 
 
-def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_div: int) -> torch.Tensor:
+def _grid_rounds(weight: Weight) -> bool:
+    """Whether the GEMV over a weight's blocks rounds x to int8 (some part of a grid type, on a GPU)."""
+    from moerun.kernels.quant.from_blocks import grid_rounds_x
+    from moerun.kernels.quant.from_groups import GROUP_TYPES
+
+    parts = weight.parts if isinstance(weight, QuantizedWeight) and not weight.released else []
+    return grid_rounds_x() and any(p.qtype in GROUP_TYPES for p in parts)
+
+
+def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_div: int,
+                   x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
     """Row p of the result is W_e x_(p // x_div), e = ids[p] (a stacked weight) or the weight itself (ids None):
-    [P, N] in x's dtype. Parts of the types without a layout are read from their blocks by one GEMV launch each."""
+    [P, N] in x's dtype. Parts of the types without a layout are read from their blocks by one GEMV launch each.
+    x_int8: x already rounded to int8 at its row length (int8_input_pad), read where a part rounds x."""
     from moerun.kernels.interpreter import interpreting
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_gemv
     from moerun.kernels.quant.from_groups import GROUP_TYPES
@@ -368,11 +386,28 @@ def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_
     out, x = [], x.contiguous()
     grid = any(p.qtype in GROUP_TYPES for p in weight.parts)
     # x rounded to int8 once for every part that reads it so (a q|k|v of IQ2_S, IQ2_S and Q4_K parts at decode)
-    x_int8 = quantize_x(x, x.shape[-1]) if grid and len(weight.parts) > 1 and not interpreting() else None
+    if x_int8 is None and grid and len(weight.parts) > 1 and not interpreting():
+        x_int8 = quantize_x(x, x.shape[-1])
+    if ids is None and len(weight.parts) > 1 and all(p.qtype in GROUP_TYPES or p.qtype not in BLOCK_TYPES
+                                                    for p in weight.parts):  # fmt: skip
+        # a q|k|v of grid-type and repacked parts: each launch writes its columns of one output, no concatenation
+        from moerun.kernels.quant.matmul_quant import quant_matmul_triton
+
+        y = torch.empty(x.shape[0] * x_div, sum(p.shape[-2] for p in weight.parts), dtype=x.dtype, device=x.device)
+        col = 0
+        for i, p in enumerate(weight.parts):
+            cols = y[:, col : col + p.shape[-2]]
+            if p.qtype in GROUP_TYPES:
+                block_gemv(p.raw, p.qtype, p.shape, x, None, x_div, x_int8=x_int8, out=cols)
+            else:
+                pack = _part_pack(weight, i)
+                quant_matmul_triton(x, [pack], x_int8=x_int8 if pack.k_pad == x.shape[-1] else None, out=cols)
+            col += p.shape[-2]
+        return y
     for i, p in enumerate(weight.parts):
         if p.qtype in BLOCK_TYPES:
             out.append(block_gemv(p.raw, p.qtype, p.shape, x, ids, x_div, x_int8=x_int8))
-        elif ids is None:  # e.g. the Q4_K attn_v beside IQ2 attn_q / attn_k in q|k|v: the fused kernels
+        elif ids is None:  # e.g. the Q4_K attn_v beside TQ2_0 attn_q / attn_k in q|k|v: the fused kernels
             from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
             pack = _part_pack(weight, i)
@@ -418,7 +453,11 @@ def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) ->
     Triton path only."""
     from moerun.kernels.quant.fused_moe_quant import int8_input_pad as pad_of
 
-    if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
+    if not has_kernel_layout(w13):  # a GEMV a pair over the blocks: gate and up of a grid type round hidden
+        T, H = hidden.shape
+        gemv = _pairs_by_gemv(T, k, w13.shape[0]) and _grid_parts(w13, 2) is not None
+        return H if gemv and H % 256 == 0 and _grid_rounds(w13) else None
+    if not has_kernel_layout(w2):
         return None
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if not fused_kernels_apply(p13, p2):
@@ -459,8 +498,7 @@ def _block_roundings(weight: Weight, gemv: bool, rows: int) -> list[bool]:
     """int8_roundings' flags for a weight without a repacked layout, one a part: its GEMV over the blocks (``gemv``)
     rounds x to int8 for the grid types on a GPU (from_blocks.block_gemv); parts of other types follow their
     kernels."""
-    from moerun.kernels.interpreter import interpreting
-    from moerun.kernels.quant.from_blocks import BLOCK_TYPES
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, grid_rounds_x
     from moerun.kernels.quant.from_groups import GROUP_TYPES
     from moerun.kernels.quant.matmul_quant import int8_roundings as matmul_roundings
 
@@ -469,7 +507,7 @@ def _block_roundings(weight: Weight, gemv: bool, rows: int) -> list[bool]:
     flags = []
     for i, p in enumerate(weight.parts):
         if p.qtype in BLOCK_TYPES:
-            flags.append(gemv and p.qtype in GROUP_TYPES and not interpreting())
+            flags.append(gemv and p.qtype in GROUP_TYPES and grid_rounds_x())
         else:
             flags += matmul_roundings([_part_pack(weight, i)], rows) if gemv and len(p.shape) == 2 else [False]
     return flags

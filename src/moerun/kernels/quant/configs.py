@@ -95,12 +95,12 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
     interpret = interpreting() if interpret is None else interpret
     pairs = m * k
     if qtype in GROUP_TYPE_NAMES:
-        # Not yet tuned on a GPU: the packed types' prefill tiles (below), but 8 warps for blocks of 128 tokens (with
-        # 4, GEMM 1 needs more than 255 registers a thread: the group words of gate and up held a step ahead); in
-        # the interpreter the smallest, for its speed.
+        # Not tuned per type: the packed types' prefill tiles (below), 4 warps also for blocks of 128 tokens (on the
+        # H200 at 1024 and 2048 tokens 20-23% faster than 8 warps for IQ2_XXS and IQ3_S, spills and all:
+        # benchmarks/RESULTS.md, twenty-fifth sitting); in the interpreter the smallest, for its speed.
         bm, s = (16, 3) if m <= 64 or interpret else (32, 4) if m <= 512 else (128, 4)
         return normalize_config({"path": "tile64", "BLOCK_M": bm, "BLOCK_N": 64, "GROUP_M": 1 if bm == 16 else 8,
-                                 "num_warps": 8 if bm == 128 else 4, "num_stages": s, "reduce": "sum_out"})  # fmt: skip
+                                 "num_warps": 4, "num_stages": s, "reduce": "sum_out"})  # fmt: skip
     if interpret:
         # The interpreter runs programs one by one: few programs with big tiles.
         if pairs <= 16:

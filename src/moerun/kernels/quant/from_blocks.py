@@ -19,6 +19,7 @@ import triton.language as tl
 from moerun.formats.quants import FP4_VALUES, QuantizedTensor, QuantType, dequantize
 from moerun.formats.quants.grids import grid_table
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.pdl import launch_options, quant_pdl_mode
 from moerun.kernels.quant.from_groups import GROUP_TYPES, _group_dequant_kernel, _group_gemv_kernel, _half, _u8, _u16
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, quantize_x
 from moerun.kernels.quant.repack import PackedWeight
@@ -29,7 +30,6 @@ BLOCK_TYPES: tuple[QuantType, ...] = (
     QuantType.IQ1_M, QuantType.TQ1_0, QuantType.TQ2_0, QuantType.NVFP4,
 )  # fmt: skip
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
-GROUP_GEMV_BLOCK_N = 16  # rows a program of the grid types' GEMV (4 warps: 4 groups of 8 values a thread a step)
 
 
 @triton.jit
@@ -212,43 +212,78 @@ def _block_gemv_kernel(
     tl.store(out_ptr + p.to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
+def grid_rounds_x() -> bool:
+    """Whether the grid types' GEMV rounds x to int8 by default (dp4a): on a GPU, not in Triton's interpreter
+    (whose float path is quicker). Producers of x hand it over rounded where this holds (ops.quant's
+    int8_input_pad and moe_int8_input_pad)."""
+    return not interpreting()
+
+
+def grid_gemv_config(N: int, K: int, gate_up: bool = False, slots: int = 1) -> dict[str, int]:
+    """Tiles of the grid types' GEMV for rows of K values (N rows, gate and up together, `slots` pairs summed a
+    program): BLOCK_N rows a program, GROUPS groups of 8 values of each row a loop step (all of a row's blocks in
+    flight at once where the row has at most 256 groups), num_warps. The interpreter takes few, big programs."""
+    groups = min(256, triton.next_power_of_2(max(K // 8, 1)))
+    if interpreting():
+        return {"BLOCK_N": 64, "GROUPS": min(groups, 64), "num_warps": 4, "gather": 0}
+    if gate_up:
+        return {"BLOCK_N": 4, "GROUPS": min(groups, 128), "num_warps": 4, "gather": 1}
+    rows = 2 if N < 2048 else 8 if slots > 1 else 4
+    return {"BLOCK_N": rows, "GROUPS": groups if slots == 1 else min(groups, 128), "num_warps": 4, "gather": 1}
+
+
 def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: torch.Tensor,
                ids: torch.Tensor | None = None, x_div: int = 1, x_q8: bool | None = None,
                up_raw: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
+               out_dtype: torch.dtype | None = None, x_int8: Int8Rows | None = None, sum_slots: int = 1,
+               config: dict[str, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """y [P, N] (in out_dtype, default x's): row p of y is W_e x_(p // x_div) for a weight of logical shape
     [E, N, K] (e = ids[p]) or [N, K] (no ids), from its GGUF blocks raw; x [P / x_div, K]. P = len(ids) or, without
     ids, x's rows. Grid types only:
-      x_q8     x rounded to int8 per 32 values first (int8_dot.quantize_x), the result W x^ for that x^ (default:
-               on a GPU, not in Triton's interpreter);
-      up_raw   blocks of a second weight of the same type and shape (an MoE's up projection beside its gate):
-               row p is then silu(W_e x) * (U_e x), both in one launch;
-      weights  [P]: row p is multiplied by weights[p] (the routing weight of a (token, slot) pair);
-      x_int8   x already rounded (quantize_x(x, K)), read instead of rounding it again when x_q8."""
+      x_q8      x rounded to int8 per 32 values first (int8_dot.quantize_x), the result W x^ for that x^ (default:
+                on a GPU, not in Triton's interpreter);
+      up_raw    blocks of a second weight of the same type and shape (an MoE's up projection beside its gate):
+                row p is then silu(W x) * (U x), both in one launch;
+      weights   [P]: row p is multiplied by weights[p] (the routing weight of a (token, slot) pair);
+      x_int8    x already rounded (quantize_x(x, K)), read instead of rounding it again when x_q8;
+      sum_slots the sum of each run of sum_slots consecutive rows (an MoE token's slots) instead: [P / sum_slots, N];
+      config    grid_gemv_config's keys (default: its choice);
+      out       where to write y (a view with unit stride along N, e.g. columns of a wider output; grid types)."""
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"block_gemv reads {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
     _check_blocks(raw)
     N, K = shape[-2:]
     if x.shape[-1] != K or x.stride(-1) != 1:
         raise ValueError(f"x must be [rows, {K}] with unit stride along K, got {tuple(x.shape)} {x.stride()}")
-    if (up_raw is not None or weights is not None) and qtype not in GROUP_TYPES:
-        raise ValueError(f"block_gemv fuses gate with up and routing weights for the grid types only, not {qtype.name}")
+    if (up_raw is not None or weights is not None or sum_slots != 1) and qtype not in GROUP_TYPES:
+        raise ValueError(f"block_gemv fuses gate with up, routing weights and slot sums for the grid types only, not "
+                         f"{qtype.name}")  # fmt: skip
     if up_raw is not None and up_raw.shape != raw.shape:
         raise ValueError(f"up blocks of shape {tuple(up_raw.shape)} do not match the gate's {tuple(raw.shape)}")
     P = x.shape[0] * x_div if ids is None else ids.numel()
-    out = torch.empty((P, N), dtype=out_dtype or x.dtype, device=x.device)
+    if sum_slots < 1 or P % sum_slots:
+        raise ValueError(f"sum_slots must be a positive divisor of the {P} rows, got {sum_slots}")
+    dtype = out_dtype or x.dtype
+    if out is not None and (tuple(out.shape) != (P // sum_slots, N) or out.stride(-1) != 1 or out.dtype != dtype
+                            or qtype not in GROUP_TYPES):  # fmt: skip
+        raise ValueError(f"out must be [{P // sum_slots}, {N}] {dtype} with unit stride along N (grid types), got "
+                         f"{tuple(out.shape)} {out.dtype} {out.stride()} for {qtype.name}")  # fmt: skip
+    out = torch.empty((P // sum_slots, N), dtype=dtype, device=x.device) if out is None else out
     row_bytes = K // qtype.block_elems * qtype.block_bytes
     if P and N and qtype in GROUP_TYPES:
-        q8 = not interpreting() if x_q8 is None else x_q8
+        q8 = grid_rounds_x() if x_q8 is None else x_q8
         xq = (x_int8 if x_int8 is not None else quantize_x(x, K)) if q8 else None
-        block_n = GROUP_GEMV_BLOCK_N
-        _group_gemv_kernel[(P, triton.cdiv(N, block_n))](
+        cfg = config or grid_gemv_config(N, K, up_raw is not None, sum_slots)
+        pdl = quant_pdl_mode(x.device, P)
+        _group_gemv_kernel[(P // sum_slots, triton.cdiv(N, cfg["BLOCK_N"]))](
             out, raw, raw if up_raw is None else up_raw, raw if ids is None else ids, x if xq is None else xq.xq,
             x if xq is None else xq.dx, x if weights is None else weights, _grid_words(qtype, raw.device), N, K,
             row_bytes, x.stride(0) if xq is None else xq.xq.stride(0), 0 if xq is None else xq.dx.stride(0),
-            out.stride(0), QTYPE=int(qtype), BLOCK_BYTES=qtype.block_bytes, BLOCK_N=block_n, X_DIV=x_div,
-            HAS_IDS=ids is not None, X_Q8=q8, GATE_UP=up_raw is not None, WEIGHTED=weights is not None,
-            EMULATE_DP4A=emulate_dp4a(), num_warps=4,
+            out.stride(0), QTYPE=int(qtype), BLOCK_BYTES=qtype.block_bytes, BLOCK_N=cfg["BLOCK_N"],
+            GROUPS=cfg["GROUPS"], X_DIV=x_div, SLOTS=sum_slots, HAS_IDS=ids is not None, X_Q8=q8,
+            GATE_UP=up_raw is not None, WEIGHTED=weights is not None, EMULATE_DP4A=emulate_dp4a(),
+            GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=grid_table(qtype).shape[0], PDL=pdl,
+            num_warps=cfg["num_warps"], **launch_options(pdl),
         )  # fmt: skip
     elif P and N:
         block_n = 16

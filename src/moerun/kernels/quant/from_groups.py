@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
+from moerun.kernels.pdl import launch_dependents, wait_for_previous
 from moerun.kernels.quant.int8_dot import dp4a
 from moerun.kernels.quant.tile64 import _bytes_float, _scaled
 from moerun.kernels.rmsnorm import round_to
@@ -84,10 +85,11 @@ def _biased(w, nibble):
 
 
 @triton.jit
-def group_words(QTYPE: tl.constexpr, blk, g, grid):
+def group_words(QTYPE: tl.constexpr, blk, g, grid, GATHER: tl.constexpr = False):
     """Group g (0-31; values 8g .. 8g + 7) of the 256-value blocks at blk (g and blk broadcast together):
-    (w0, w1 int32: the group's codes, four a word; scale float32; delta int32, 0 but for IQ1: +-1)."""
-    w0, w1, sgn, scale, delta = _group_fields(QTYPE, blk, g, grid)
+    (w0, w1 int32: the group's codes, four a word; scale float32; delta int32, 0 but for IQ1: +-1). grid as
+    _group_fields takes it."""
+    w0, w1, sgn, scale, delta = _group_fields(QTYPE, blk, g, grid, GATHER)
     if QTYPE != 19 and QTYPE != 29:
         w0 = _signed(w0, sgn & 15)
         w1 = _signed(w1, sgn >> 4)
@@ -95,9 +97,51 @@ def group_words(QTYPE: tl.constexpr, blk, g, grid):
 
 
 @triton.jit
-def _group_fields(QTYPE: tl.constexpr, blk, g, grid):
+def _gathered(table, i):
+    """table[i] for a table held in registers (one program's copy, [entries]) and indices i of any shape: Triton
+    gathers through shared memory, where a load per lane from the table in global memory costs a pass of the L1
+    for every distinct line the warp's indices touch."""
+    return tl.reshape(tl.gather(table, tl.reshape(i, [i.numel]), 0), i.shape)
+
+
+@triton.jit
+def _pair_entry(grid, idx, GATHER: tl.constexpr):
+    """The two int32 words of entry idx of a pair table: grid an int32 pointer to it (GATHER off) or its int64
+    entries in registers (GATHER on)."""
+    if GATHER:
+        v = _gathered(grid, idx)
+        w0, w1 = v.to(tl.int32), (v >> 32).to(tl.int32)
+    else:
+        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+    return w0, w1
+
+
+@triton.jit
+def _entry(grid, i, GATHER: tl.constexpr):
+    """Word i of a one-word table (IQ3): grid an int32 pointer to it, or its words in registers (GATHER)."""
+    if GATHER:
+        w = _gathered(grid, i)
+    else:
+        w = tl.load(grid + i)
+    return w
+
+
+@triton.jit
+def load_table(grid, QTYPE: tl.constexpr, ENTRIES: tl.constexpr):
+    """A grid type's table into registers for _pair_entry / _entry with GATHER: int64 entries of a pair table,
+    int32 words of IQ3's ([ENTRIES])."""
+    if QTYPE == 18 or QTYPE == 21:
+        table = tl.load(grid + tl.arange(0, ENTRIES))
+    else:
+        table = tl.load(grid.to(tl.pointer_type(tl.int64)) + tl.arange(0, ENTRIES))
+    return table
+
+
+@triton.jit
+def _group_fields(QTYPE: tl.constexpr, blk, g, grid, GATHER: tl.constexpr = False):
     """group_words before the signs: (w0, w1 the table's values of group g, four a word; its signs, a byte (0 for
-    IQ1); scale; delta, 0 but for IQ1)."""
+    IQ1); scale; delta, 0 but for IQ1). grid: the table's int32 words in global memory, or (GATHER) in registers
+    as load_table gives them."""
     zero = g * 0
     delta = zero
     if QTYPE == 16:  # IQ2_XXS: per 32, 4 index bytes then a word of 4 x 7-bit sign patterns + 4-bit scale
@@ -105,37 +149,37 @@ def _group_fields(QTYPE: tl.constexpr, blk, g, grid):
         idx = _u8(blk, base + g % 4)
         aux = _u32(blk, base + 4)
         sgn = _with_parity((aux >> (7 * (g % 4))) & 127)
-        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        w0, w1 = _pair_entry(grid, idx, GATHER)
         scale = _half(_u16(blk, zero)) * ((2 * ((aux >> 28) & 15) + 1).to(tl.float32) * 0.125)
     elif QTYPE == 17:  # IQ2_XS: per 8, a uint16 (9-bit index | 7-bit sign pattern); 4-bit scales per 16
         q = _u16(blk, 2 + 2 * g)
         idx = q & 511
         sgn = _with_parity(q >> 9)
-        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        w0, w1 = _pair_entry(grid, idx, GATHER)
         s = (_u8(blk, 66 + g // 4) >> (4 * ((g // 2) % 2))) & 15
         scale = _half(_u16(blk, zero)) * ((2 * s + 1).to(tl.float32) * 0.125)
     elif QTYPE == 22:  # IQ2_S: index low bytes, sign bytes, 2-bit index tops, 4-bit scales per 16
         idx = _u8(blk, 2 + g) | (((_u8(blk, 66 + g // 4) >> (2 * (g % 4))) & 3) << 8)
         sgn = _u8(blk, 34 + g)
-        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        w0, w1 = _pair_entry(grid, idx, GATHER)
         s = (_u8(blk, 74 + g // 4) >> (4 * ((g // 2) % 2))) & 15
         scale = _half(_u16(blk, zero)) * ((2 * s + 1).to(tl.float32) * 0.125)
     elif QTYPE == 18:  # IQ3_XXS: an index byte per 4 values; per 32 a word of 4 sign patterns + 4-bit scale
         aux = _u32(blk, 66 + 4 * (g // 4))
         sgn = _with_parity((aux >> (7 * (g % 4))) & 127)
-        w0, w1 = tl.load(grid + _u8(blk, 2 + 2 * g)), tl.load(grid + _u8(blk, 3 + 2 * g))
+        w0, w1 = _entry(grid, _u8(blk, 2 + 2 * g), GATHER), _entry(grid, _u8(blk, 3 + 2 * g), GATHER)
         scale = _half(_u16(blk, zero)) * ((2 * ((aux >> 28) & 15) + 1).to(tl.float32) * 0.25)
     elif QTYPE == 21:  # IQ3_S: index low bytes, 1-bit index tops, sign bytes, 4-bit scales per 32
         tops = _u8(blk, 66 + g // 4) >> (2 * (g % 4))
-        w0 = tl.load(grid + (_u8(blk, 2 + 2 * g) | ((tops & 1) << 8)))
-        w1 = tl.load(grid + (_u8(blk, 3 + 2 * g) | ((tops & 2) << 7)))
+        w0 = _entry(grid, _u8(blk, 2 + 2 * g) | ((tops & 1) << 8), GATHER)
+        w1 = _entry(grid, _u8(blk, 3 + 2 * g) | ((tops & 2) << 7), GATHER)
         sgn = _u8(blk, 74 + g)
         s = (_u8(blk, 106 + g // 8) >> (4 * ((g // 4) % 2))) & 15
         scale = _half(_u16(blk, zero)) * (2 * s + 1).to(tl.float32)
     elif QTYPE == 19:  # IQ1_S: index low bytes; per 32 a uint16 of 3-bit index tops, 3-bit scale, delta sign
         w = _u16(blk, 34 + 2 * (g // 4))
         idx = _u8(blk, 2 + g) | (((w >> (3 * (g % 4))) & 7) << 8)
-        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        w0, w1 = _pair_entry(grid, idx, GATHER)
         sgn = zero
         scale = _half(_u16(blk, zero)) * ((2 * ((w >> 12) & 7) + 1).to(tl.float32) * 0.125)
         delta = tl.where((w & 0x8000) != 0, -1, 1)
@@ -143,7 +187,7 @@ def _group_fields(QTYPE: tl.constexpr, blk, g, grid):
         tl.static_assert(QTYPE == 29, "group_words: not a grid type")
         nib = (_u8(blk, 32 + g // 2) >> (4 * (g % 2))) & 15
         idx = _u8(blk, g) | ((nib & 7) << 8)
-        w0, w1 = tl.load(grid + 2 * idx), tl.load(grid + 2 * idx + 1)
+        w0, w1 = _pair_entry(grid, idx, GATHER)
         sgn = zero
         s = (_u16(blk, 48 + 2 * (g // 8)) >> (3 * ((g // 2) % 4))) & 7
         bits = ((_u16(blk, zero + 48) >> 12) | ((_u16(blk, zero + 50) >> 8) & 0xF0)
@@ -154,9 +198,9 @@ def _group_fields(QTYPE: tl.constexpr, blk, g, grid):
 
 
 @triton.jit
-def group_values(QTYPE: tl.constexpr, blk, g, grid):
+def group_values(QTYPE: tl.constexpr, blk, g, grid, GATHER: tl.constexpr = False):
     """The 8 float32 values of group g [BN, G] of the blocks at blk: [BN, G, 8] (value i of group g at [.., g, i])."""
-    w0, w1, scale, delta = group_words(QTYPE, blk, g, grid)
+    w0, w1, scale, delta = group_words(QTYPE, blk, g, grid, GATHER)
     i = tl.arange(0, 8)[None, None, :]
     w = tl.where(i < 4, w0[:, :, None], w1[:, :, None])  # [BN, G, 8]
     code = (w << (24 - 8 * (i % 4))) >> 24  # signed byte i % 4
@@ -246,35 +290,41 @@ def _group_dequant_kernel(
 
 
 @triton.jit
-def _group_products(QTYPE: tl.constexpr, blk, g, grid, x_row, dx_row, b, X_Q8: tl.constexpr,
-                    EMULATE_DP4A: tl.constexpr):  # fmt: skip
-    """Products of the 32 groups of block b of each row (blocks at blk [BN, 1]) with x's values there: [BN, 32]
-    float32 (x_row: int8 words with scales at dx_row when X_Q8, else float values)."""
+def _group_step(QTYPE: tl.constexpr, row_blk, gk, NG, grid, x_row, dx_row, BLOCK_BYTES: tl.constexpr,
+                X_Q8: tl.constexpr, EMULATE_DP4A: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+    """Products of groups gk ([1, G] indices in the row, NG a row; those past it count 0) of each row (first blocks
+    at row_blk [BN, 1]) with x's values there: [BN, G] float32 (x_row: int8 words with scales at dx_row when X_Q8,
+    else float values; grid the table as _group_fields takes it). Every load of the step is independent of the
+    others but the table's, so a step of G groups has them all in flight at once."""
+    ok = gk < NG
+    gc = tl.minimum(gk, NG - 1)  # groups past the row read its last group (in bounds), times x = 0
+    blk = row_blk + (gc // 32) * BLOCK_BYTES  # [BN, G]
+    g = gc % 32
     if X_Q8:
-        w0, w1, scale, delta = group_words(QTYPE, blk, g, grid)
-        xa = tl.load(x_row + b * 64 + 2 * g)  # [1, 32] words of x's int8 values 8g .. 8g + 3
-        xb = tl.load(x_row + b * 64 + 2 * g + 1)
-        s = dp4a(w0, xa, EMULATE_DP4A) + dp4a(w1, xb, EMULATE_DP4A)  # [BN, 32]
+        xa = tl.load(x_row + 2 * gk, mask=ok, other=0)  # [1, G] words of x's int8 values 8g .. 8g + 3
+        xb = tl.load(x_row + 2 * gk + 1, mask=ok, other=0)
+        dx = tl.load(dx_row + gk // 4, mask=ok, other=0.0)  # [1, G]
+        w0, w1, scale, delta = group_words(QTYPE, blk, g, grid, GATHER)
+        s = dp4a(w0, xa, EMULATE_DP4A) + dp4a(w1, xb, EMULATE_DP4A)  # [BN, G]
         if QTYPE == 19 or QTYPE == 29:
-            ones = tl.full([1, 32], 0x01010101, tl.int32)
+            ones = tl.full(gk.shape, 0x01010101, tl.int32)
             s = 8 * s + delta * (dp4a(ones, xa, EMULATE_DP4A) + dp4a(ones, xb, EMULATE_DP4A))
-        dx = tl.load(dx_row + b * 8 + g // 4)  # [1, 32]
         return s.to(tl.float32) * (scale * dx)
-    v = group_values(QTYPE, blk, g, grid)  # [BN, 32, 8]
+    v = group_values(QTYPE, blk, g, grid, GATHER)  # [BN, G, 8]
     i = tl.arange(0, 8)[None, None, :]
-    xs = tl.load(x_row + b * 256 + 8 * g[:, :, None] + i).to(tl.float32)  # [1, 32, 8]
+    xs = tl.load(x_row + 8 * gk[:, :, None] + i, mask=ok[:, :, None], other=0.0).to(tl.float32)  # [1, G, 8]
     return tl.sum(v * xs, axis=2)
 
 
 @triton.jit
 def _group_gemv_kernel(
-    out_ptr,  # [P, N]
+    out_ptr,  # [P // SLOTS, N]
     raw,  # uint8 GGUF blocks [E, N, row_bytes]
     raw_up,  # GATE_UP: the up projection's blocks, same type and shape; the output is silu(W x) * (W_up x)
-    ids,  # int64 [P]: the expert row p multiplies (HAS_IDS), else expert 0
+    ids,  # int64 [P]: the expert pair p multiplies (HAS_IDS), else expert 0
     x_ptr,  # float x [P // X_DIV, K] (not X_Q8), or int8 words int32 [P // X_DIV, K / 4] (int8_dot.Int8Rows.xq)
     dx_ptr,  # float32 [P // X_DIV, K / 32]: x's int8 scales (X_Q8)
-    weights_ptr,  # [P] (WEIGHTED): row p of the output is multiplied by weights[p] (a routing weight)
+    weights_ptr,  # [P] (WEIGHTED): pair p's product is multiplied by weights[p] (a routing weight)
     grid,
     N,
     K,
@@ -285,31 +335,46 @@ def _group_gemv_kernel(
     QTYPE: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,  # groups of 8 values of a row a loop step (a power of two)
     X_DIV: tl.constexpr,
+    SLOTS: tl.constexpr,  # pairs a program sums (an MoE token's k slots), row p // SLOTS of the output
     HAS_IDS: tl.constexpr,
     X_Q8: tl.constexpr,
     GATE_UP: tl.constexpr,
     WEIGHTED: tl.constexpr,
     EMULATE_DP4A: tl.constexpr,
+    GATHER: tl.constexpr,  # the table read into registers first and gathered through shared memory (load_table)
+    TABLE_ENTRIES: tl.constexpr,
+    PDL: tl.constexpr = 0,  # kernels/pdl.py: the blocks are read after the wait too (their rows need the ids)
 ):
-    p = tl.program_id(0)
-    e = tl.load(ids + p).to(tl.int64) if HAS_IDS else 0
-    row_blk, _ = _group_rows(raw, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
-    up_blk, _ = _group_rows(raw_up, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
-    g = tl.arange(0, 32)[None, :]  # [1, 32]
-    xrow = (p // X_DIV).to(tl.int64)
-    x_row = x_ptr + xrow * stride_x
-    dx_row = dx_ptr + xrow * stride_dx
-    acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-    for b in range(0, K // 256):
-        acc += _group_products(QTYPE, row_blk + b * BLOCK_BYTES, g, grid, x_row, dx_row, b, X_Q8, EMULATE_DP4A)
+    launch_dependents(PDL)
+    table = load_table(grid, QTYPE, TABLE_ENTRIES) if GATHER else grid  # constant data: before the wait
+    wait_for_previous(PDL)
+    NG = K // 8  # groups a row
+    gs = tl.arange(0, GROUPS)[None, :]  # [1, G]
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(SLOTS):
+        p = tl.program_id(0) * SLOTS + slot
+        e = tl.load(ids + p).to(tl.int64) if HAS_IDS else 0
+        row_blk, _ = _group_rows(raw, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
+        up_blk, _ = _group_rows(raw_up, e, N, row_bytes, BLOCK_N, BLOCK_BYTES)
+        xrow = (p // X_DIV).to(tl.int64)
+        x_row = x_ptr + xrow * stride_x
+        dx_row = dx_ptr + xrow * stride_dx
+        acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        for k0 in range(0, NG, GROUPS):
+            acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8, EMULATE_DP4A,
+                               GATHER)  # fmt: skip
+            if GATE_UP:
+                acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
+                                      EMULATE_DP4A, GATHER)  # fmt: skip
+        part = tl.sum(acc, axis=1)  # [BN]
         if GATE_UP:
-            acc_up += _group_products(QTYPE, up_blk + b * BLOCK_BYTES, g, grid, x_row, dx_row, b, X_Q8, EMULATE_DP4A)
-    y = tl.sum(acc, axis=1)  # [BN]
-    if GATE_UP:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
-    if WEIGHTED:
-        y = y * tl.load(weights_ptr + p).to(tl.float32)
+            part = part / (1.0 + tl.exp(-part)) * tl.sum(acc_up, axis=1)
+        if WEIGHTED:
+            part = part * tl.load(weights_ptr + p).to(tl.float32)
+        y += part
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + p.to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_o + offs, y.to(out_ptr.dtype.element_ty),
+             mask=offs < N)  # fmt: skip

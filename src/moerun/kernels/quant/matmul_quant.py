@@ -197,12 +197,14 @@ def quant_matmul_triton(
     bias: torch.Tensor | None = None,
     config: Config | None = None,
     x_int8: Int8Rows | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types).
 
     config applies to every part; by default each part takes its own (configs.get_matmul_config). Grid-type parts
     (GroupBlocks) run tile64 alone: under a config of another path they take its default tiles. x_int8: x already
-    rounded to int8 (int8_dot.Int8Rows), which the parts whose config rounds x read instead."""
+    rounded to int8 (int8_dot.Int8Rows), which the parts whose config rounds x read instead. out: where to write
+    the result (an [M, N] view with unit stride along N, e.g. columns of a wider output), returned."""
     parts = [parts] if isinstance(parts, PackedWeight) else list(parts)
     M, K = x.shape
     n_total = sum(p.n for p in parts)
@@ -215,7 +217,10 @@ def quant_matmul_triton(
             raise ValueError(f"a {p.qtype.name} part is read from its GGUF blocks (GroupBlocks)")
     if bias is not None and tuple(bias.shape) != (n_total,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match {n_total} outputs")
-    y = torch.empty(M, n_total, dtype=x.dtype, device=x.device)  # [M, N]
+    if out is not None and (tuple(out.shape) != (M, n_total) or out.stride(-1) != 1 or out.dtype != x.dtype):
+        raise ValueError(f"out must be [{M}, {n_total}] {x.dtype} with unit stride along N, got "
+                         f"{tuple(out.shape)} {out.dtype} {out.stride()}")  # fmt: skip
+    y = torch.empty(M, n_total, dtype=x.dtype, device=x.device) if out is None else out  # [M, N]
     if M == 0:
         return y
     x = x.contiguous()

@@ -6,7 +6,8 @@ routing weights and sum fused), at a few decode batch sizes, for a list of tile 
     python benchmarks/bench_grid_gemv.py --quant IQ2_XXS --m 1 --configs 16x32w4 4x256w4
 
 Configs are named <BLOCK_N>x<GROUPS>w<num_warps>[g] (rows a program, groups of 8 values of a row a loop step,
-warps; g: the grid table gathered from registers through shared memory, not loaded per lane); "16x32w4" is the layout of the kernel before whole rows went in flight a step (one block a step).
+warps; g: the grid table gathered from registers through shared memory, not loaded per lane); "16x32w4" is the
+layout of the kernel before whole rows went in flight a step (one block a step).
 Each part is timed in a CUDA graph over enough copies of its weight to overflow L2, x already rounded to int8
 (its rounding launch is not counted), and checked against the GGUF decoder's values times the rounded x first.
 Prints one table row per (part, M, config); writes the rows as JSON with --out.
@@ -36,8 +37,8 @@ SHAPES = {  # hidden, q|k heads x head_dim, kv heads x head_dim, experts, moe_in
     "qwen3-30b-a3b": dict(H=2048, Q=4096, KV=512, E=128, I=768, k=8),
     "tiny": dict(H=256, Q=256, KV=64, E=8, I=256, k=2),
 }
-SWEEP = ["16x32w4", "4x256w4", "8x256w4", "2x256w4", "4x128w4", "8x128w4", "16x64w4", "4x256w8", "8x256w8",
-         "1x256w2", "2x256w2", "4x64w2"]
+SWEEP = ["16x32w4", "4x256w4", "2x256w4", "8x128w4", "4x256w4g", "2x256w4g", "8x256w4g", "4x128w4g", "8x128w4g",
+         "2x128w4g", "1x256w2g", "2x256w2g"]
 
 
 def parse_config(name: str) -> dict[str, int]:

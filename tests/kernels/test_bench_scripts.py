@@ -33,7 +33,8 @@ def test_bench_grid_gemv_tiny(tmp_path) -> None:
     # the default tiles and a named config (the table gathered from registers) on the q projection and the experts
     out = tmp_path / "grid.json"
     _main("bench_grid_gemv.py")(["--shape", "tiny", "--quant", "IQ2_M", "--m", "1", "--only", "attn_q",
-                                 "ffn_down_exps", "--configs", "4x64w2g", "--rep-ms", "1", "--out", str(out)])  # fmt: skip
+                                 "ffn_down_exps", "--configs", "4x64w2g", "--rep-ms", "1",
+                                 "--out", str(out)])  # fmt: skip
     rows = json.loads(out.read_text())
     assert [(r["part"], r["config"]) for r in rows] == [("attn_q", "default"), ("attn_q", "4x64w2g"),
                                                         ("ffn_down_exps", "default"), ("ffn_down_exps", "4x64w2g")]

@@ -207,7 +207,8 @@ def _moe_from_blocks(hidden: torch.Tensor, w13: Weight, w2: Weight, topk_weights
 
     Few (token, slot) pairs (_pairs_by_gemv): each pair multiplies its expert's blocks. Gate and up of one grid type
     are one GEMV launch that also applies silu(gate) * up, a grid-type down one that also applies the routing
-    weights and sums each token's slots; parts of other types take a GEMV over their blocks, or their experts dequantised and a batched GEMV.
+    weights and sums each token's slots; parts of other types take a GEMV over their blocks, or their experts
+    dequantised and a batched GEMV.
     Otherwise the tile kernels of the fused quantized MoE decode the grid types' blocks as they multiply
     (moe_tile_parts), or, for the types they do not read, the whole layer is dequantised for the dense kernels."""
     from moerun.kernels.fused_moe import fused_moe_triton

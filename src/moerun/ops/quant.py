@@ -376,8 +376,7 @@ def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_
     """Row p of the result is W_e x_(p // x_div), e = ids[p] (a stacked weight) or the weight itself (ids None):
     [P, N] in x's dtype. Parts of the types without a layout are read from their blocks by one GEMV launch each.
     x_int8: x already rounded to int8 at its row length (int8_input_pad), read where a part rounds x."""
-    from moerun.kernels.interpreter import interpreting
-    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_gemv
+    from moerun.kernels.quant.from_blocks import BLOCK_TYPES, block_gemv, grid_rounds_x
     from moerun.kernels.quant.from_groups import GROUP_TYPES
     from moerun.kernels.quant.int8_dot import quantize_x
 
@@ -387,7 +386,7 @@ def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_
     out, x = [], x.contiguous()
     grid = any(p.qtype in GROUP_TYPES for p in weight.parts)
     # x rounded to int8 once for every part that reads it so (a q|k|v of IQ2_S, IQ2_S and Q4_K parts at decode)
-    if x_int8 is None and grid and len(weight.parts) > 1 and not interpreting():
+    if x_int8 is None and grid and len(weight.parts) > 1 and grid_rounds_x():
         x_int8 = quantize_x(x, x.shape[-1])
     if ids is None and len(weight.parts) > 1 and all(p.qtype in GROUP_TYPES or p.qtype not in BLOCK_TYPES
                                                     for p in weight.parts):  # fmt: skip
@@ -416,7 +415,7 @@ def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_
         else:
             w = QuantizedWeight([p]).experts(ids, x.dtype)  # [P, n, K]
             out.append(torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0])
-    return torch.cat(out, dim=-1)
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)  # one part: no copy
 
 
 def dense_weight(weight: Weight, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -321,7 +321,7 @@ def _group_gemv_kernel(
     out_ptr,  # [P // SLOTS, N]
     raw,  # uint8 GGUF blocks [E, N, row_bytes]
     raw_up,  # GATE_UP: the up projection's blocks, same type and shape; the output is silu(W x) * (W_up x)
-    ids,  # int64 [P]: the expert pair p multiplies (HAS_IDS), else expert 0
+    ids,  # int32 or int64 [P]: the expert pair p multiplies (HAS_IDS), else expert 0
     x_ptr,  # float x [P // X_DIV, K] (not X_Q8), or int8 words int32 [P // X_DIV, K / 4] (int8_dot.Int8Rows.xq)
     dx_ptr,  # float32 [P // X_DIV, K / 32]: x's int8 scales (X_Q8)
     weights_ptr,  # [P] (WEIGHTED): pair p's product is multiplied by weights[p] (a routing weight)

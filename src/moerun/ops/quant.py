@@ -388,30 +388,23 @@ def _pair_products(weight: Weight, x: torch.Tensor, ids: torch.Tensor | None, x_
     # x rounded to int8 once for every part that reads it so (a q|k|v of IQ2_S, IQ2_S and Q4_K parts at decode)
     if x_int8 is None and grid and len(weight.parts) > 1 and grid_rounds_x():
         x_int8 = quantize_x(x, x.shape[-1])
-    if ids is None and len(weight.parts) > 1 and all(p.qtype in GROUP_TYPES or p.qtype not in BLOCK_TYPES
-                                                    for p in weight.parts):  # fmt: skip
-        # a q|k|v of grid-type and repacked parts: each launch writes its columns of one output, no concatenation
+    if ids is None:  # each launch writes its columns of one output (a q|k|v of parts of several types)
         from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
         y = torch.empty(x.shape[0] * x_div, sum(p.shape[-2] for p in weight.parts), dtype=x.dtype, device=x.device)
         col = 0
         for i, p in enumerate(weight.parts):
             cols = y[:, col : col + p.shape[-2]]
-            if p.qtype in GROUP_TYPES:
+            if p.qtype in BLOCK_TYPES:
                 block_gemv(p.raw, p.qtype, p.shape, x, None, x_div, x_int8=x_int8, out=cols)
-            else:
+            else:  # e.g. the Q4_K attn_v beside IQ2_S attn_q / attn_k: the fused kernels
                 pack = _part_pack(weight, i)
                 quant_matmul_triton(x, [pack], x_int8=x_int8 if pack.k_pad == x.shape[-1] else None, out=cols)
             col += p.shape[-2]
         return y
-    for i, p in enumerate(weight.parts):
+    for p in weight.parts:
         if p.qtype in BLOCK_TYPES:
             out.append(block_gemv(p.raw, p.qtype, p.shape, x, ids, x_div, x_int8=x_int8))
-        elif ids is None:  # e.g. the Q4_K attn_v beside TQ2_0 attn_q / attn_k in q|k|v: the fused kernels
-            from moerun.kernels.quant.matmul_quant import quant_matmul_triton
-
-            pack = _part_pack(weight, i)
-            out.append(quant_matmul_triton(x, [pack], x_int8=x_int8 if pack.k_pad == x.shape[-1] else None))
         else:
             w = QuantizedWeight([p]).experts(ids, x.dtype)  # [P, n, K]
             out.append(torch.bmm(w, x.repeat_interleave(x_div, 0).unsqueeze(-1))[..., 0])

@@ -248,7 +248,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
       x_int8    x already rounded (quantize_x(x, K)), read instead of rounding it again when x_q8;
       sum_slots the sum of each run of sum_slots consecutive rows (an MoE token's slots) instead: [P / sum_slots, N];
       config    grid_gemv_config's keys (default: its choice);
-      out       where to write y (a view with unit stride along N, e.g. columns of a wider output; grid types)."""
+      out       where to write y (a view with unit stride along N, e.g. columns of a wider output)."""
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"block_gemv reads {[t.name for t in BLOCK_TYPES]}, not {qtype.name}")
     _check_blocks(raw)
@@ -264,10 +264,9 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
     if sum_slots < 1 or P % sum_slots:
         raise ValueError(f"sum_slots must be a positive divisor of the {P} rows, got {sum_slots}")
     dtype = out_dtype or x.dtype
-    if out is not None and (tuple(out.shape) != (P // sum_slots, N) or out.stride(-1) != 1 or out.dtype != dtype
-                            or qtype not in GROUP_TYPES):  # fmt: skip
-        raise ValueError(f"out must be [{P // sum_slots}, {N}] {dtype} with unit stride along N (grid types), got "
-                         f"{tuple(out.shape)} {out.dtype} {out.stride()} for {qtype.name}")  # fmt: skip
+    if out is not None and (tuple(out.shape) != (P // sum_slots, N) or out.stride(-1) != 1 or out.dtype != dtype):
+        raise ValueError(f"out must be [{P // sum_slots}, {N}] {dtype} with unit stride along N, got "
+                         f"{tuple(out.shape)} {out.dtype} {out.stride()}")  # fmt: skip
     out = torch.empty((P // sum_slots, N), dtype=dtype, device=x.device) if out is None else out
     row_bytes = K // qtype.block_elems * qtype.block_bytes
     if P and N and qtype in GROUP_TYPES:
@@ -282,7 +281,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
             out.stride(0), QTYPE=int(qtype), BLOCK_BYTES=qtype.block_bytes, BLOCK_N=cfg["BLOCK_N"],
             GROUPS=cfg["GROUPS"], X_DIV=x_div, SLOTS=sum_slots, HAS_IDS=ids is not None, X_Q8=q8,
             GATE_UP=up_raw is not None, WEIGHTED=weights is not None, EMULATE_DP4A=emulate_dp4a(),
-            GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=grid_table(qtype).shape[0], PDL=pdl,
+            GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=grid_table(qtype, raw.device).shape[0], PDL=pdl,
             num_warps=cfg["num_warps"], **launch_options(pdl),
         )  # fmt: skip
     elif P and N:

@@ -163,16 +163,18 @@ POOL: dict[str, Config] = {
     "k128x64m256s2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 2},
     "k64x64m128": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 128},
     "k64x64m256": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3},
-    # Variants with fewer spills, all slower on an H200 (us at M = 2048 / 4096 against k128x64m256so's 733.6 /
-    # 1,214.0 for Q4_K_M, 777.5 / 1,260.5 for Q6_K; benchmarks/RESULTS.md, twenty-fourth sitting); for --compare.
-    # Both GEMMs at 8 warps (no spill loads in GEMM 1's loop): 1,249.2 / 1,988.8 and 1,336.6 / 2,157.8.
+    # Variants with fewer registers a thread, all slower on an H200 (us at M = 2048 / 4096 against k128x64m256so's
+    # 733.6 / 1,214.0 for Q4_K_M, 777.5 / 1,260.5 for Q6_K; benchmarks/RESULTS.md, twenty-fourth sitting); for
+    # --compare. The shipped tiles take 248-255 registers with no spill worth counting (sm_90, Triton 3.6, compiled
+    # with a launch's argument specialisation; the twenty-sixth sitting corrects the earlier spill counts).
+    # Both GEMMs at 8 warps (163 / 142 registers for Q4_K): 1,249.2 / 1,988.8 and 1,336.6 / 2,157.8.
     "k128x64w8m256": {**_dot("tile64", 128, 64, 64, 8, 8, 4), "BLOCK_M2": 256, "num_stages2": 3},
     "k128x64w8m256so": {**_dot("tile64", 128, 64, 64, 8, 8, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3},
-    # GEMM 2 alone at 8 warps (its loop's spill loads and stores a thread 223 -> 25): 892.0 / 1,391.6, 939.5 / 1,497.0
+    # GEMM 2 alone at 8 warps (142 registers): 892.0 / 1,391.6, 939.5 / 1,497.0
     "k128x64m256sow2": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                         "num_warps2": 8},
-    # registers capped at 168 a thread, three programs an SM instead of two, more spills: 1,090.1 / 1,711.5,
-    # 1,350.0 / 2,160.9
+    # registers capped at 168 a thread, three programs an SM instead of two, with spills (33-60 stores a thread):
+    # 1,090.1 / 1,711.5, 1,350.0 / 2,160.9
     "k128x64m256sor168": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                           "maxnreg": 168, "maxnreg2": 168},
 }
@@ -282,11 +284,19 @@ def compare_configs(name: str, types: tuple[str, str, str], args, ceilings: dict
     # grid types (no repacked layout) as the tile kernels read them: their GGUF blocks
     layers = [moe_tile_parts(w13, w2) or (packed_parts(w13), packed_parts(w2)[0]) for w13, w2 in raw]
     per_expert = expert_gguf_bytes(*raw[0], E)
+    # the bf16 fused kernel on the same routing, the yardstick of the prefill target (time / bf16)
+    dense = [(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)) for w13, w2 in raw]
     rows = []
     for m in args.m:
         sets = make_sets(m, E, H, k, 4)
         touched = statistics.mean(len(torch.unique(s[2])) for s in sets)
         x, w, ids = sets[0]
+        per_graph = 8 if m <= 256 else 4
+        bf16_s = timed_median([(lambda s=s, d=d: fused_moe_triton(s[0], d[0], d[1], s[1], s[2]))
+                               for s, d in zip((sets * per_graph)[:per_graph], dense * per_graph)],
+                              args.budget_s, args.max_runs)[0]  # fmt: skip
+        rows.append({"type": name, "M": m, "config": "bf16", "path": "bf16", "us": 1e6 * bf16_s})
+        print(f"| {name} | {m} | bf16 kernel | bf16 | {1e6 * bf16_s:.1f} | | | | 1.00x |", flush=True)
         default = qconfigs.default_moe_config(m, k, interpret=False, qtype=qtype)
         ref = fused_moe_quant(x, *layers[0], w, ids, default).float()
         scale = ref.abs().max().item() + 1e-6
@@ -300,10 +310,10 @@ def compare_configs(name: str, types: tuple[str, str, str], args, ceilings: dict
                 continue
             gbps = touched * per_expert / sec / 1e9
             rows.append({"type": name, "M": m, "config": cname, "path": cfg["path"], "us": 1e6 * sec,
-                         "GBps": gbps, "rel_err_vs_default": err})  # fmt: skip
+                         "GBps": gbps, "rel_err_vs_default": err, "vs_bf16": sec / bf16_s})  # fmt: skip
             print(f"| {name} | {m} | {cname} | {cfg['path']} | {1e6 * sec:.1f} | {gbps:.0f} | "
-                  f"{100 * gbps / ceilings['read_GBps']:.0f}% | {err:.1e} |", flush=True)
-    del layers, raw
+                  f"{100 * gbps / ceilings['read_GBps']:.0f}% | {err:.1e} | {sec / bf16_s:.2f}x |", flush=True)
+    del layers, raw, dense
     empty_cache()
     return rows
 
@@ -426,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"HBM read ceiling {ceilings['read_GBps']:.0f} GB/s (bf16 sum over 2 GiB); %HBM-read = GGUF bytes of the "
           f"touched experts / time / ceiling; * = eager timing\n")  # fmt: skip
     if args.compare:
-        print("| type | M | config | path | us | GB/s | %HBM-read | rel err vs default |\n" + "|---" * 8 + "|")
+        print("| type | M | config | path | us | GB/s | %HBM-read | rel err vs default | / bf16 |\n" + "|---" * 9 + "|")
         rows = [r for name in args.types for r in compare_configs(name, MIXES.get(name, (name,) * 3), args, ceilings)]
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

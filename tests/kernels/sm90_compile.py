@@ -4,7 +4,9 @@ Triton's interpreter runs kernels on the CPU but skips the compiler, so a kernel
 and still fail to compile for the GPU (a `tl.static_range` bound that is not a compile-time constant, say). This
 script calls the ops on small CPU tensors in compiled mode (TRITON_INTERPRET unset) with Triton's launch replaced
 by a compile for an sm_90 target (Triton's own ptxas, no driver needed), so each launch is compiled with the
-constexprs the GPU path would give it, PDL variants included. Outputs are never computed: the cases only launch.
+constexprs the GPU path would give it, PDL variants included, and its arguments specialised as a launch does (16-byte
+aligned pointers, integers divisible by 16: without that, loads the GPU build vectorises and pipelines compile as
+scalar loads, and the register and spill counts of --audit are not the GPU's). Outputs are never computed.
 
     python tests/kernels/sm90_compile.py        # prints one line per compiled kernel; exit code 1 on any failure
     python tests/kernels/sm90_compile.py --only "MXFP4" --audit   # the cases naming MXFP4, with each kernel's
@@ -28,12 +30,10 @@ from dataclasses import replace
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
 from triton.runtime import jit
 
 TARGET = GPUTarget("cuda", 90, 32)
-# launch keywords that are compile options; launch_pdl only changes the launch
-COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 compiled: list[str] = []
 cubins: list[bytes | None] = []  # with --audit: each compiled kernel's cubin (else None), in `compiled`'s order
 keep_cubins = False
@@ -41,22 +41,17 @@ _pdl_override: int | None = None
 
 
 def _compile_instead_of_launch(self, *args, grid, warmup=False, **kwargs):  # noqa: ARG001 - Triton's signature
-    """JITFunction.run replacement: bind the call's arguments, compile for TARGET, record the kernel's name."""
-    options = {key: kwargs.pop(key) for key in list(kwargs) if key in COMPILE_OPTIONS}
+    """JITFunction.run replacement: bind and specialise the call's arguments as a launch does (pointers aligned to
+    16 bytes and integers divisible by 16 marked so, which decides vector widths and what the pipeliner copies
+    ahead), compile for TARGET, record the kernel's name."""
     kwargs.pop("launch_pdl", None)
-    bound = dict(zip((p.name for p in self.params), args))
-    bound.update(kwargs)
-    signature, constexprs = {}, {}
-    for i, p in enumerate(self.params):
-        value = bound.get(p.name, p.default)
-        if p.name == "PDL" and _pdl_override is not None:
-            value = _pdl_override
-        if p.is_constexpr or value is None:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = value
-        else:
-            signature[p.name] = jit.mangle_type(value)
-    kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    if _pdl_override is not None and "PDL" in (p.name for p in self.params):
+        kwargs["PDL"] = _pdl_override
+    backend = make_backend(TARGET)
+    binder = jit.create_function_from_signature(self.signature, self.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+    kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     compiled.append(self.fn.__name__)
     cubins.append(kernel.asm["cubin"] if keep_cubins else None)
 

@@ -48,8 +48,11 @@ def test_bench_quant_moe_compare_grid_type(tmp_path) -> None:
                                  "--compare", "k16x64", "--budget-s", "0.01", "--max-runs", "1", "--out",
                                  str(tmp_path)])  # fmt: skip
     rows = json.loads((tmp_path / "compare.json").read_text())
-    assert [(r["type"], r["config"], r["path"]) for r in rows] == [("IQ2_XXS", "default", "tile64"),
+    assert [(r["type"], r["config"], r["path"]) for r in rows] == [("IQ2_XXS", "bf16", "bf16"),
+                                                                   ("IQ2_XXS", "default", "tile64"),
                                                                    ("IQ2_XXS", "k16x64", "tile64")]
+    # each config's time against the bf16 kernel's on the same routing (the prefill target's measure)
+    assert all(r["vs_bf16"] == pytest.approx(r["us"] / rows[0]["us"]) for r in rows[1:]), rows
 
 
 def test_bench_moe_tiny(tmp_path) -> None:

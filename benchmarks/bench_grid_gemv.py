@@ -5,8 +5,9 @@ routing weights and sum fused), at a few decode batch sizes, for a list of tile 
     python benchmarks/bench_grid_gemv.py --quant IQ2_M --m 1 8 --sweep
     python benchmarks/bench_grid_gemv.py --quant IQ2_XXS --m 1 --configs 16x32w4 4x256w4
 
-Configs are named <BLOCK_N>x<GROUPS>w<num_warps>[g] (rows a program, groups of 8 values of a row a loop step,
-warps; g: the grid table gathered from registers through shared memory, not loaded per lane); "16x32w4" is the
+Configs are named <BLOCK_N>x<GROUPS>w<num_warps>[g][u] (rows a program, groups of 8 values of a row a loop step,
+warps; g: the grid table gathered from registers through shared memory, not loaded per lane; u: the step loop
+unrolled, so that the slots a program sums have their loads in flight together); "16x32w4" is the
 layout of the kernel before whole rows went in flight a step (one block a step).
 Each part is timed in a CUDA graph over enough copies of its weight to overflow L2, x already rounded to int8
 (its rounding launch is not counted), and checked against the GGUF decoder's values times the rounded x first.
@@ -42,11 +43,15 @@ SWEEP = ["16x32w4", "4x256w4", "2x256w4", "8x128w4", "4x256w4g", "2x256w4g", "8x
 
 
 def parse_config(name: str) -> dict[str, int]:
-    """"<rows>x<groups>w<warps>", "g" appended for the table gathered from registers (config key gather)."""
+    """"<rows>x<groups>w<warps>", then "g" for the table gathered from registers (config key gather) and "u" for
+    the step loop unrolled (config key unroll)."""
+    unroll = name.endswith("u")
+    name = name.removesuffix("u")
     gather = name.endswith("g")
     rows, rest = name.removesuffix("g").split("x")
     groups, warps = rest.split("w")
-    return {"BLOCK_N": int(rows), "GROUPS": int(groups), "num_warps": int(warps), "gather": int(gather)}
+    cfg = {"BLOCK_N": int(rows), "GROUPS": int(groups), "num_warps": int(warps), "gather": int(gather)}
+    return {**cfg, "unroll": 1} if unroll else cfg
 
 
 def grid_parts(quant: str, shape: dict[str, int], layer: int = 5) -> list[tuple[str, QuantType, tuple, int]]:
@@ -125,7 +130,8 @@ def time_part(name: str, qt: QuantType, shp: tuple, pairs: int, m: int, configs:
 
 
 def compact(cfg: dict[str, int]) -> str:
-    return f"({cfg['BLOCK_N']}x{cfg['GROUPS']}w{cfg['num_warps']}{'g' if cfg.get('gather') else ''})"
+    return (f"({cfg['BLOCK_N']}x{cfg['GROUPS']}w{cfg['num_warps']}{'g' if cfg.get('gather') else ''}"
+            f"{'u' if cfg.get('unroll') else ''})")
 
 
 def main(argv: list[str] | None = None) -> None:

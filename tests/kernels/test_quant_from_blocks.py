@@ -124,6 +124,11 @@ def test_block_gemv_fuses_gate_up_and_routing_weights(seed, x_q8: bool) -> None:
     summed = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8, weights=w, out_dtype=torch.float64, sum_slots=k)
     ref = ref.view(-1, k, N).sum(dim=1)  # [3, N]: each token's slots
     torch.testing.assert_close(summed, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"{seed}: {m}")
+    # the step loop unrolled (config key unroll): the slots' steps follow each other with no loop between them
+    unrolled = block_gemv(gate.raw, qt, shape, x, ids, k, x_q8=x_q8, weights=w, out_dtype=torch.float64, sum_slots=k,
+                          config={"BLOCK_N": 8, "GROUPS": 16, "num_warps": 2, "unroll": 1})  # fmt: skip
+    torch.testing.assert_close(unrolled, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(),
+                               msg=lambda m: f"{seed}: {m}")  # fmt: skip
     with pytest.raises(ValueError, match="do not match"):
         block_gemv(gate.raw, qt, shape, x, ids, k, up_raw=up.raw[:2])
     with pytest.raises(ValueError, match="sum_slots"):
@@ -132,8 +137,9 @@ def test_block_gemv_fuses_gate_up_and_routing_weights(seed, x_q8: bool) -> None:
 
 @pytest.mark.parametrize("qt", [QuantType.IQ3_S, QuantType.IQ1_M, QuantType.IQ2_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("cfg", [{"BLOCK_N": 8, "GROUPS": 64, "num_warps": 2},
-                                 {"BLOCK_N": 2, "GROUPS": 128, "num_warps": 4, "gather": 1}],
-                         ids=["2_steps", "1_step_gathered"])  # fmt: skip
+                                 {"BLOCK_N": 2, "GROUPS": 128, "num_warps": 4, "gather": 1},
+                                 {"BLOCK_N": 8, "GROUPS": 64, "num_warps": 2, "gather": 1, "unroll": 1}],
+                         ids=["2_steps", "1_step_gathered", "2_steps_unrolled"])  # fmt: skip
 def test_block_gemv_steps_past_the_row_count_nothing(seed, qt: QuantType, cfg) -> None:
     # K = 768: 96 groups a row, so the last step of 64 (and the one step of 128) holds 32 groups past the row; the
     # table read per lane from global memory, or gathered from the program's copy in registers

@@ -222,14 +222,17 @@ def grid_rounds_x() -> bool:
 def grid_gemv_config(N: int, K: int, gate_up: bool = False, slots: int = 1) -> dict[str, int]:
     """Tiles of the grid types' GEMV for rows of K values (N rows, gate and up together, `slots` pairs summed a
     program): BLOCK_N rows a program, GROUPS groups of 8 values of each row a loop step (all of a row's blocks in
-    flight at once where the row has at most 256 groups), num_warps. The interpreter takes few, big programs."""
+    flight at once where the row has at most 256 groups), num_warps, gather (the table gathered from registers),
+    unroll (the step loop unrolled). The interpreter takes few, big programs."""
     groups = min(256, triton.next_power_of_2(max(K // 8, 1)))
     if interpreting():
         return {"BLOCK_N": 64, "GROUPS": min(groups, 64), "num_warps": 4, "gather": 0}
-    if gate_up:
-        return {"BLOCK_N": 4, "GROUPS": min(groups, 128), "num_warps": 4, "gather": 1}
-    rows = 2 if N < 2048 else 8 if slots > 1 else 4
-    return {"BLOCK_N": rows, "GROUPS": groups if slots == 1 else min(groups, 128), "num_warps": 4, "gather": 1}
+    if gate_up or slots > 1:
+        # The MoE parts with the step loop unrolled (H100, IQ2_M at the 30B shape, benchmarks/RESULTS.md, twenty-sixth
+        # sitting): down with its 8 slots summed 20.2 -> 14.8 us at one token (the slots' loads in flight together,
+        # not one slot after the other), gate and up 16.7 -> 15.9 us.
+        return {"BLOCK_N": 4, "GROUPS": min(groups, 128), "num_warps": 4, "gather": 1, "unroll": 1}
+    return {"BLOCK_N": 2 if N < 2048 else 4, "GROUPS": groups, "num_warps": 4, "gather": 1}
 
 
 def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: torch.Tensor,
@@ -282,7 +285,7 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
             GROUPS=cfg["GROUPS"], X_DIV=x_div, SLOTS=sum_slots, HAS_IDS=ids is not None, X_Q8=q8,
             GATE_UP=up_raw is not None, WEIGHTED=weights is not None, EMULATE_DP4A=emulate_dp4a(),
             GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=grid_table(qtype, raw.device).shape[0], PDL=pdl,
-            num_warps=cfg["num_warps"], **launch_options(pdl),
+            STATIC_NG=K // 8 if cfg.get("unroll", 0) else 0, num_warps=cfg["num_warps"], **launch_options(pdl),
         )  # fmt: skip
     elif P and N:
         block_n = 16

@@ -346,11 +346,14 @@ def _group_gemv_kernel(
     GATHER: tl.constexpr,  # the table read into registers first and gathered through shared memory (load_table)
     TABLE_ENTRIES: tl.constexpr,
     PDL: tl.constexpr = 0,  # kernels/pdl.py: the blocks are read after the wait too (their rows need the ids)
+    STATIC_NG: tl.constexpr = 0,  # K // 8 when the step loop is unrolled (config key "unroll"), else 0
 ):
     launch_dependents(PDL)
     table = load_table(grid, QTYPE, TABLE_ENTRIES) if GATHER else grid  # constant data: before the wait
     wait_for_previous(PDL)
     NG = K // 8  # groups a row
+    if STATIC_NG > 0:
+        NG = STATIC_NG
     gs = tl.arange(0, GROUPS)[None, :]  # [1, G]
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in tl.static_range(SLOTS):
@@ -363,12 +366,21 @@ def _group_gemv_kernel(
         dx_row = dx_ptr + xrow * stride_dx
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-        for k0 in range(0, NG, GROUPS):
-            acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8, EMULATE_DP4A,
-                               GATHER)  # fmt: skip
-            if GATE_UP:
-                acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                      EMULATE_DP4A, GATHER)  # fmt: skip
+        if STATIC_NG > 0:
+            # unrolled: no loop boundary between the slots, so every slot's loads can be in flight at once
+            for k0 in tl.static_range(0, STATIC_NG, GROUPS):
+                acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
+                                   EMULATE_DP4A, GATHER)  # fmt: skip
+                if GATE_UP:
+                    acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
+                                          EMULATE_DP4A, GATHER)  # fmt: skip
+        else:
+            for k0 in range(0, NG, GROUPS):
+                acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
+                                   EMULATE_DP4A, GATHER)  # fmt: skip
+                if GATE_UP:
+                    acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
+                                          EMULATE_DP4A, GATHER)  # fmt: skip
         part = tl.sum(acc, axis=1)  # [BN]
         if GATE_UP:
             part = part / (1.0 + tl.exp(-part)) * tl.sum(acc_up, axis=1)

@@ -285,7 +285,8 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
             GROUPS=cfg["GROUPS"], X_DIV=x_div, SLOTS=sum_slots, HAS_IDS=ids is not None, X_Q8=q8,
             GATE_UP=up_raw is not None, WEIGHTED=weights is not None, EMULATE_DP4A=emulate_dp4a(),
             GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=grid_table(qtype, raw.device).shape[0], PDL=pdl,
-            STATIC_NG=K // 8 if cfg.get("unroll", 0) else 0, num_warps=cfg["num_warps"], **launch_options(pdl),
+            STATIC_NG=K // 8 if cfg.get("unroll", 0) else 0, X_TILE=up_raw is not None or sum_slots > 1,
+            num_warps=cfg["num_warps"], **launch_options(pdl),
         )  # fmt: skip
     elif P and N:
         block_n = 16

@@ -291,7 +291,8 @@ def _group_dequant_kernel(
 
 @triton.jit
 def _group_step(QTYPE: tl.constexpr, row_blk, gk, NG, grid, x_row, dx_row, BLOCK_BYTES: tl.constexpr,
-                X_Q8: tl.constexpr, EMULATE_DP4A: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+                X_Q8: tl.constexpr, EMULATE_DP4A: tl.constexpr, GATHER: tl.constexpr,
+                X_TILE: tl.constexpr):  # fmt: skip
     """Products of groups gk ([1, G] indices in the row, NG a row; those past it count 0) of each row (first blocks
     at row_blk [BN, 1]) with x's values there: [BN, G] float32 (x_row: int8 words with scales at dx_row when X_Q8,
     else float values; grid the table as _group_fields takes it). Every load of the step is independent of the
@@ -301,9 +302,15 @@ def _group_step(QTYPE: tl.constexpr, row_blk, gk, NG, grid, x_row, dx_row, BLOCK
     blk = row_blk + (gc // 32) * BLOCK_BYTES  # [BN, G]
     g = gc % 32
     if X_Q8:
-        xa = tl.load(x_row + 2 * gk, mask=ok, other=0)  # [1, G] words of x's int8 values 8g .. 8g + 3
-        xb = tl.load(x_row + 2 * gk + 1, mask=ok, other=0)
-        dx = tl.load(dx_row + gk // 4, mask=ok, other=0.0)  # [1, G]
+        xg = gk
+        if X_TILE:
+            # x's words loaded in the tile's own shape, each row's copy from L1: a [1, G] load is laid out across the
+            # program's warps and moved to the [BN, G] layout through shared memory, two barriers a load
+            xg = tl.broadcast_to(gk, blk.shape)  # [BN, G]
+        x_ok = xg < NG
+        xa = tl.load(x_row + 2 * xg, mask=x_ok, other=0)  # [1 or BN, G] words of x's int8 values 8g .. 8g + 3
+        xb = tl.load(x_row + 2 * xg + 1, mask=x_ok, other=0)
+        dx = tl.load(dx_row + xg // 4, mask=x_ok, other=0.0)
         w0, w1, scale, delta = group_words(QTYPE, blk, g, grid, GATHER)
         s = dp4a(w0, xa, EMULATE_DP4A) + dp4a(w1, xb, EMULATE_DP4A)  # [BN, G]
         if QTYPE == 19 or QTYPE == 29:
@@ -347,6 +354,7 @@ def _group_gemv_kernel(
     TABLE_ENTRIES: tl.constexpr,
     PDL: tl.constexpr = 0,  # kernels/pdl.py: the blocks are read after the wait too (their rows need the ids)
     STATIC_NG: tl.constexpr = 0,  # K // 8 when the step loop is unrolled (config key "unroll"), else 0
+    X_TILE: tl.constexpr = False,  # X_Q8: x's words loaded in the [BLOCK_N, GROUPS] tile's shape (the MoE parts)
 ):
     launch_dependents(PDL)
     table = load_table(grid, QTYPE, TABLE_ENTRIES) if GATHER else grid  # constant data: before the wait
@@ -370,17 +378,17 @@ def _group_gemv_kernel(
             # unrolled: no loop boundary between the slots, so every slot's loads can be in flight at once
             for k0 in tl.static_range(0, STATIC_NG, GROUPS):
                 acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                   EMULATE_DP4A, GATHER)  # fmt: skip
+                                   EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
                 if GATE_UP:
                     acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                          EMULATE_DP4A, GATHER)  # fmt: skip
+                                          EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
         else:
             for k0 in range(0, NG, GROUPS):
                 acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                   EMULATE_DP4A, GATHER)  # fmt: skip
+                                   EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
                 if GATE_UP:
                     acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                          EMULATE_DP4A, GATHER)  # fmt: skip
+                                          EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
         part = tl.sum(acc, axis=1)  # [BN]
         if GATE_UP:
             part = part / (1.0 + tl.exp(-part)) * tl.sum(acc_up, axis=1)

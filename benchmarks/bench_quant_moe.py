@@ -133,6 +133,10 @@ POOL: dict[str, Config] = {
     "v16k2qs2": _v2(16, 2048, 4, 8, 512, 4, x_q8=True, slots2=2),
     "v16k2qn16s2": _v2(16, 2048, 4, 16, 512, 4, x_q8=True, slots2=2),
     "v32qqs4": _v2(32, 2048, 4, 8, 768, 4, x_q8=True, inter_q8=True, slots2=4),
+    # the tables' decode tiles (H200, 30B: M = 1 and M = 2 ... 8) with GEMM 2 reading the intermediate in its rows'
+    # tile shape (x_tile2: no shared-memory moves of the intermediate; not yet timed)
+    "v16k2qxt": {**_v2(16, 2048, 4, 8, 512, 4, x_q8=True), "x_tile2": True},
+    "v32qqk1xt": {**_v2(32, 1024, 4, 8, 768, 4, x_q8=True, inter_q8=True), "x_tile2": True},
     "v32qqn16s2": _v2(32, 2048, 4, 16, 768, 4, x_q8=True, inter_q8=True, slots2=2),
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
@@ -181,7 +185,7 @@ POOL: dict[str, Config] = {
 
 
 X_Q8 = ["v8q", "v8k1q", "v16q", "v16k1q", "v16k2q", "v32q", "v32k2q", "v4q", "v32qq", "v32qqk1", "v32qqn4", "v32qqn16",
-        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2"]
+        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2", "v16k2qxt", "v32qqk1xt"]
 
 
 def tune_candidates(m: int, families: str = "all") -> list[str]:

@@ -218,6 +218,8 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, decode, int8 x and intermediate": lambda: fused_moe_quant(
             x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": True}),
         "quant MoE, decode, x prepared": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_prep": True}),
+        "quant MoE, decode, GEMM 2's intermediate in its rows' shape (x_tile2)": lambda: [fused_moe_quant(
+            x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": q8, "x_tile2": True}) for q8 in (0, 1)],
         "quant MoE through address tables": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, tables=tables),
         "quant MoE, prefill, Q5_K / Q8_0 tiles": lambda: fused_moe_quant(x64, q5, q8_down, w64, ids64),
         "quant MoE, prefill, tile64 (Q4_K / Q6_K, then Q5_K / Q8_0)": lambda: [fused_moe_quant(

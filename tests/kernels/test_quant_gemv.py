@@ -108,6 +108,26 @@ def test_gemm2_slots_in_steps(seed, slots2, inter_q8) -> None:
         fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "slots2": 3})
 
 
+@pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("inter_q8", [False, True], ids=["float_inter", "int8_inter"])
+def test_gemm2_intermediate_in_the_rows_shape(seed, down, inter_q8) -> None:
+    # Config key x_tile2: GEMM 2 loads the intermediate in its rows' tile shape instead of as one row tile shared by
+    # the rows; the same products in the same order.
+    T, E, H, I, k = 2, 5, 256, 256, 4  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, down)
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    hidden = torch.randn(T, H, device=DEVICE)
+    cfg = {**V2, "x_q8": inter_q8, "inter_q8": inter_q8}
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    ref = fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "x_tile2": True})
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(),
+                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    if not inter_q8:
+        check(seed, T, E, H, I, k, QuantType.Q4_K, down, torch.float32, {**cfg, "x_tile2": True})
+
+
 def test_q8_0_padded_rows(seed) -> None:
     # 32-element blocks: H and I that need padding to 256 (masked inputs, zero-initialised intermediate).
     check(seed, 3, 5, 96, 160, 3, QuantType.Q8_0, None, torch.float32, V2)

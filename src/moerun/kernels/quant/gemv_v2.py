@@ -400,12 +400,17 @@ def _gemm1_v2_kernel(
 @triton.jit
 def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                  g0: tl.constexpr, G: tl.constexpr, KQ, I_WORDS, stride_it, stride_st, stride_dit,
-                 XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
+                 XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr, X_TILE: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N, SLOTS] over groups [g0, g0 + G) of the rows [BLOCK_N, SLOTS]; slot [SLOTS] picks
-    each column's intermediate, which all BLOCK_N rows share (XQ8: as int8 words, scales and sums)."""
+    each column's intermediate, which all BLOCK_N rows share (XQ8: as int8 words, scales and sums). X_TILE: the
+    intermediate is loaded in the rows' [BLOCK_N, SLOTS, G, ..] shape, each row's copy from L1, rather than as [1,
+    SLOTS, G, ..] tiles that the compiler moves to the rows' layout through shared memory (barriers a tile)."""
     gi = g0 + tl.arange(0, G)
     g4 = gi[None, None, :, None]  # [1, 1, G, 1]
     g3 = gi[None, None, :]  # [1, 1, G]
+    if X_TILE:
+        g4 = tl.broadcast_to(g4, (rows.shape[0], rows.shape[1], G, 1))  # [BLOCK_N, SLOTS, G, 1]
+        g3 = tl.broadcast_to(g3, (rows.shape[0], rows.shape[1], G))  # [BLOCK_N, SLOTS, G]
     j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
     ok4 = ok[None, :, None, None]  # [1, SLOTS, 1, 1]
     ok3 = ok[None, :, None]
@@ -455,6 +460,7 @@ def _gemm2_v2_kernel(
     XQ8: tl.constexpr = False,  # the intermediate as int8 (GEMM 1 with OUT_Q8)
     EMULATE_DP4A: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # kernels/pdl.py (everything it reads comes from earlier kernels of the step)
+    X_TILE: tl.constexpr = False,  # the intermediate loaded in the rows' shape (config key x_tile2, _gemm2_chunk)
 ):  # fmt: skip
     launch_dependents(PDL)
     wait_for_previous(PDL)
@@ -464,7 +470,7 @@ def _gemm2_v2_kernel(
     for g in tl.static_range(SLOTS // SLOT_STEP):
         y += _gemm2_slots(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws, wd, wt, token,
                           g * SLOT_STEP, SLOT_STEP, top_k, H, offs_n, KQ, I_WORDS, stride_it, stride_st, stride_dit,
-                          BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, INDIRECT, XQ8, EMULATE_DP4A)  # fmt: skip
+                          BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, INDIRECT, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
     tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
@@ -473,7 +479,7 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
                  wd, wt, token, s0: tl.constexpr, STEP: tl.constexpr, top_k, H, offs_n, KQ, I_WORDS, stride_it,
                  stride_st, stride_dit, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, FULL: tl.constexpr,
                  REM: tl.constexpr, LOG_BG: tl.constexpr, INDIRECT: tl.constexpr, XQ8: tl.constexpr,
-                 EMULATE_DP4A: tl.constexpr):  # fmt: skip
+                 EMULATE_DP4A: tl.constexpr, X_TILE: tl.constexpr):  # fmt: skip
     """sum over slots s0 + [0, STEP) of the token of routing weight x (rows offs_n of the slot's expert) . (the
     slot's intermediate) -> [BLOCK_N] float32; the slots as the columns of [BLOCK_N, STEP] tiles."""
     s = s0 + tl.arange(0, STEP)  # [STEP]
@@ -490,12 +496,13 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
     acc = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
     for c in tl.static_range(FULL):
         acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G,
-                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, EMULATE_DP4A)  # fmt: skip
+                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, EMULATE_DP4A,
+                            X_TILE)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                                 FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
-                                stride_st, stride_dit, XQ8, EMULATE_DP4A)  # fmt: skip
+                                stride_st, stride_dit, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
     return tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the step's slots
 
 
@@ -781,6 +788,7 @@ def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8:
         H, w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
         WPG=_words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None, num_warps=cfg["num_warps2"],
-        num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl, **launch_options(pdl),
+        num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl,
+        X_TILE=bool(cfg.get("x_tile2", False)), **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -15,10 +15,12 @@ def softmax_topk(
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     """Float32 softmax of logits x [BLOCK_T, BLOCK_E] over the columns where col_ok [BLOCK_E] holds, then the K
-    largest probabilities (optionally renormalised to sum 1) -> (weights, ids), both [BLOCK_T, BLOCK_K]."""
+    largest probabilities (optionally renormalised to sum 1) -> (weights, ids), both [BLOCK_T, BLOCK_E] with slot j
+    in column j < K (the others 0). They keep the logits' layout: each pick's maximum, reduced from a row, goes
+    back into it for free, where a [BLOCK_T, K] result would take a move through shared memory and two barriers
+    a slot."""
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     x = tl.where(col_ok[None, :], x, float("-inf"))
     x_max = tl.max(x, axis=1)  # [BLOCK_T]
@@ -27,15 +29,14 @@ def softmax_topk(
     # Padding columns drop below any real probability so they are never selected.
     probs = tl.where(col_ok[None, :], probs, -1.0)
 
-    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(K):
         best = tl.max(probs, axis=1)  # [BLOCK_T]
         # Lowest index among the maxima, matching torch.topk on distinct values.
         best_i = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [BLOCK_T]
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, best_i[:, None], top_i)
+        top_w = tl.where(cols[None, :] == j, best[:, None], top_w)
+        top_i = tl.where(cols[None, :] == j, best_i[:, None], top_i)
         probs = tl.where(cols[None, :] == best_i[:, None], -2.0, probs)
 
     if RENORMALIZE:
@@ -55,7 +56,6 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -65,11 +65,10 @@ def _route_kernel(
     ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_E]
     # Rows beyond T load zeros rather than -inf so they stay finite; their results are never stored.
-    top_w, top_i = softmax_topk(x, cols < E, K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)  # [BLOCK_T, BLOCK_K]
+    top_w, top_i = softmax_topk(x, cols < E, K, RENORMALIZE, BLOCK_T, BLOCK_E)  # [BLOCK_T, BLOCK_E]: slots < K
 
-    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    out_mask = row_ok[:, None] & (slots[None, :] < K)
-    out_offs = rows.to(tl.int64)[:, None] * K + slots[None, :]
+    out_mask = row_ok[:, None] & (cols[None, :] < K)
+    out_offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     tl.store(weights_ptr + out_offs, top_w, mask=out_mask)
     tl.store(ids_ptr + out_offs, top_i, mask=out_mask)
 
@@ -102,7 +101,6 @@ def route_triton(router_logits: torch.Tensor, k: int, renormalize: bool) -> tupl
         RENORMALIZE=bool(renormalize),
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(k),
         num_warps=4 if block_e * block_t >= 1024 else 1,
     )
     return weights, ids

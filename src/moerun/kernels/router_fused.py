@@ -97,7 +97,6 @@ def _route_fused_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
     xq_ptr=None,  # Q8: the normalised rows as Int8Rows (int8_dot.quantize_x's layout, K padded to K_PAD)
@@ -128,11 +127,11 @@ def _route_fused_kernel(
     # The barrier orders every thread's scratch stores before the release of the ticket (taken by one thread).
     tl.debug_barrier()
     if SPLIT == 1:
-        _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+        _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E)
     else:
         ticket = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel")
         if ticket == SPLIT - 1:
-            _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+            _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E)
             tl.store(counter_ptr + token, 0)
     if Q8:
         # The int8 row in slices of Q_BLOCK values, one a program (programs past K_PAD have none), after the
@@ -173,14 +172,14 @@ def _store_logits(logits_ptr, g, normed, token, rows, row_ok, E: tl.constexpr, I
 @triton.jit
 def _select_experts(
     logits_ptr, weights_ptr, ids_ptr, token,
-    E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Softmax + top-k of one token's scratch logits into its routing weights and expert ids."""
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     # .cg reads through L2, where the other programs' logits are, never a stale L1 line.
     x = tl.load(logits_ptr + token * E + cols, mask=cols < E, other=0.0, cache_modifier=".cg")  # [BLOCK_E]
-    top_w, top_i = softmax_topk(x[None, :], cols < E, K, RENORMALIZE, 1, BLOCK_E, BLOCK_K)  # [1, BLOCK_K]
-    slots = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    top_w, top_i = softmax_topk(x[None, :], cols < E, K, RENORMALIZE, 1, BLOCK_E)  # [1, BLOCK_E]: slots < K
+    slots = cols[None, :]  # [1, BLOCK_E]
     tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
     tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
 
@@ -280,7 +279,7 @@ def _route_fused(
         x.stride(0), residual.stride(0) if residual is not None else 0, gate_weight.stride(0),
         H=H, E=E, K=k, RENORMALIZE=bool(renormalize), HAS_RESIDUAL=residual is not None, SPLIT=split, ROWS=rows,
         BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=triton.next_power_of_2(k), INTERPRET=interpreting(), num_warps=cfg.num_warps,
+        INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
         enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
         **(int8_rows.store_args() if int8_rows is not None else {}),

@@ -316,13 +316,19 @@ def _grid_parts(weight: Weight, n: int) -> list | None:
     return parts if same and parts[0].qtype in GROUP_TYPES else None
 
 
+def _grid_gate_up_parts(T: int, k: int, w13: Weight) -> list | None:
+    """Gate and up when _moe_from_blocks reads them with one GEMV launch for T tokens' k slots (few pairs, one grid
+    type: _grid_gate_up), else None."""
+    return _grid_parts(w13, 2) if _pairs_by_gemv(T, k, w13.shape[0]) else None
+
+
 def _grid_gate_up(hidden: torch.Tensor, w13: Weight, ids: torch.Tensor, k: int,
                   x_int8: Int8Rows | None = None) -> torch.Tensor | None:  # fmt: skip
-    """silu(gate) * up of every (token, slot) pair [T*k, I] in one GEMV launch, when gate and up are one grid type;
-    else None."""
+    """silu(gate) * up of every (token, slot) pair [T*k, I] in one GEMV launch, when gate and up are one grid type
+    and the pairs few; else None."""
     from moerun.kernels.quant.from_blocks import block_gemv
 
-    parts = _grid_parts(w13, 2)
+    parts = _grid_gate_up_parts(hidden.shape[0], k, w13)
     if parts is None:
         return None
     gate, up = parts
@@ -448,7 +454,7 @@ def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) ->
 
     if not has_kernel_layout(w13):  # a GEMV a pair over the blocks: gate and up of a grid type round hidden
         T, H = hidden.shape
-        gemv = _pairs_by_gemv(T, k, w13.shape[0]) and _grid_parts(w13, 2) is not None
+        gemv = _grid_gate_up_parts(T, k, w13) is not None
         return H if gemv and H % 256 == 0 and _grid_rounds(w13) else None
     if not has_kernel_layout(w2):
         return None

@@ -277,14 +277,15 @@ def block_gemv(raw: torch.Tensor, qtype: QuantType, shape: tuple[int, ...], x: t
         xq = (x_int8 if x_int8 is not None else quantize_x(x, K)) if q8 else None
         cfg = config or grid_gemv_config(N, K, up_raw is not None, sum_slots)
         pdl = quant_pdl_mode(x.device, P)
+        table = grid_table(qtype, raw.device)  # [entries, width]
         _group_gemv_kernel[(P // sum_slots, triton.cdiv(N, cfg["BLOCK_N"]))](
             out, raw, raw if up_raw is None else up_raw, raw if ids is None else ids, x if xq is None else xq.xq,
-            x if xq is None else xq.dx, x if weights is None else weights, _grid_words(qtype, raw.device), N, K,
+            x if xq is None else xq.dx, x if weights is None else weights, table.view(torch.int32), N, K,
             row_bytes, x.stride(0) if xq is None else xq.xq.stride(0), 0 if xq is None else xq.dx.stride(0),
             out.stride(0), QTYPE=int(qtype), BLOCK_BYTES=qtype.block_bytes, BLOCK_N=cfg["BLOCK_N"],
             GROUPS=cfg["GROUPS"], X_DIV=x_div, SLOTS=sum_slots, HAS_IDS=ids is not None, X_Q8=q8,
             GATE_UP=up_raw is not None, WEIGHTED=weights is not None, EMULATE_DP4A=emulate_dp4a(),
-            GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=grid_table(qtype, raw.device).shape[0], PDL=pdl,
+            GATHER=bool(cfg.get("gather", 0)), TABLE_ENTRIES=table.shape[0], PDL=pdl,
             STATIC_NG=K // 8 if cfg.get("unroll", 0) else 0, X_TILE=up_raw is not None or sum_slots > 1,
             num_warps=cfg["num_warps"], **launch_options(pdl),
         )  # fmt: skip

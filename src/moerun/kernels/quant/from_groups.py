@@ -324,6 +324,19 @@ def _group_step(QTYPE: tl.constexpr, row_blk, gk, NG, grid, x_row, dx_row, BLOCK
 
 
 @triton.jit
+def _rows_step(QTYPE: tl.constexpr, row_blk, up_blk, gk, NG, table, x_row, dx_row, acc, acc_up,
+               BLOCK_BYTES: tl.constexpr, X_Q8: tl.constexpr, EMULATE_DP4A: tl.constexpr, GATHER: tl.constexpr,
+               X_TILE: tl.constexpr, GATE_UP: tl.constexpr):  # fmt: skip
+    """One step of _group_gemv_kernel: groups gk of the rows (and of the up rows with GATE_UP) added into
+    (acc, acc_up) [BN, G]."""
+    acc += _group_step(QTYPE, row_blk, gk, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8, EMULATE_DP4A, GATHER, X_TILE)
+    if GATE_UP:
+        acc_up += _group_step(QTYPE, up_blk, gk, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8, EMULATE_DP4A, GATHER,
+                              X_TILE)  # fmt: skip
+    return acc, acc_up
+
+
+@triton.jit
 def _group_gemv_kernel(
     out_ptr,  # [P // SLOTS, N]
     raw,  # uint8 GGUF blocks [E, N, row_bytes]
@@ -377,18 +390,12 @@ def _group_gemv_kernel(
         if STATIC_NG > 0:
             # unrolled: no loop boundary between the slots, so every slot's loads can be in flight at once
             for k0 in tl.static_range(0, STATIC_NG, GROUPS):
-                acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                   EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
-                if GATE_UP:
-                    acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                          EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
+                acc, acc_up = _rows_step(QTYPE, row_blk, up_blk, k0 + gs, NG, table, x_row, dx_row, acc, acc_up,
+                                         BLOCK_BYTES, X_Q8, EMULATE_DP4A, GATHER, X_TILE, GATE_UP)  # fmt: skip
         else:
             for k0 in range(0, NG, GROUPS):
-                acc += _group_step(QTYPE, row_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                   EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
-                if GATE_UP:
-                    acc_up += _group_step(QTYPE, up_blk, k0 + gs, NG, table, x_row, dx_row, BLOCK_BYTES, X_Q8,
-                                          EMULATE_DP4A, GATHER, X_TILE)  # fmt: skip
+                acc, acc_up = _rows_step(QTYPE, row_blk, up_blk, k0 + gs, NG, table, x_row, dx_row, acc, acc_up,
+                                         BLOCK_BYTES, X_Q8, EMULATE_DP4A, GATHER, X_TILE, GATE_UP)  # fmt: skip
         part = tl.sum(acc, axis=1)  # [BN]
         if GATE_UP:
             part = part / (1.0 + tl.exp(-part)) * tl.sum(acc_up, axis=1)

@@ -29,6 +29,9 @@ GROUP_TYPES = [t for t in BLOCK_TYPES if t.name.startswith(("IQ1", "IQ2", "IQ3")
 # outputs are rounded at different points; on a GPU the decode kernels also round x and the MoE's intermediate
 # to int8 per 32 values).
 TOL = 4e-2 if DEVICE.type == "cuda" else 2e-2
+# The MoE's few-pairs path rounds its intermediate to int8 per 32 values before a repacked down projection
+# (gemv_v2's GEMM 2) in the interpreter too: up to 2.8% of the largest output over 150 seeds.
+TOL_INT8_DOWN = 4e-2
 
 
 def test_every_read_only_type_is_covered() -> None:
@@ -82,11 +85,12 @@ def test_moe_matches_reference(seed, qt: QuantType, T: int) -> None:
     ref = fused_moe_reference(hidden, w13, w2, weights, ids)
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     scale = ref.float().abs().max().item()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL, atol=TOL * scale, msg=lambda m: f"seed={seed}: {m}")
+    tol = TOL_INT8_DOWN if has_kernel_layout(w2) else TOL  # a Q4_K down: the intermediate rounded to int8
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed}: {m}")
     if T == 3 and has_kernel_layout(w2):  # the down projection repacked and its blocks dropped, as on CUDA
         pack_weight(w2, release_blocks=True)
         again = moe_ops.fused_moe(hidden, w13, w2, weights, ids, backend="triton")
-        torch.testing.assert_close(again.float(), ref.float(), rtol=TOL, atol=TOL * scale,
+        torch.testing.assert_close(again.float(), ref.float(), rtol=tol, atol=tol * scale,
                                    msg=lambda m: f"seed={seed}, repacked w2: {m}")  # fmt: skip
 
 

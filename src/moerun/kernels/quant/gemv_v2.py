@@ -34,16 +34,21 @@ int8 words, scales and sums, and GEMM 2 takes dp4a as well.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
+from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row_int8
+from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config
 
 V2_TYPES = PACKED_TYPES  # every type with a repacked layout
@@ -580,12 +585,35 @@ def _matmul_v2_kernel(
     REM_B: tl.constexpr = 0,
     LOG_BG_B: tl.constexpr = 0,
     HAS_B: tl.constexpr = False,
+    # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
+    # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the first
+    # program of the row while the others wait on its flag (flags_ptr: [M, 2] int32 ticket counters: the flag, and
+    # the programs done, the last of which resets both). The first program also stores the normed row [M, K]
+    # (h_ptr) and x + residual [M, K] (res_out_ptr).
+    res_ptr=None,
+    norm_w_ptr=None,
+    h_ptr=None,
+    res_out_ptr=None,
+    flags_ptr=None,
+    eps=0.0,
+    stride_rm=0,
+    K_NORM: tl.constexpr = 0,
+    BLOCK_H: tl.constexpr = 1,
+    K_PAD: tl.constexpr = 0,
+    HAS_RESIDUAL: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
+    NORM: tl.constexpr = False,
+    NORM_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
     wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
+    if NORM:
+        _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xp_ptr, dx_ptr, xs_ptr, m, pid_n,
+                       eps, stride_xm, stride_rm, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET,
+                       NORM_FIRST)  # fmt: skip
     x_row = x_ptr + m * stride_xm
     xp_row = xp_ptr + m * stride_pm
     xs_row = xs_ptr + m * stride_psm
@@ -596,9 +624,46 @@ def _matmul_v2_kernel(
             _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A, N_B, K,
                             KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B, FULL_B, REM_B,
                             LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
+            _norm_flag_done(flags_ptr, m, NORM_FIRST)
             return
     _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off, X_WORDS,
                     QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8, EMULATE_DP4A)
+    _norm_flag_done(flags_ptr, m, NORM_FIRST)
+
+
+@triton.jit
+def _norm_flag_done(flags_ptr, m, NORM_FIRST: tl.constexpr):
+    """With NORM_FIRST, the program counts itself done; the last of row m resets its flag and count to 0 for the
+    next launch (every program is past its wait by then)."""
+    if NORM_FIRST:
+        flag = flags_ptr + 2 * m
+        if tl.atomic_add(flag + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(flag, 0)
+            tl.atomic_xchg(flag + 1, 0)
+
+
+@triton.jit
+def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, eps,
+                   stride_xm, stride_rm, K_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+                   K_PAD: tl.constexpr, INTERPRET: tl.constexpr, NORM_FIRST: tl.constexpr):  # fmt: skip
+    """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it."""
+    if NORM_FIRST:
+        flag = flags_ptr + 2 * m
+        if pid_n == 0:
+            add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, K_NORM, eps, stride_xm,
+                                  stride_rm, xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD,
+                                  INTERPRET)  # fmt: skip
+            tl.debug_barrier()  # every thread's stores issued before the flag releases them
+            tl.atomic_xchg(flag, 1, sem="release")
+        else:
+            ready = tl.atomic_add(flag, 0, sem="acquire")
+            while ready == 0:
+                ready = tl.atomic_add(flag, 0, sem="acquire")
+    else:
+        n_store = tl.where(pid_n == 0, K_NORM, 0)
+        add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, n_store, eps, stride_xm, stride_rm,
+                              xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET)  # fmt: skip
+        tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -679,17 +744,60 @@ def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
     return x, x, x, {"XP": False}
 
 
+class NormInFront(NamedTuple):
+    """The residual add + RMSNorm that matmul_v2_part runs in front of its GEMV (every program, for its row of x),
+    and where it leaves its results."""
+
+    residual: torch.Tensor | None  # [M, K], added to x first
+    weight: torch.Tensor  # [K] the RMSNorm weight, x's dtype
+    eps: float
+    out: torch.Tensor  # [M, K] contiguous: the normed rows
+    residual_out: torch.Tensor  # [M, K] contiguous: x + residual (unused without a residual)
+    rows: Int8Rows  # the normed rows rounded to int8, which the GEMV reads
+    first: bool  # the first program of a row normalises it while the others wait (else every program does)
+
+    @classmethod
+    def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, k_pad: int,
+              first: bool = False) -> NormInFront:  # fmt: skip
+        """Outputs allocated for x [M, K] (the new residual is x itself without a residual)."""
+        M, K = x.shape
+        out = torch.empty(M, K, dtype=x.dtype, device=x.device)
+        res_out = torch.empty_like(out) if residual is not None else x
+        return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device), first)
+
+    def kernel_args(self, x: torch.Tensor) -> dict:
+        """The NORM keyword arguments of _matmul_v2_kernel."""
+        K, k_pad = x.shape[1], self.rows.k_pad
+        if K > MAX_HIDDEN:
+            raise ValueError(f"a norm in front of the GEMV takes rows of up to {MAX_HIDDEN} values, got {K}")
+        res = self.residual if self.residual is not None else x
+        flags = ticket_counters(x.device, 2 * x.shape[0], "quant_norm_gemv") if self.first else x
+        return dict(res_ptr=res, norm_w_ptr=self.weight, h_ptr=self.out, res_out_ptr=self.residual_out,
+                    flags_ptr=flags, eps=self.eps, stride_rm=res.stride(0), K_NORM=K,
+                    BLOCK_H=triton.next_power_of_2(k_pad), K_PAD=k_pad, HAS_RESIDUAL=self.residual is not None,
+                    INTERPRET=interpreting(), NORM=True, NORM_FIRST=self.first,
+                    enable_fp_fusion=False)  # rounds as the norm kernel does (ops.rms_norm_int8)  # fmt: skip
+
+
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
-                   cfg: Config, x_int8: Int8Rows | None = None,
-                   second: tuple[PackedWeight, int] | None = None) -> None:  # fmt: skip
+                   cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
+                   norm: NormInFront | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
     prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
-    the same config (not x_prep, whose layout depends on the type)."""
+    the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
+    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only)."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
     _check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
-    xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
+    if norm is not None:
+        if not cfg.get("x_q8") or x_int8 is not None or norm.rows.k_pad != w.k_pad:
+            raise ValueError("a norm in front of the GEMV needs a config with x_q8, no int8 rows handed over, and "
+                             "int8 rows of the weight's padded K")
+        xp, dx, xs = norm.rows
+        flags = {"XQ8": True, "XP": False, "EMULATE_DP4A": emulate_dp4a(), **norm.kernel_args(x)}
+    else:
+        xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
     pdl = quant_pdl_mode(x.device, M)
     progs = triton.cdiv(w.n, cfg["BLOCK_N"])
     extra: dict = {}

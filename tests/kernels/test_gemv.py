@@ -342,10 +342,11 @@ def test_attention_forward_fused_norm_falls_back(seed: int) -> None:
     assert_equal_but_int8_rounding(out, ref, res, ref_res, seed)
 
 
-def gguf_qkv_attention(monkeypatch):
+def gguf_qkv_attention(monkeypatch, block_n: int | None = None):
     """A tiny attention whose q|k|v are Q8_0 blocks read on the Triton path (the interpreter on the CPU) by an
-    int8-x GEMV config: (run, calls), run() -> forward_fused_norm's (output, new residual) on a fresh cache copy,
-    calls noting each ops.rms_norm_int8 launch."""
+    int8-x GEMV config (programs of block_n rows if given): (run, calls), run() -> forward_fused_norm's (output,
+    new residual, cache) on a fresh cache copy, calls noting each ops.rms_norm_int8 and ops.qk_norm_rope_write
+    launch."""
     from moerun import ops
     from moerun.formats.quants import QuantizedTensor
     from moerun.kernels.quant import matmul_quant
@@ -356,19 +357,21 @@ def gguf_qkv_attention(monkeypatch):
     blocks = QuantizedTensor.from_float(attn.qkv_proj.weight.detach(), "Q8_0")
     set_quantized(attn.qkv_proj, "weight", QuantizedWeight([QuantizedTensor(blocks.raw.to(DEVICE), blocks.qtype,
                                                                             blocks.shape)]))  # fmt: skip
-    int8_cfg = {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 128, "BLOCK_K": 256, "num_warps": 4,
-                "num_stages": 1, "x_q8": True}  # fmt: skip
+    int8_cfg = {"path": "gemv_v2", "BLOCK_N": block_n or (16 if DEVICE.type == "cuda" else 128), "BLOCK_K": 256,
+                "num_warps": 4, "num_stages": 1, "x_q8": True}  # fmt: skip
     monkeypatch.setattr(matmul_quant, "get_matmul_config", lambda *args: int8_cfg)
     # the interpreter on the CPU, for the quantized matmul and for the norm of the path that rounds x in q|k|v
     monkeypatch.setattr("moerun.ops.quant.pick_backend", lambda *args: "triton")
     monkeypatch.setattr("moerun.ops.norm.pick_backend", lambda *args: "triton")
     calls = []
-    norm_int8 = ops.rms_norm_int8
-    monkeypatch.setattr(ops, "rms_norm_int8", lambda *args: calls.append(1) or norm_int8(*args))
+    for name in ("rms_norm_int8", "qk_norm_rope_write"):
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, op=op, name=name, **kw: calls.append(name) or op(*args, **kw))
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
+    def run() -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        copy = clone_cache(cache)
         with torch.no_grad():
-            return attn.forward_fused_norm(x, residual, norm, batch, clone_cache(cache), backend="triton")
+            return *attn.forward_fused_norm(x, residual, norm, batch, copy, backend="triton"), copy
 
     return run, calls
 
@@ -379,31 +382,36 @@ def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch
     from moerun.layers.linear import Linear
 
     run, calls = gguf_qkv_attention(monkeypatch)
-    out, new_residual = run()
-    assert calls == [1], "the norm did not hand over int8 rows"
+    out, new_residual, _ = run()
+    assert calls.count("rms_norm_int8") == 1, "the norm did not hand over int8 rows"
     monkeypatch.setattr(Linear, "int8_input_pad", lambda self, x, backend=None: None)  # q|k|v rounds x itself
-    ref, ref_residual = run()
-    assert calls == [1]
+    ref, ref_residual, _ = run()
+    assert calls.count("rms_norm_int8") == 1
     assert_equal_but_int8_rounding(out, ref, new_residual, ref_residual, seed)
 
 
-@pytest.mark.parametrize("mode", ["all", "first"])
-def test_attention_runs_the_norm_inside_gguf_qkv(seed: int, monkeypatch, mode: str) -> None:
+@pytest.mark.parametrize("mode,qk", [("all", False), ("first", False), ("all", True), ("first", True)],
+                         ids=["all", "first", "all+qk", "first+qk"])  # fmt: skip
+def test_attention_runs_the_norm_inside_gguf_qkv(seed: int, monkeypatch, mode: str, qk: bool) -> None:
     """GGUF q|k|v with MOERUN_QUANT_NORM_GEMV=all|first: the norm runs inside the q|k|v GEMV's launch instead of
     ops.rms_norm_int8's, with the same output and residual (bit for bit in the interpreter; on a GPU the GEMV's
-    scales are applied without FMA there)."""
-    run, calls = gguf_qkv_attention(monkeypatch)
-    ref, ref_residual = run()
-    assert calls == [1]
+    scales are applied without FMA there); with MOERUN_QUANT_QK_EPILOGUE=1 that launch also does
+    ops.qk_norm_rope_write's work (heads of 16 under 16-row programs)."""
+    run, calls = gguf_qkv_attention(monkeypatch, block_n=16)
+    ref, ref_residual, ref_cache = run()
+    assert calls == ["rms_norm_int8", "qk_norm_rope_write"]
     monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", mode)
-    out, new_residual = run()
-    assert calls == [1], "the norm ran in its own launch"
+    monkeypatch.setenv("MOERUN_QUANT_QK_EPILOGUE", "1" if qk else "0")
+    out, new_residual, cache = run()
+    assert calls[2:] == ([] if qk else ["qk_norm_rope_write"]), "a launch the fused q|k|v GEMV takes ran apart"
     assert torch.equal(new_residual, ref_residual), f"seed={seed}"
-    if DEVICE.type == "cpu":
+    if DEVICE.type == "cpu" and not qk:
         assert torch.equal(out, ref), f"seed={seed}"
-    else:
+    else:  # the epilogue sums a head's squares in its own order (and the torch reference's on the CPU)
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
                                    msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed}: {m}")
     monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", "1")
     with pytest.raises(ValueError, match="MOERUN_QUANT_NORM_GEMV must be 0, all or first"):
         run()

@@ -6,6 +6,8 @@ rounds, so the results differ from torch only through the order of the float32 s
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,7 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import mean_of_squares_rows, round_to
+from moerun.kernels.tickets import ticket_counters
 
 
 # Prompts of more than this many tokens run several heads per program (decode keeps one head per program).
@@ -32,6 +35,7 @@ def norm_rope_heads(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
+    CACHE: tl.constexpr = "",  # the heads' loads' cache modifier (".cg": rows other programs of the launch stored)
 ):
     """Heads [HB, D]: weight * rms_normalise(x), rotated NeoX style; returns [HB, BLOCK_D] in the source dtype."""
     half: tl.constexpr = D // 2
@@ -40,10 +44,10 @@ def norm_rope_heads(
     partner = tl.where(d < half, d + half, d - half)  # the element each one rotates with
     mask = (heads[:, None] < n_heads) & d_ok[None, :]  # [HB, BLOCK_D]
     rows = src_ptr + heads[:, None] * D  # [HB, 1]
-    x = tl.load(rows + d[None, :], mask=mask, other=0.0)  # [HB, BLOCK_D] in the model dtype
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0, cache_modifier=CACHE)  # [HB, BLOCK_D] in the model dtype
     dtype = x.dtype
     xf = x.to(tl.float32)
-    xpf = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xpf = tl.load(rows + partner[None, :], mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     inv_rms = tl.math.rsqrt(mean_of_squares_rows(xf, D, INTERPRET) + eps)[:, None]  # [HB, 1]
     w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_D]
     wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -55,6 +59,69 @@ def norm_rope_heads(
     a = round_to(normed.to(tl.float32) * c, dtype, INTERPRET).to(tl.float32)
     b = round_to(rotated * s, dtype, INTERPRET).to(tl.float32)
     return round_to(a + b, dtype, INTERPRET)
+
+
+@triton.jit
+def head_epilogue(
+    y_row,  # this token's q|k|v row [(N_Q + 2 N_KV) * D] of the GEMV's output
+    vals,  # [ROWS] the values this program stored at columns col0 + [0, ROWS) of it (within one head)
+    col0,
+    t,  # the token (row of x)
+    counters_ptr,  # [T, N_Q + N_KV] int32 ticket counters (tickets.py)
+    q_ptr,  # [T, N_Q, D] output
+    q_w_ptr,  # [D]
+    k_w_ptr,  # [D]
+    cos_ptr,  # [P, D]
+    sin_ptr,  # [P, D]
+    pos_ptr,  # [T]
+    slot_ptr,  # [T]
+    k_cache_ptr,  # [S, L, N_KV, D]
+    v_cache_ptr,  # [S, L, N_KV, D]
+    eps,
+    stride_cos,
+    stride_sin,
+    stride_ks,
+    stride_kl,
+    stride_kh,
+    stride_vs,
+    stride_vl,
+    stride_vh,
+    N_Q: tl.constexpr,
+    N_KV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The work of _qk_norm_rope_write_kernel at the end of a q|k|v GEMV program (decode, no host reads): a program
+    of a v head writes its values into the v cache; the last of a q or k head's D / ROWS programs to store its
+    values normalises and rotates the whole head (read back from y) into q or the k cache, as that kernel does."""
+    head = col0 // D
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if head >= N_Q + N_KV:  # v passes through unchanged
+        d = col0 % D + tl.arange(0, ROWS)  # [ROWS]
+        v_dst = v_cache_ptr + slot * stride_vs + pos * stride_vl + (head - N_Q - N_KV) * stride_vh + d
+        tl.store(v_dst, vals.to(v_cache_ptr.dtype.element_ty))
+    else:
+        counter = counters_ptr + t * (N_Q + N_KV) + head
+        tl.debug_barrier()  # every thread's values are stored before the ticket is taken
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == D // ROWS - 1:
+            tl.atomic_xchg(counter, 0)  # the head is complete (acquire): reset for the next launch
+            d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            cos_row = cos_ptr + pos * stride_cos
+            sin_row = sin_ptr + pos * stride_sin
+            heads = head + tl.arange(0, 1)  # [1]
+            if head < N_Q:
+                out = norm_rope_heads(y_row, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET,
+                                      ".cg")  # [1, BLOCK_D]
+                tl.store(q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=d[None, :] < D)
+            else:
+                kv = heads - N_Q
+                out = norm_rope_heads(y_row + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D,
+                                      INTERPRET, ".cg")  # fmt: skip
+                k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
+                tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=d[None, :] < D)
 
 
 @triton.jit
@@ -190,6 +257,54 @@ def qk_norm_rope_write_triton(
         **launch_options(pdl),
     )
     return q
+
+
+class QkEpilogue(NamedTuple):
+    """What a q|k|v GEMV needs to end with the q/k norm, RoPE and k/v cache write (head_epilogue), and the q it
+    writes: qk_norm_rope_write_triton's arguments, for the GEMV's output rows."""
+
+    q_norm_w: torch.Tensor  # [D]
+    k_norm_w: torch.Tensor  # [D]
+    eps: float
+    cos: torch.Tensor  # [P, D]
+    sin: torch.Tensor  # [P, D]
+    positions: torch.Tensor  # [T]
+    token_slots: torch.Tensor  # [T]
+    k_cache: torch.Tensor  # [S, L, n_kv, D]
+    v_cache: torch.Tensor  # [S, L, n_kv, D]
+    n_q: int
+    n_kv: int
+    q: torch.Tensor  # [T, n_q, D] output
+
+    @classmethod
+    def make(cls, T: int, dtype: torch.dtype, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float,
+             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_kv: int) -> QkEpilogue:  # fmt: skip
+        """Checked as qk_norm_rope_write_triton checks its inputs, for a q|k|v output [T, (n_q + 2 n_kv) D] of
+        dtype; q allocated."""
+        D = cos.shape[-1]
+        qkv = torch.empty(T, (n_q + 2 * n_kv) * D, dtype=dtype, device="meta")  # shapes and dtypes only
+        check_qk_inputs(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
+        q = torch.empty(T, n_q, D, dtype=dtype, device=cos.device)
+        return cls(q_norm_w.contiguous(), k_norm_w.contiguous(), eps, unit_inner_stride(cos), unit_inner_stride(sin),
+                   positions, token_slots, k_cache, v_cache, n_q, n_kv, q)  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.cos.shape[-1]
+
+    def kernel_args(self) -> dict:
+        """head_epilogue's arguments as keywords of a GEMV kernel that calls it (QK=True)."""
+        T = self.q.shape[0]
+        counters = ticket_counters(self.q.device, T * (self.n_q + self.n_kv), "qk_epilogue")
+        kc, vc = self.k_cache, self.v_cache
+        return dict(qk_counters_ptr=counters, q_ptr=self.q, q_w_ptr=self.q_norm_w, k_w_ptr=self.k_norm_w,
+                    cos_ptr=self.cos, sin_ptr=self.sin, pos_ptr=self.positions, slot_ptr=self.token_slots,
+                    k_cache_ptr=kc, v_cache_ptr=vc, qk_eps=self.eps, stride_cos=self.cos.stride(0),
+                    stride_sin=self.sin.stride(0), stride_ks=kc.stride(0), stride_kl=kc.stride(1),
+                    stride_kh=kc.stride(2), stride_vs=vc.stride(0), stride_vl=vc.stride(1), stride_vh=vc.stride(2),
+                    N_Q=self.n_q, N_KV=self.n_kv, D=self.head_dim, BLOCK_D=triton.next_power_of_2(self.head_dim),
+                    INTERPRET=interpreting(), QK=True)  # fmt: skip
 
 
 def unit_inner_stride(t: torch.Tensor) -> torch.Tensor:

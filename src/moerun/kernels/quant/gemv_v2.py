@@ -44,6 +44,7 @@ from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
+from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
@@ -516,7 +517,8 @@ def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, 
                     X_WORDS, QT: tl.constexpr, WPG: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_G: tl.constexpr, FULL: tl.constexpr, REM: tl.constexpr, LOG_BG: tl.constexpr,
                     EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
-    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part."""
+    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part: stored, and
+    returned [BLOCK_N] in y's dtype."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs_n < N
     rows = tl.where(ok, offs_n, 0).to(tl.int64)
@@ -536,7 +538,9 @@ def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, 
                                KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_row + col_off + offs_n, acc.to(y_row.dtype.element_ty), mask=ok)
+    vals = acc.to(y_row.dtype.element_ty)
+    tl.store(y_row + col_off + offs_n, vals, mask=ok)
+    return vals
 
 
 @triton.jit
@@ -604,6 +608,31 @@ def _matmul_v2_kernel(
     INTERPRET: tl.constexpr = False,
     NORM: tl.constexpr = False,
     NORM_FIRST: tl.constexpr = False,
+    # QK: y is a q|k|v row, ended by the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue's arguments)
+    qk_counters_ptr=None,
+    q_ptr=None,
+    q_w_ptr=None,
+    k_w_ptr=None,
+    cos_ptr=None,
+    sin_ptr=None,
+    pos_ptr=None,
+    slot_ptr=None,
+    k_cache_ptr=None,
+    v_cache_ptr=None,
+    qk_eps=0.0,
+    stride_cos=0,
+    stride_sin=0,
+    stride_ks=0,
+    stride_kl=0,
+    stride_kh=0,
+    stride_vs=0,
+    stride_vl=0,
+    stride_vh=0,
+    N_Q: tl.constexpr = 0,
+    N_KV: tl.constexpr = 0,
+    D: tl.constexpr = 1,
+    BLOCK_D: tl.constexpr = 1,
+    QK: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
@@ -621,13 +650,24 @@ def _matmul_v2_kernel(
     y_row = y_ptr + m * stride_ym
     if HAS_B:
         if pid_n >= PROGS_A:
-            _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A, N_B, K,
-                            KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B, FULL_B, REM_B,
-                            LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
+            vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A,
+                                   N_B, K, KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B,
+                                   FULL_B, REM_B, LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
+            if QK:
+                head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk_counters_ptr, q_ptr,
+                              q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
+                              stride_cos, stride_sin, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl,
+                              stride_vh, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
             _norm_flag_done(flags_ptr, m, NORM_FIRST)
             return
-    _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off, X_WORDS,
-                    QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8, EMULATE_DP4A)
+    vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
+                           X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
+                           EMULATE_DP4A)  # fmt: skip
+    if QK:
+        head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk_counters_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_ptr,
+                      sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cos, stride_sin, stride_ks,
+                      stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, N_Q, N_KV, D, BLOCK_D, BLOCK_N,
+                      INTERPRET)  # fmt: skip
     _norm_flag_done(flags_ptr, m, NORM_FIRST)
 
 
@@ -781,12 +821,14 @@ class NormInFront(NamedTuple):
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
-                   norm: NormInFront | None = None) -> None:  # fmt: skip
+                   norm: NormInFront | None = None, qk: QkEpilogue | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
     prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
     the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
-    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only)."""
+    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only). ``qk``: y is
+    the q|k|v output (its parts whole heads, BLOCK_N dividing the head dim), ended by the q/k norm, RoPE and the
+    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q."""
     M, K = x.shape
     groups = w.k_pad // _group_elems(w.qtype)
     _check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
@@ -798,6 +840,14 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
         flags = {"XQ8": True, "XP": False, "EMULATE_DP4A": emulate_dp4a(), **norm.kernel_args(x)}
     else:
         xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
+    if qk is not None:
+        parts = [w] + ([second[0]] if second is not None else [])
+        D = qk.head_dim
+        if (D % cfg["BLOCK_N"] or any(p.n % D for p in parts) or col_off or y.shape[1] != (qk.n_q + 2 * qk.n_kv) * D
+                or sum(p.n for p in parts) != y.shape[1] or qk.q.shape[0] != M):
+            raise ValueError(f"the q/k epilogue needs whole heads of {D} in every part, programs of rows dividing a "
+                             f"head (BLOCK_N {cfg['BLOCK_N']}) and one launch for the whole q|k|v output")
+        flags = {**flags, **qk.kernel_args(), "enable_fp_fusion": False}  # rounds as qk_norm_rope_write does
     pdl = quant_pdl_mode(x.device, M)
     progs = triton.cdiv(w.n, cfg["BLOCK_N"])
     extra: dict = {}

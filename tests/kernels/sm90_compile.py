@@ -263,6 +263,11 @@ def _cases() -> dict[str, Callable[[], None]]:
                                                 gemv.GemvConfig(block_n=16, block_k=64, dot=True, num_stages=3)),
         "gemv with add + RMSNorm": lambda: gemv.rms_norm_linear_triton(x1, x1, norm_w, 1e-6,
                                                                        torch.randn(64, H, dtype=bf16)),
+        "gemv with add + RMSNorm, ending with the q/k norm, RoPE and cache write": lambda: gemv.rms_norm_linear_triton(
+            x1, x1, norm_w, 1e-6, torch.randn(96, H, dtype=bf16), config=gemv.GemvConfig(block_n=4, block_k=256),
+            qk=QkEpilogue.make(1, bf16, torch.ones(16, dtype=bf16), torch.ones(16, dtype=bf16), 1e-6, cos[:, :16],
+                               sin[:, :16], lens.long() - 1, slots, torch.zeros(2, L, 2, 16, dtype=bf16),
+                               torch.zeros(2, L, 2, 16, dtype=bf16), 2, 2)),
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
         "route": lambda: route_triton(torch.randn(8, E), k, True),

@@ -20,6 +20,7 @@ from moerun.kernels.gemv import (  # noqa: E402
     choose,
     default_config,
     linear_triton,
+    qk_epilogue_applies,
     load_table,
     rms_norm_linear_triton,
     table_key,
@@ -266,12 +267,11 @@ def tiny_attention(dtype: torch.dtype, num_heads: int = 4, head_dim: int = 16) -
     return attn.to(DEVICE, dtype), norm.to(DEVICE, dtype), config
 
 
-def decode_inputs(config: ModelConfig, dtype: torch.dtype):
-    positions = [5, 11, 2]
-    cache = KVCache(1, len(positions), 16, config.num_kv_heads, config.head_dim, dtype, DEVICE)
+def decode_inputs(config: ModelConfig, dtype: torch.dtype, positions: tuple[int, ...] = (5, 11, 2)):
+    cache = KVCache(1, 3, 16, config.num_kv_heads, config.head_dim, dtype, DEVICE)
     cache.k.normal_()
     cache.v.normal_()
-    batch = ForwardBatch.build(positions, [1] * len(positions), [2, 0, 1], DEVICE)
+    batch = ForwardBatch.build(list(positions), [1] * len(positions), [2, 0, 1][: len(positions)], DEVICE)
     x, residual = (torch.randn(2, len(positions), config.hidden_size) * 2).to(dtype).to(DEVICE).unbind(0)
     return batch, cache, x, residual
 
@@ -323,6 +323,68 @@ def test_attention_forward_fused_norm(seed: int, dtype: torch.dtype, with_residu
     torch.testing.assert_close(out, ref, **tol, msg=lambda m: f"seed={seed}: {m}")
     torch.testing.assert_close(cache_fused.k, cache_ref.k, **tol, msg=lambda m: f"seed={seed} k cache: {m}")
     torch.testing.assert_close(cache_fused.v, cache_ref.v, **tol, msg=lambda m: f"seed={seed} v cache: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_forward_fused_norm_with_the_qk_epilogue(seed: int, dtype: torch.dtype, monkeypatch) -> None:
+    """One token, MOERUN_QK_EPILOGUE=1: the q|k|v GEMV with the norm in front also does the q/k norm, RoPE and
+    cache write (no launch of ops.qk_norm_rope_write), with the outputs and caches of the two launches."""
+    from moerun import ops
+
+    attn, norm, config = tiny_attention(dtype)
+    batch, cache, x, residual = decode_inputs(config, dtype, positions=(7,))
+    calls = []
+    qk_op = ops.qk_norm_rope_write
+    monkeypatch.setattr(ops, "qk_norm_rope_write", lambda *a, **kw: calls.append(1) or qk_op(*a, **kw))
+    cache_ref, cache_fused = clone_cache(cache), clone_cache(cache)
+    with torch.no_grad():
+        ref, ref_residual = attn.forward_fused_norm(x, residual, norm, batch, cache_ref, backend="triton")
+        assert calls == [1]
+        monkeypatch.setenv("MOERUN_QK_EPILOGUE", "1")
+        out, new_residual = attn.forward_fused_norm(x, residual, norm, batch, cache_fused, backend="triton")
+    assert calls == [1], "the q/k norm ran in its own launch"
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    # the epilogue rounds as the Triton q/k kernel does; on the CPU the two-launch path takes the torch reference,
+    # whose sum of squares runs in another order
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(cache_fused.k, cache_ref.k, **tol, msg=lambda m: f"seed={seed} k cache: {m}")
+    assert torch.equal(cache_fused.v, cache_ref.v), f"seed={seed}: v passes through unchanged"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_linear_qk_epilogue_equals_the_qk_kernel(seed: int, dtype: torch.dtype) -> None:
+    # the dense q|k|v GEMV ending with the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue) against the
+    # GEMV followed by qk_norm_rope_write's launch; refused where it does not apply
+    from moerun.kernels.qk_norm_rope import QkEpilogue, qk_norm_rope_write_triton
+
+    n_q, n_kv, D, K, S, L = 4, 2, 32, 64, 3, 8
+    cfg = GemvConfig(block_n=8, block_k=32)  # four programs a head
+    x, residual = (torch.randn(1, K, device=DEVICE).to(dtype) for _ in range(2))
+    norm_w = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
+    weight = (torch.randn((n_q + 2 * n_kv) * D, K, device=DEVICE) / K**0.5).to(dtype)
+    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(L, D, device=DEVICE).to(dtype) for _ in range(2))
+    positions, slots = torch.tensor([6], device=DEVICE), torch.tensor([1], device=DEVICE, dtype=torch.int32)
+    caches = [torch.randn(S, L, n_kv, D, device=DEVICE).to(dtype) for _ in range(2)]
+    ref_k, ref_v = (c.clone() for c in caches)
+    ref_y, ref_res = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, config=cfg)
+    ref_q = qk_norm_rope_write_triton(ref_y, q_w, k_w, EPS, cos, sin, positions, slots, ref_k, ref_v, n_q, n_kv)
+    qk = QkEpilogue.make(1, dtype, q_w, k_w, EPS, cos, sin, positions, slots, caches[0], caches[1], n_q, n_kv)
+    assert qk_epilogue_applies(x, weight, D, cfg)
+    y, res = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, config=cfg, qk=qk)
+    assert torch.equal(y, ref_y) and torch.equal(res, ref_res), f"seed={seed}"
+    assert not ticket_counters(DEVICE, n_q + n_kv, "qk_epilogue").any(), "counters reset for the next launch"
+    assert torch.equal(caches[1], ref_v), f"seed={seed}: v cache"
+    for got, want, what in ((qk.q, ref_q, "q"), (caches[0], ref_k, "k cache")):
+        if DEVICE.type == "cpu":  # the interpreter fuses no float operations
+            assert torch.equal(got, want), f"seed={seed}: {what}"
+        else:  # the GEMV keeps FMA (its products), so a head's sum of squares may round apart
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"seed={seed} {what}: {m}")
+    for bad in (GemvConfig(block_n=64, block_k=32), GemvConfig(block_n=8, block_k=16, split_k=2)):
+        assert not qk_epilogue_applies(x, weight, D, bad)
+        with pytest.raises(ValueError, match="the q/k epilogue needs one token"):
+            rms_norm_linear_triton(x, residual, norm_w, EPS, weight, config=bad, qk=qk)
 
 
 def test_attention_forward_fused_norm_falls_back(seed: int) -> None:
@@ -395,13 +457,13 @@ def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch
 def test_attention_runs_the_norm_inside_gguf_qkv(seed: int, monkeypatch, mode: str, qk: bool) -> None:
     """GGUF q|k|v with MOERUN_QUANT_NORM_GEMV=all|first: the norm runs inside the q|k|v GEMV's launch instead of
     ops.rms_norm_int8's, with the same output and residual (bit for bit in the interpreter; on a GPU the GEMV's
-    scales are applied without FMA there); with MOERUN_QUANT_QK_EPILOGUE=1 that launch also does
+    scales are applied without FMA there); with MOERUN_QK_EPILOGUE=1 that launch also does
     ops.qk_norm_rope_write's work (heads of 16 under 16-row programs)."""
     run, calls = gguf_qkv_attention(monkeypatch, block_n=16)
     ref, ref_residual, ref_cache = run()
     assert calls == ["rms_norm_int8", "qk_norm_rope_write"]
     monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", mode)
-    monkeypatch.setenv("MOERUN_QUANT_QK_EPILOGUE", "1" if qk else "0")
+    monkeypatch.setenv("MOERUN_QK_EPILOGUE", "1" if qk else "0")
     out, new_residual, cache = run()
     assert calls[2:] == ([] if qk else ["qk_norm_rope_write"]), "a launch the fused q|k|v GEMV takes ran apart"
     assert torch.equal(new_residual, ref_residual), f"seed={seed}"

@@ -71,21 +71,16 @@ def head_epilogue(
     q_ptr,  # [T, N_Q, D] output
     q_w_ptr,  # [D]
     k_w_ptr,  # [D]
-    cos_ptr,  # [P, D]
-    sin_ptr,  # [P, D]
+    cos_ptr,  # [P, D] contiguous
+    sin_ptr,  # [P, D] contiguous
     pos_ptr,  # [T]
     slot_ptr,  # [T]
     k_cache_ptr,  # [S, L, N_KV, D]
-    v_cache_ptr,  # [S, L, N_KV, D]
+    v_cache_ptr,  # [S, L, N_KV, D], strided as k_cache
     eps,
-    stride_cos,
-    stride_sin,
-    stride_ks,
-    stride_kl,
-    stride_kh,
-    stride_vs,
-    stride_vl,
-    stride_vh,
+    stride_cs,  # the caches' strides along S, L and N_KV
+    stride_cl,
+    stride_ch,
     N_Q: tl.constexpr,
     N_KV: tl.constexpr,
     D: tl.constexpr,
@@ -101,7 +96,7 @@ def head_epilogue(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if head >= N_Q + N_KV:  # v passes through unchanged
         d = col0 % D + tl.arange(0, ROWS)  # [ROWS]
-        v_dst = v_cache_ptr + slot * stride_vs + pos * stride_vl + (head - N_Q - N_KV) * stride_vh + d
+        v_dst = v_cache_ptr + slot * stride_cs + pos * stride_cl + (head - N_Q - N_KV) * stride_ch + d
         tl.store(v_dst, vals.to(v_cache_ptr.dtype.element_ty))
     else:
         counter = counters_ptr + t * (N_Q + N_KV) + head
@@ -109,8 +104,8 @@ def head_epilogue(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == D // ROWS - 1:
             tl.atomic_xchg(counter, 0)  # the head is complete (acquire): reset for the next launch
             d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-            cos_row = cos_ptr + pos * stride_cos
-            sin_row = sin_ptr + pos * stride_sin
+            cos_row = cos_ptr + pos * D
+            sin_row = sin_ptr + pos * D
             heads = head + tl.arange(0, 1)  # [1]
             if head < N_Q:
                 out = norm_rope_heads(y_row, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET,
@@ -120,7 +115,7 @@ def head_epilogue(
                 kv = heads - N_Q
                 out = norm_rope_heads(y_row + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D,
                                       INTERPRET, ".cg")  # fmt: skip
-                k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
+                k_dst = k_cache_ptr + slot * stride_cs + pos * stride_cl + kv[:, None] * stride_ch + d[None, :]
                 tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=d[None, :] < D)
 
 
@@ -285,9 +280,12 @@ class QkEpilogue(NamedTuple):
         D = cos.shape[-1]
         qkv = torch.empty(T, (n_q + 2 * n_kv) * D, dtype=dtype, device="meta")  # shapes and dtypes only
         check_qk_inputs(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError(f"the k and v caches must share their strides, got {k_cache.stride()} and "
+                             f"{v_cache.stride()}")  # fmt: skip
         q = torch.empty(T, n_q, D, dtype=dtype, device=cos.device)
-        return cls(q_norm_w.contiguous(), k_norm_w.contiguous(), eps, unit_inner_stride(cos), unit_inner_stride(sin),
-                   positions, token_slots, k_cache, v_cache, n_q, n_kv, q)  # fmt: skip
+        return cls(q_norm_w.contiguous(), k_norm_w.contiguous(), eps, cos.contiguous(), sin.contiguous(), positions,
+                   token_slots, k_cache, v_cache, n_q, n_kv, q)  # fmt: skip
 
     @property
     def head_dim(self) -> int:
@@ -297,14 +295,12 @@ class QkEpilogue(NamedTuple):
         """head_epilogue's arguments as keywords of a GEMV kernel that calls it (QK=True)."""
         T = self.q.shape[0]
         counters = ticket_counters(self.q.device, T * (self.n_q + self.n_kv), "qk_epilogue")
-        kc, vc = self.k_cache, self.v_cache
+        kc = self.k_cache
         return dict(qk_counters_ptr=counters, q_ptr=self.q, q_w_ptr=self.q_norm_w, k_w_ptr=self.k_norm_w,
                     cos_ptr=self.cos, sin_ptr=self.sin, pos_ptr=self.positions, slot_ptr=self.token_slots,
-                    k_cache_ptr=kc, v_cache_ptr=vc, qk_eps=self.eps, stride_cos=self.cos.stride(0),
-                    stride_sin=self.sin.stride(0), stride_ks=kc.stride(0), stride_kl=kc.stride(1),
-                    stride_kh=kc.stride(2), stride_vs=vc.stride(0), stride_vl=vc.stride(1), stride_vh=vc.stride(2),
-                    N_Q=self.n_q, N_KV=self.n_kv, D=self.head_dim, BLOCK_D=triton.next_power_of_2(self.head_dim),
-                    INTERPRET=interpreting(), QK=True)  # fmt: skip
+                    k_cache_ptr=kc, v_cache_ptr=self.v_cache, qk_eps=self.eps, stride_cs=kc.stride(0),
+                    stride_cl=kc.stride(1), stride_ch=kc.stride(2), N_Q=self.n_q, N_KV=self.n_kv, D=self.head_dim,
+                    BLOCK_D=triton.next_power_of_2(self.head_dim), INTERPRET=interpreting(), QK=True)  # fmt: skip
 
 
 def unit_inner_stride(t: torch.Tensor) -> torch.Tensor:

@@ -82,41 +82,57 @@ class Qwen3Attention(nn.Module):
         At decode with a dense q|k|v weight the residual add and the norm run inside the q|k|v GEMV
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
         blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``), or with
-        ``MOERUN_QUANT_NORM_GEMV=all|first`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``),
-        and with ``MOERUN_QUANT_QK_EPILOGUE=1`` too that launch ends with the q/k norm, RoPE and cache write.
+        ``MOERUN_QUANT_NORM_GEMV=all|first`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``).
+        With ``MOERUN_QK_EPILOGUE=1`` a q|k|v GEMV with the norm in front also ends with the q/k norm, RoPE and cache
+        write where it can (_qk_epilogue).
         """
         if self._fuse_norm(x, batch, backend):
+            qk = self._qk_epilogue(x, batch, cache, backend)
             qkv, residual = ops.rms_norm_linear(
-                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend
+                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend, qk=qk
             )  # [T, (n_q + 2 n_kv) D], [T, H]
-            return self._attend(qkv, batch, cache), residual
+            return self._attend_after(qkv, qk, batch, cache), residual
         pad = None if batch.is_prefill else self.qkv_proj.int8_input_pad(x, backend)
         if pad is not None and self.qkv_proj.norm_in_front(x, backend):  # the norm inside the q|k|v GEMV
-            qk = self._qk_epilogue(x, batch, cache)
+            qk = self._qk_epilogue(x, batch, cache, backend)
             qkv, residual = self.qkv_proj.forward_norm_in_front(x, residual, norm.weight, norm.eps, qk)
-            if qk is not None:  # the launch also normalised and rotated q and k and wrote the caches
-                return self._decode(qk.q, batch, cache), residual
-            return self._attend(qkv, batch, cache), residual
+            return self._attend_after(qkv, qk, batch, cache), residual
         if pad is not None:  # GGUF q|k|v whose decode kernels round x to int8: the norm hands it over rounded
             h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad)
             return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache), residual
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h, batch, cache), residual
 
-    def _qk_epilogue(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> QkEpilogue | None:
+    def _qk_epilogue(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                     backend: str | None) -> QkEpilogue | None:  # fmt: skip
         """The q/k norm, RoPE and cache write as the end of the q|k|v GEMV with the norm in front, at decode
-        (``MOERUN_QUANT_QK_EPILOGUE=1``, off by default until timed; ops.quant.qk_epilogue_applies), else None."""
-        if os.environ.get("MOERUN_QUANT_QK_EPILOGUE", "0") != "1" or batch.is_prefill:
+        (``MOERUN_QK_EPILOGUE=1``, off by default until timed; the dense GEMV at one token, the quantized one at
+        a few), else None."""
+        if os.environ.get("MOERUN_QK_EPILOGUE", "0") != "1" or batch.is_prefill:
             return None
         from moerun.kernels.qk_norm_rope import QkEpilogue
-        from moerun.ops.quant import qk_epilogue_applies
 
-        if not qk_epilogue_applies(x, self.qkv_proj.__dict__["q_weight"], self.head_dim):
+        q_weight = self.qkv_proj.__dict__.get("q_weight")
+        if q_weight is None:
+            from moerun.ops.linear import qk_epilogue_applies
+
+            applies = qk_epilogue_applies(x, self.qkv_proj.weight, self.head_dim, backend)
+        else:
+            from moerun.ops.quant import qk_epilogue_applies
+
+            applies = qk_epilogue_applies(x, q_weight, self.head_dim)
+        if not applies:
             return None
         cos, sin = self.rotary.cos_sin(x.device, x.dtype)
         return QkEpilogue.make(x.shape[0], x.dtype, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
                                batch.positions, batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q,
                                self.n_kv)  # fmt: skip
+
+    def _attend_after(self, qkv: torch.Tensor, qk: QkEpilogue | None, batch: ForwardBatch,
+                      cache: KVCache) -> torch.Tensor:  # fmt: skip
+        """_attend of the q|k|v output, or where its launch ended with the q/k epilogue (q normalised and rotated,
+        the caches written) the decode attention of that q."""
+        return self._attend(qkv, batch, cache) if qk is None else self._decode(qk.q, batch, cache)
 
     def _fuse_norm(self, x: torch.Tensor, batch: ForwardBatch, backend: str | None) -> bool:
         """Whether forward_fused_norm runs the fused norm + q|k|v GEMV (never for GGUF-block weights)."""

@@ -620,14 +620,9 @@ def _matmul_v2_kernel(
     k_cache_ptr=None,
     v_cache_ptr=None,
     qk_eps=0.0,
-    stride_cos=0,
-    stride_sin=0,
-    stride_ks=0,
-    stride_kl=0,
-    stride_kh=0,
-    stride_vs=0,
-    stride_vl=0,
-    stride_vh=0,
+    stride_cs=0,
+    stride_cl=0,
+    stride_ch=0,
     N_Q: tl.constexpr = 0,
     N_KV: tl.constexpr = 0,
     D: tl.constexpr = 1,
@@ -656,8 +651,7 @@ def _matmul_v2_kernel(
             if QK:
                 head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk_counters_ptr, q_ptr,
                               q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
-                              stride_cos, stride_sin, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl,
-                              stride_vh, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
+                              stride_cs, stride_cl, stride_ch, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
             _norm_flag_done(flags_ptr, m, NORM_FIRST)
             return
     vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
@@ -665,9 +659,8 @@ def _matmul_v2_kernel(
                            EMULATE_DP4A)  # fmt: skip
     if QK:
         head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk_counters_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_ptr,
-                      sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cos, stride_sin, stride_ks,
-                      stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, N_Q, N_KV, D, BLOCK_D, BLOCK_N,
-                      INTERPRET)  # fmt: skip
+                      sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cs, stride_cl, stride_ch,
+                      N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
     _norm_flag_done(flags_ptr, m, NORM_FIRST)
 
 

@@ -91,7 +91,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.ops.quant import _pair_products, fused_moe_quantized
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
-    from moerun.kernels.quant.gemv_v2 import NormInFront, matmul_v2_part
+    from moerun.kernels.quant.matmul_v2 import NormInFront, matmul_v2_part
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
     from moerun.kernels.quant.repack import expert_addresses, pack
     from moerun.kernels.quant.synthetic import random_quantized

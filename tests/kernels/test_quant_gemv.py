@@ -246,7 +246,7 @@ def test_matmul_v2_two_parts_in_one_launch(seed, monkeypatch, x_q8) -> None:
     # Consecutive parts of the types gemv_v2 reads (q|k Q4_K, v Q6_K) run as one launch, bit for bit the separate
     # launches (MOERUN_QUANT_JOINT=0) under the same config; then Q8_0 alone, its successor being an F16 part
     # (torch). N = 40 and 24 end inside a program's rows.
-    from moerun.kernels.quant import gemv_v2
+    from moerun.kernels.quant import matmul_v2
 
     K = 512
     dense = torch.randn(16, K).half()
@@ -258,14 +258,14 @@ def test_matmul_v2_two_parts_in_one_launch(seed, monkeypatch, x_q8) -> None:
     bias = torch.randn(sum(p.shape[0] for p in parts), device=DEVICE).bfloat16()
     cfg = {**MATMUL_V2, "BLOCK_N": 16, "x_q8": x_q8}
     launches = []
-    kernel = gemv_v2._matmul_v2_kernel
+    kernel = matmul_v2._matmul_v2_kernel
 
     class Counting:
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(gemv_v2, "_matmul_v2_kernel", Counting())
+    monkeypatch.setattr(matmul_v2, "_matmul_v2_kernel", Counting())
     monkeypatch.setenv("MOERUN_QUANT_JOINT", "0")
     separate = quant_matmul_triton(x, packed, bias, config=cfg)
     assert [g[0] for g in launches] == [3, 3, 2]

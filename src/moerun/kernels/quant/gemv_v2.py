@@ -1,5 +1,6 @@
 """Decode path "gemv_v2" of the quantized fused MoE (Q4_K, Q6_K, Q8_0; with int8 x also Q5_K, Q4_0, Q4_1, Q5_0,
 Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS): fewer instructions per weight, two launches, the k-slot sum inside GEMM 2.
+The dense GEMV on the same word loads and x tiles (x_chunk, rows_chunk): matmul_v2.py.
 
 Weights are read as int32 words, a "group" of contiguous words per thread and row: a Q4_K pair q (8 words:
 byte b of word j holds element 64q + 4j + b in its low nibble, 64q + 32 + 4j + b in its high nibble, see
@@ -34,22 +35,16 @@ int8 words, scales and sums, and GEMM 2 takes dp4a as well.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
-from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
-from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
-from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row_int8
-from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config
 
 V2_TYPES = PACKED_TYPES  # every type with a repacked layout
@@ -252,7 +247,7 @@ def _xp_tiles(QT: tl.constexpr, a, s_row, g3, ok4, ok3, WORDS):
 
 
 @triton.jit
-def _x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
+def x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
              EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr):  # fmt: skip
     """x tiles of one row of x for groups gi [G]: int8 (XQ8: xp_row the int8 words, dx_row their scales; the
     tuple is (xa, xb, da, db, -, -, -, -, X0, X1)), from the prepared position-major row (XP) or from x itself."""
@@ -271,11 +266,11 @@ def _x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row,
 
 
 @triton.jit
-def _rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
+def rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
                 G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8: tl.constexpr,
                 EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N] of rows [BLOCK_N] (ok: which to read) over groups [g0, g0 + G) against one token's
-    x tiles (_x_chunk of the same groups)."""
+    x tiles (x_chunk of the same groups)."""
     gi = g0 + tl.arange(0, G)  # [G]
     j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
     if XQ8:
@@ -296,11 +291,11 @@ def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_
     """(gate, up) partial sums [BLOCK_N] over groups [g0, g0 + G) of the rows (rows where ok is false read
     nothing)."""
     gi = g0 + tl.arange(0, G)  # [G]
-    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gi, EVEN_K,
+    x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gi, EVEN_K,
                                                       XP, XQ8)  # fmt: skip
-    dg = _rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
+    dg = rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
                      EMULATE_DP4A)  # fmt: skip
-    du = _rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
+    du = rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
                      EMULATE_DP4A)  # fmt: skip
     return dg, du
 
@@ -512,215 +507,28 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
     return tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the step's slots
 
 
-@triton.jit
-def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
-                    X_WORDS, QT: tl.constexpr, WPG: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_G: tl.constexpr, FULL: tl.constexpr, REM: tl.constexpr, LOG_BG: tl.constexpr,
-                    EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
-    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part: stored, and
-    returned [BLOCK_N] in y's dtype."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    ok = offs_n < N
-    rows = tl.where(ok, offs_n, 0).to(tl.int64)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range(FULL):
-        gi = c * BLOCK_G + tl.arange(0, BLOCK_G)
-        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
-                                                          EVEN_K, XP, XQ8)  # fmt: skip
-        acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, c * BLOCK_G, BLOCK_G, KQ,
-                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
-    for b in tl.static_range(LOG_BG):
-        if (REM >> b) & 1:
-            gi = FULL * BLOCK_G + (REM & ((1 << b) - 1)) + tl.arange(0, 1 << b)
-            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = _x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
-                                                              EVEN_K, XP, XQ8)  # fmt: skip
-            acc += _rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b,
-                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
-    vals = acc.to(y_row.dtype.element_ty)
-    tl.store(y_row + col_off + offs_n, vals, mask=ok)
-    return vals
-
-
-@triton.jit
-def _matmul_v2_kernel(
-    x_ptr,  # [M, K]
-    xp_ptr,  # [M, K_pad] x position-major (XP), int32 words [M, K_pad / 4] (XQ8), else a dummy
-    xs_ptr,  # [M, K_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
-    dx_ptr,  # [M, K_pad / 32] float32 int8 scales (XQ8; else a dummy)
-    y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
-    bias_ptr,  # [N_total] or a dummy
-    wc, wh, ws, wd,  # weight arrays (codes / high as int32 words)
-    N,
-    K,
-    KQ,
-    col_off,
-    X_WORDS,
-    stride_xm,
-    stride_pm,
-    stride_psm,
-    stride_pdm,
-    stride_ym,
-    QT: tl.constexpr,
-    WPG: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    FULL: tl.constexpr,
-    REM: tl.constexpr,
-    LOG_BG: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    XP: tl.constexpr,  # read x from xp / xs
-    XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
-    EMULATE_DP4A: tl.constexpr = False,
-    PDL: tl.constexpr = 0,  # kernels/pdl.py
-    # A second part B of the same x in the same launch (HAS_B): programs from PROGS_A on write its columns.
-    vc=None, vh=None, vs=None, vd=None,
-    N_B=0,
-    KQ_B=0,
-    col_off_B=0,
-    X_WORDS_B=0,
-    PROGS_A=0,
-    QT_B: tl.constexpr = 0,
-    WPG_B: tl.constexpr = 0,
-    BLOCK_G_B: tl.constexpr = 1,
-    FULL_B: tl.constexpr = 0,
-    REM_B: tl.constexpr = 0,
-    LOG_BG_B: tl.constexpr = 0,
-    HAS_B: tl.constexpr = False,
-    # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
-    # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the first
-    # program of the row while the others wait on its flag (flags_ptr: [M, 2] int32 ticket counters: the flag, and
-    # the programs done, the last of which resets both). The first program also stores the normed row [M, K]
-    # (h_ptr) and x + residual [M, K] (res_out_ptr).
-    res_ptr=None,
-    norm_w_ptr=None,
-    h_ptr=None,
-    res_out_ptr=None,
-    flags_ptr=None,
-    eps=0.0,
-    stride_rm=0,
-    K_NORM: tl.constexpr = 0,
-    BLOCK_H: tl.constexpr = 1,
-    K_PAD: tl.constexpr = 0,
-    HAS_RESIDUAL: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
-    NORM: tl.constexpr = False,
-    NORM_FIRST: tl.constexpr = False,
-    # QK: y is a q|k|v row, ended by the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue's arguments)
-    qk_counters_ptr=None,
-    q_ptr=None,
-    q_w_ptr=None,
-    k_w_ptr=None,
-    cos_ptr=None,
-    sin_ptr=None,
-    pos_ptr=None,
-    slot_ptr=None,
-    k_cache_ptr=None,
-    v_cache_ptr=None,
-    qk_eps=0.0,
-    stride_cs=0,
-    stride_cl=0,
-    stride_ch=0,
-    N_Q: tl.constexpr = 0,
-    N_KV: tl.constexpr = 0,
-    D: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 1,
-    QK: tl.constexpr = False,
-):  # fmt: skip
-    """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
-    launch_dependents(PDL)
-    wait_for_previous(PDL)
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    if NORM:
-        _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xp_ptr, dx_ptr, xs_ptr, m, pid_n,
-                       eps, stride_xm, stride_rm, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET,
-                       NORM_FIRST)  # fmt: skip
-    x_row = x_ptr + m * stride_xm
-    xp_row = xp_ptr + m * stride_pm
-    xs_row = xs_ptr + m * stride_psm
-    dx_row = dx_ptr + m * stride_pdm
-    y_row = y_ptr + m * stride_ym
-    if HAS_B:
-        if pid_n >= PROGS_A:
-            vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A,
-                                   N_B, K, KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B,
-                                   FULL_B, REM_B, LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
-            if QK:
-                head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk_counters_ptr, q_ptr,
-                              q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
-                              stride_cs, stride_cl, stride_ch, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
-            _norm_flag_done(flags_ptr, m, NORM_FIRST)
-            return
-    vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
-                           X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
-                           EMULATE_DP4A)  # fmt: skip
-    if QK:
-        head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk_counters_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_ptr,
-                      sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cs, stride_cl, stride_ch,
-                      N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
-    _norm_flag_done(flags_ptr, m, NORM_FIRST)
-
-
-@triton.jit
-def _norm_flag_done(flags_ptr, m, NORM_FIRST: tl.constexpr):
-    """With NORM_FIRST, the program counts itself done; the last of row m resets its flag and count to 0 for the
-    next launch (every program is past its wait by then)."""
-    if NORM_FIRST:
-        flag = flags_ptr + 2 * m
-        if tl.atomic_add(flag + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(flag, 0)
-            tl.atomic_xchg(flag + 1, 0)
-
-
-@triton.jit
-def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, eps,
-                   stride_xm, stride_rm, K_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
-                   K_PAD: tl.constexpr, INTERPRET: tl.constexpr, NORM_FIRST: tl.constexpr):  # fmt: skip
-    """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it."""
-    if NORM_FIRST:
-        flag = flags_ptr + 2 * m
-        if pid_n == 0:
-            add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, K_NORM, eps, stride_xm,
-                                  stride_rm, xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD,
-                                  INTERPRET)  # fmt: skip
-            tl.debug_barrier()  # every thread's stores issued before the flag releases them
-            tl.atomic_xchg(flag, 1, sem="release")
-        else:
-            ready = tl.atomic_add(flag, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(flag, 0, sem="acquire")
-    else:
-        n_store = tl.where(pid_n == 0, K_NORM, 0)
-        add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, n_store, eps, stride_xm, stride_rm,
-                              xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET)  # fmt: skip
-        tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
-
-
 # ------------------------------------------------------------------------------------------------ host side
 
 
-def _check_int8_x(cfg: Config, *qtypes: QuantType) -> None:
+def check_int8_x(cfg: Config, *qtypes: QuantType) -> None:
     """Raises unless cfg reads x as int8 where a type has no float-x variant (all but FLOAT_X_TYPES)."""
     for qt in qtypes:
         if qt not in FLOAT_X_TYPES and not cfg.get("x_q8"):
             raise ValueError(f"{qt.name} weights on the gemv_v2 path need int8 x: set the config key x_q8")
 
 
-def _words_per_group(qtype: QuantType) -> int:
+def words_per_group(qtype: QuantType) -> int:
     """int32 words per group: a pair (64 elements) of the 4-bit types, a Q8_0 block (32), or half a pair (32) of
     Q6_K, Q3_K and Q2_K, whose scales cover 16 elements."""
     return 4 if qtype in (QuantType.Q6_K, QuantType.Q3_K, QuantType.Q2_K) else 8
 
 
-def _group_elems(qtype: QuantType) -> int:
+def group_elems(qtype: QuantType) -> int:
     """Row elements per group."""
-    return _words_per_group(qtype) * _positions(qtype)
+    return words_per_group(qtype) * positions_per_word(qtype)
 
 
-def _positions(qtype: QuantType) -> int:
+def positions_per_word(qtype: QuantType) -> int:
     """Elements per int32 word."""
     return 4 if qtype == QuantType.Q8_0 else 8
 
@@ -728,7 +536,7 @@ def _positions(qtype: QuantType) -> int:
 def chunking(groups: int, block_k: int, qtype: QuantType) -> dict[str, int]:
     """Chunk constants of a row of `groups` groups for about block_k elements per chunk: BLOCK_G (a power of
     two), FULL chunks of it, then REM groups as one chunk per set bit below LOG_BG."""
-    want = max(1, block_k // _group_elems(qtype))
+    want = max(1, block_k // group_elems(qtype))
     bg = min(1 << (want.bit_length() - 1), triton.next_power_of_2(groups))
     log_bg = bg.bit_length() - 1
     return {"BLOCK_G": bg, "FULL": groups // bg, "REM": groups % bg, "LOG_BG": log_bg}
@@ -739,7 +547,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _arrays(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def part_arrays(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, high, sub, scale) with codes and high as int32 words; absent arrays stand in as the codes."""
     codes = _words(p.codes)
     high = codes if p.high is None else _words(p.high)
@@ -756,13 +564,13 @@ def prepare_x(x: torch.Tensor, qtype: QuantType, k_pad: int) -> tuple[torch.Tens
     xs = torch.empty(T, k_pad // 16, dtype=torch.float32, device=x.device)
     block = min(1024, triton.next_power_of_2(k_pad))
     _x_prep_kernel[(T, triton.cdiv(k_pad, block))](
-        x, xp, xs, K, k_pad, k_pad // _positions(qtype), x.stride(0), xp.stride(0), xs.stride(0), QT=int(qtype),
+        x, xp, xs, K, k_pad, k_pad // positions_per_word(qtype), x.stride(0), xp.stride(0), xs.stride(0), QT=int(qtype),
         BLOCK=block,
     )  # fmt: skip
     return xp, xs
 
 
-def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
+def x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
                 x_int8: Int8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, bool]]:
     """(xp, xs, dx, flags) of one call: x quantized to int8 (cfg["x_q8"]; x_int8 when its producer rounded it
     already), prepared in the weights' layout (cfg["x_prep"]) or read as it is (x standing in for the unused
@@ -775,93 +583,6 @@ def _x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
         xp, xs = prepare_x(x, qtype, k_pad)
         return xp, xs, x, {"XP": True}
     return x, x, x, {"XP": False}
-
-
-class NormInFront(NamedTuple):
-    """The residual add + RMSNorm that matmul_v2_part runs in front of its GEMV (every program, for its row of x),
-    and where it leaves its results."""
-
-    residual: torch.Tensor | None  # [M, K], added to x first
-    weight: torch.Tensor  # [K] the RMSNorm weight, x's dtype
-    eps: float
-    out: torch.Tensor  # [M, K] contiguous: the normed rows
-    residual_out: torch.Tensor  # [M, K] contiguous: x + residual (unused without a residual)
-    rows: Int8Rows  # the normed rows rounded to int8, which the GEMV reads
-    first: bool  # the first program of a row normalises it while the others wait (else every program does)
-
-    @classmethod
-    def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, k_pad: int,
-              first: bool = False) -> NormInFront:  # fmt: skip
-        """Outputs allocated for x [M, K] (the new residual is x itself without a residual)."""
-        M, K = x.shape
-        out = torch.empty(M, K, dtype=x.dtype, device=x.device)
-        res_out = torch.empty_like(out) if residual is not None else x
-        return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device), first)
-
-    def kernel_args(self, x: torch.Tensor) -> dict:
-        """The NORM keyword arguments of _matmul_v2_kernel."""
-        K, k_pad = x.shape[1], self.rows.k_pad
-        if K > MAX_HIDDEN:
-            raise ValueError(f"a norm in front of the GEMV takes rows of up to {MAX_HIDDEN} values, got {K}")
-        res = self.residual if self.residual is not None else x
-        flags = ticket_counters(x.device, 2 * x.shape[0], "quant_norm_gemv") if self.first else x
-        return dict(res_ptr=res, norm_w_ptr=self.weight, h_ptr=self.out, res_out_ptr=self.residual_out,
-                    flags_ptr=flags, eps=self.eps, stride_rm=res.stride(0), K_NORM=K,
-                    BLOCK_H=triton.next_power_of_2(k_pad), K_PAD=k_pad, HAS_RESIDUAL=self.residual is not None,
-                    INTERPRET=interpreting(), NORM=True, NORM_FIRST=self.first,
-                    enable_fp_fusion=False)  # rounds as the norm kernel does (ops.rms_norm_int8)  # fmt: skip
-
-
-def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
-                   cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
-                   norm: NormInFront | None = None, qk: QkEpilogue | None = None) -> None:  # fmt: skip
-    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
-    with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
-    prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
-    the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
-    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only). ``qk``: y is
-    the q|k|v output (its parts whole heads, BLOCK_N dividing the head dim), ended by the q/k norm, RoPE and the
-    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q."""
-    M, K = x.shape
-    groups = w.k_pad // _group_elems(w.qtype)
-    _check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
-    if norm is not None:
-        if not cfg.get("x_q8") or x_int8 is not None or norm.rows.k_pad != w.k_pad:
-            raise ValueError("a norm in front of the GEMV needs a config with x_q8, no int8 rows handed over, and "
-                             "int8 rows of the weight's padded K")
-        xp, dx, xs = norm.rows
-        flags = {"XQ8": True, "XP": False, "EMULATE_DP4A": emulate_dp4a(), **norm.kernel_args(x)}
-    else:
-        xp, xs, dx, flags = _x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
-    if qk is not None:
-        parts = [w] + ([second[0]] if second is not None else [])
-        D = qk.head_dim
-        if (D % cfg["BLOCK_N"] or any(p.n % D for p in parts) or col_off or y.shape[1] != (qk.n_q + 2 * qk.n_kv) * D
-                or sum(p.n for p in parts) != y.shape[1] or qk.q.shape[0] != M):
-            raise ValueError(f"the q/k epilogue needs whole heads of {D} in every part, programs of rows dividing a "
-                             f"head (BLOCK_N {cfg['BLOCK_N']}) and one launch for the whole q|k|v output")
-        flags = {**flags, **qk.kernel_args(), "enable_fp_fusion": False}  # rounds as qk_norm_rope_write does
-    pdl = quant_pdl_mode(x.device, M)
-    progs = triton.cdiv(w.n, cfg["BLOCK_N"])
-    extra: dict = {}
-    if second is not None:
-        wb, col_b = second
-        if cfg.get("x_prep") or wb.k_pad != w.k_pad or wb.qtype not in V2_TYPES:
-            raise ValueError("a second part needs a weight of a gemv_v2 type and the same K, and a config without "
-                             "x_prep")
-        chunks_b = chunking(wb.k_pad // _group_elems(wb.qtype), cfg["BLOCK_K"], wb.qtype)
-        vc, vh, vs, vd = _arrays(wb)
-        extra = dict(vc=vc, vh=vh, vs=vs, vd=vd, N_B=wb.n, KQ_B=wb.kq, col_off_B=col_b,
-                     X_WORDS_B=wb.k_pad // _positions(wb.qtype), PROGS_A=progs, QT_B=int(wb.qtype),
-                     WPG_B=_words_per_group(wb.qtype), **{f"{key}_B": v for key, v in chunks_b.items()}, HAS_B=True)
-        progs += triton.cdiv(wb.n, cfg["BLOCK_N"])
-    _matmul_v2_kernel[(progs, M)](
-        x, xp, xs, dx, y, y if bias is None else bias, *_arrays(w), w.n, K, w.kq, col_off,
-        w.k_pad // _positions(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
-        QT=int(w.qtype), WPG=_words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
-        EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], PDL=pdl, **launch_options(pdl), **flags, **extra,
-    )  # fmt: skip
 
 
 def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
@@ -877,7 +598,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     slots = T * k
     flat_ids = ids.reshape(-1)  # [T*k]
     new = torch.empty if i_pad == I else torch.zeros  # padding must read as zeros
-    _check_int8_x(cfg, gw.qtype)
+    check_int8_x(cfg, gw.qtype)
     inter_q8 = bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES
     if inter_q8:  # int8 words in element order, a scale per 32 and sums, written by GEMM 1 programs of 32k rows
         inter, dxi, sums = Int8Rows.empty(slots, i_pad, x.device, zeros=i_pad != I)  # [T*k, I_pad / 4], ...
@@ -889,16 +610,16 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         inter = new(slots, i_pad, dtype=inter_dtype, device=x.device)  # [T*k, I_pad] position-major
         sums = new(slots, i_pad // 16, dtype=torch.float32, device=x.device)  # [T*k, I_pad / 16]
         dxi = inter
-        i_words = i_pad // _positions(w2.qtype)
+        i_words = i_pad // positions_per_word(w2.qtype)
         bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
-    groups1 = gw.k_pad // _group_elems(gw.qtype)
-    xp, xs, dx, flags = _x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
+    groups1 = gw.k_pad // group_elems(gw.qtype)
+    xp, xs, dx, flags = x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
     pdl = quant_pdl_mode(x.device, T)
     _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
-        x, xp, xs, dx, flat_ids, inter, sums, dxi, *_arrays(gw), *_arrays(uw),
+        x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
-        gw.k_pad // _positions(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), inter.stride(0),
-        sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=_words_per_group(gw.qtype),
+        gw.k_pad // positions_per_word(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0),
+        inter.stride(0), sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype), WPG=words_per_group(gw.qtype),
         BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
         PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags},
@@ -933,11 +654,11 @@ def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8:
     slot_step = min(cfg.get("slots2") or slots_p2, slots_p2)
     if slot_step & (slot_step - 1):
         raise ValueError(f"slots2 must be a power of two, got {cfg.get('slots2')}")
-    groups2 = w2.k_pad // _group_elems(w2.qtype)
+    groups2 = w2.k_pad // group_elems(w2.qtype)
     _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
-        inter, sums, dxi, flat_ids, weights.reshape(-1), out, *_arrays(w2), flat_ids if table is None else table, k,
+        inter, sums, dxi, flat_ids, weights.reshape(-1), out, *part_arrays(w2), flat_ids if table is None else table, k,
         H, w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
-        WPG=_words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
+        WPG=words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None, num_warps=cfg["num_warps2"],
         num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl,
         X_TILE=bool(cfg.get("x_tile2", False)), **launch_options(pdl),

@@ -33,8 +33,9 @@ from moerun.kernels.quant.from_blocks import GroupBlocks
 from moerun.kernels.quant.decode import dequant_pair, supported, x_planes
 from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_words64
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
-from moerun.kernels.quant.gemv_v2 import V2_TYPES, NormInFront, matmul_v2_part
+from moerun.kernels.quant.gemv_v2 import V2_TYPES
 from moerun.kernels.quant.int8_dot import Int8Rows
+from moerun.kernels.quant.matmul_v2 import NormInFront, matmul_v2_part
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
 from moerun.kernels.interpreter import interpreting

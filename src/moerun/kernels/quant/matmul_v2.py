@@ -1,0 +1,311 @@
+"""Decode path of the quantized dense GEMV (attention projections, lm_head): gemv_v2's word loads and per-group
+scales (gemv_v2.py) over the rows of one weight, or of two parts of the same K in one launch (q|k and v of a
+Q4_K_M file); x read as it is, prepared in the weights' layout, or rounded to int8 (int8_dot.py).
+
+As the q|k|v projection at decode it can also take its neighbours' work into its launch:
+  NormInFront  x arrives raw: the residual add and RMSNorm are done and the row rounded to int8 inside the launch,
+               by every program, or by the first program of each row while the others wait on its flag
+               (``MOERUN_QUANT_NORM_GEMV``, ops.quant.rms_norm_quant_linear)
+  QkEpilogue   the launch ends with the q/k norm, RoPE and k/v cache write (qk_norm_rope.head_epilogue: the last
+               program of each head does it; ``MOERUN_QK_EPILOGUE``)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.interpreter import interpreting
+from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
+from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
+from moerun.kernels.quant.gemv_v2 import (
+    V2_TYPES, check_int8_x, chunking, group_elems, part_arrays, positions_per_word, rows_chunk, words_per_group,
+    x_chunk, x_operands,
+)
+from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a
+from moerun.kernels.quant.repack import PackedWeight
+from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row_int8
+from moerun.kernels.tickets import ticket_counters
+from moerun.kernels.tile_configs import Config
+
+# --------------------------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
+                    X_WORDS, QT: tl.constexpr, WPG: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_G: tl.constexpr, FULL: tl.constexpr, REM: tl.constexpr, LOG_BG: tl.constexpr,
+                    EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
+    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part: stored, and
+    returned [BLOCK_N] in y's dtype."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ok = offs_n < N
+    rows = tl.where(ok, offs_n, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in tl.static_range(FULL):
+        gi = c * BLOCK_G + tl.arange(0, BLOCK_G)
+        x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
+                                                          EVEN_K, XP, XQ8)  # fmt: skip
+        acc += rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, c * BLOCK_G, BLOCK_G, KQ,
+                           x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
+    for b in tl.static_range(LOG_BG):
+        if (REM >> b) & 1:
+            gi = FULL * BLOCK_G + (REM & ((1 << b) - 1)) + tl.arange(0, 1 << b)
+            x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
+                                                              EVEN_K, XP, XQ8)  # fmt: skip
+            acc += rows_chunk(QT, WPG, wc, wh, ws, wd, rows, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b,
+                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
+    vals = acc.to(y_row.dtype.element_ty)
+    tl.store(y_row + col_off + offs_n, vals, mask=ok)
+    return vals
+
+
+@triton.jit
+def _matmul_v2_kernel(
+    x_ptr,  # [M, K]
+    xp_ptr,  # [M, K_pad] x position-major (XP), int32 words [M, K_pad / 4] (XQ8), else a dummy
+    xs_ptr,  # [M, K_pad / 16] float32 sums of 16 (XP or XQ8; else a dummy)
+    dx_ptr,  # [M, K_pad / 32] float32 int8 scales (XQ8; else a dummy)
+    y_ptr,  # [M, N_total]; this part writes columns [col_off, col_off + N)
+    bias_ptr,  # [N_total] or a dummy
+    wc, wh, ws, wd,  # weight arrays (codes / high as int32 words)
+    N,
+    K,
+    KQ,
+    col_off,
+    X_WORDS,
+    stride_xm,
+    stride_pm,
+    stride_psm,
+    stride_pdm,
+    stride_ym,
+    QT: tl.constexpr,
+    WPG: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FULL: tl.constexpr,
+    REM: tl.constexpr,
+    LOG_BG: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    XP: tl.constexpr,  # read x from xp / xs
+    XQ8: tl.constexpr = False,  # read x as int8 words (xp), scales (dx) and sums (xs): int8_dot.quantize_x
+    EMULATE_DP4A: tl.constexpr = False,
+    PDL: tl.constexpr = 0,  # kernels/pdl.py
+    # A second part B of the same x in the same launch (HAS_B): programs from PROGS_A on write its columns.
+    vc=None, vh=None, vs=None, vd=None,
+    N_B=0,
+    KQ_B=0,
+    col_off_B=0,
+    X_WORDS_B=0,
+    PROGS_A=0,
+    QT_B: tl.constexpr = 0,
+    WPG_B: tl.constexpr = 0,
+    BLOCK_G_B: tl.constexpr = 1,
+    FULL_B: tl.constexpr = 0,
+    REM_B: tl.constexpr = 0,
+    LOG_BG_B: tl.constexpr = 0,
+    HAS_B: tl.constexpr = False,
+    # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
+    # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the first
+    # program of the row while the others wait on its flag (flags_ptr: [M, 2] int32 ticket counters: the flag, and
+    # the programs done, the last of which resets both). The first program also stores the normed row [M, K]
+    # (h_ptr) and x + residual [M, K] (res_out_ptr).
+    res_ptr=None,
+    norm_w_ptr=None,
+    h_ptr=None,
+    res_out_ptr=None,
+    flags_ptr=None,
+    eps=0.0,
+    stride_rm=0,
+    K_NORM: tl.constexpr = 0,
+    BLOCK_H: tl.constexpr = 1,
+    K_PAD: tl.constexpr = 0,
+    HAS_RESIDUAL: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
+    NORM: tl.constexpr = False,
+    NORM_FIRST: tl.constexpr = False,
+    # QK: y is a q|k|v row, ended by the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue's arguments)
+    qk_counters_ptr=None,
+    q_ptr=None,
+    q_w_ptr=None,
+    k_w_ptr=None,
+    cos_ptr=None,
+    sin_ptr=None,
+    pos_ptr=None,
+    slot_ptr=None,
+    k_cache_ptr=None,
+    v_cache_ptr=None,
+    qk_eps=0.0,
+    stride_cs=0,
+    stride_cl=0,
+    stride_ch=0,
+    N_Q: tl.constexpr = 0,
+    N_KV: tl.constexpr = 0,
+    D: tl.constexpr = 1,
+    BLOCK_D: tl.constexpr = 1,
+    QK: tl.constexpr = False,
+):  # fmt: skip
+    """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    if NORM:
+        _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xp_ptr, dx_ptr, xs_ptr, m, pid_n,
+                       eps, stride_xm, stride_rm, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET,
+                       NORM_FIRST)  # fmt: skip
+    x_row = x_ptr + m * stride_xm
+    xp_row = xp_ptr + m * stride_pm
+    xs_row = xs_ptr + m * stride_psm
+    dx_row = dx_ptr + m * stride_pdm
+    y_row = y_ptr + m * stride_ym
+    if HAS_B:
+        if pid_n >= PROGS_A:
+            vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A,
+                                   N_B, K, KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B,
+                                   FULL_B, REM_B, LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
+            if QK:
+                head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk_counters_ptr, q_ptr,
+                              q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
+                              stride_cs, stride_cl, stride_ch, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
+            _norm_flag_done(flags_ptr, m, NORM_FIRST)
+            return
+    vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
+                           X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
+                           EMULATE_DP4A)  # fmt: skip
+    if QK:
+        head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk_counters_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_ptr,
+                      sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cs, stride_cl, stride_ch,
+                      N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
+    _norm_flag_done(flags_ptr, m, NORM_FIRST)
+
+
+@triton.jit
+def _norm_flag_done(flags_ptr, m, NORM_FIRST: tl.constexpr):
+    """With NORM_FIRST, the program counts itself done; the last of row m resets its flag and count to 0 for the
+    next launch (every program is past its wait by then)."""
+    if NORM_FIRST:
+        flag = flags_ptr + 2 * m
+        if tl.atomic_add(flag + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(flag, 0)
+            tl.atomic_xchg(flag + 1, 0)
+
+
+@triton.jit
+def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, eps,
+                   stride_xm, stride_rm, K_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+                   K_PAD: tl.constexpr, INTERPRET: tl.constexpr, NORM_FIRST: tl.constexpr):  # fmt: skip
+    """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it."""
+    if NORM_FIRST:
+        flag = flags_ptr + 2 * m
+        if pid_n == 0:
+            add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, K_NORM, eps, stride_xm,
+                                  stride_rm, xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD,
+                                  INTERPRET)  # fmt: skip
+            tl.debug_barrier()  # every thread's stores issued before the flag releases them
+            tl.atomic_xchg(flag, 1, sem="release")
+        else:
+            ready = tl.atomic_add(flag, 0, sem="acquire")
+            while ready == 0:
+                ready = tl.atomic_add(flag, 0, sem="acquire")
+    else:
+        n_store = tl.where(pid_n == 0, K_NORM, 0)
+        add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, n_store, eps, stride_xm, stride_rm,
+                              xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET)  # fmt: skip
+        tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
+
+
+# ------------------------------------------------------------------------------------------------ host side
+
+
+class NormInFront(NamedTuple):
+    """The residual add + RMSNorm that matmul_v2_part runs in front of its GEMV (every program, for its row of x),
+    and where it leaves its results."""
+
+    residual: torch.Tensor | None  # [M, K], added to x first
+    weight: torch.Tensor  # [K] the RMSNorm weight, x's dtype
+    eps: float
+    out: torch.Tensor  # [M, K] contiguous: the normed rows
+    residual_out: torch.Tensor  # [M, K] contiguous: x + residual (unused without a residual)
+    rows: Int8Rows  # the normed rows rounded to int8, which the GEMV reads
+    first: bool  # the first program of a row normalises it while the others wait (else every program does)
+
+    @classmethod
+    def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, k_pad: int,
+              first: bool = False) -> NormInFront:  # fmt: skip
+        """Outputs allocated for x [M, K] (the new residual is x itself without a residual)."""
+        M, K = x.shape
+        out = torch.empty(M, K, dtype=x.dtype, device=x.device)
+        res_out = torch.empty_like(out) if residual is not None else x
+        return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device), first)
+
+    def kernel_args(self, x: torch.Tensor) -> dict:
+        """The NORM keyword arguments of _matmul_v2_kernel."""
+        K, k_pad = x.shape[1], self.rows.k_pad
+        if K > MAX_HIDDEN:
+            raise ValueError(f"a norm in front of the GEMV takes rows of up to {MAX_HIDDEN} values, got {K}")
+        res = self.residual if self.residual is not None else x
+        flags = ticket_counters(x.device, 2 * x.shape[0], "quant_norm_gemv") if self.first else x
+        return dict(res_ptr=res, norm_w_ptr=self.weight, h_ptr=self.out, res_out_ptr=self.residual_out,
+                    flags_ptr=flags, eps=self.eps, stride_rm=res.stride(0), K_NORM=K,
+                    BLOCK_H=triton.next_power_of_2(k_pad), K_PAD=k_pad, HAS_RESIDUAL=self.residual is not None,
+                    INTERPRET=interpreting(), NORM=True, NORM_FIRST=self.first,
+                    enable_fp_fusion=False)  # rounds as the norm kernel does (ops.rms_norm_int8)  # fmt: skip
+
+
+def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
+                   cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
+                   norm: NormInFront | None = None, qk: QkEpilogue | None = None) -> None:  # fmt: skip
+    """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
+    with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
+    prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
+    the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
+    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only). ``qk``: y is
+    the q|k|v output (its parts whole heads, BLOCK_N dividing the head dim), ended by the q/k norm, RoPE and the
+    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q."""
+    M, K = x.shape
+    groups = w.k_pad // group_elems(w.qtype)
+    check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
+    if norm is not None:
+        if not cfg.get("x_q8") or x_int8 is not None or norm.rows.k_pad != w.k_pad:
+            raise ValueError("a norm in front of the GEMV needs a config with x_q8, no int8 rows handed over, and "
+                             "int8 rows of the weight's padded K")
+        xp, dx, xs = norm.rows
+        flags = {"XQ8": True, "XP": False, "EMULATE_DP4A": emulate_dp4a(), **norm.kernel_args(x)}
+    else:
+        xp, xs, dx, flags = x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
+    if qk is not None:
+        parts = [w] + ([second[0]] if second is not None else [])
+        D = qk.head_dim
+        if (D % cfg["BLOCK_N"] or any(p.n % D for p in parts) or col_off or y.shape[1] != (qk.n_q + 2 * qk.n_kv) * D
+                or sum(p.n for p in parts) != y.shape[1] or qk.q.shape[0] != M):
+            raise ValueError(f"the q/k epilogue needs whole heads of {D} in every part, programs of rows dividing a "
+                             f"head (BLOCK_N {cfg['BLOCK_N']}) and one launch for the whole q|k|v output")
+        flags = {**flags, **qk.kernel_args(), "enable_fp_fusion": False}  # rounds as qk_norm_rope_write does
+    pdl = quant_pdl_mode(x.device, M)
+    progs = triton.cdiv(w.n, cfg["BLOCK_N"])
+    extra: dict = {}
+    if second is not None:
+        wb, col_b = second
+        if cfg.get("x_prep") or wb.k_pad != w.k_pad or wb.qtype not in V2_TYPES:
+            raise ValueError("a second part needs a weight of a gemv_v2 type and the same K, and a config without "
+                             "x_prep")
+        chunks_b = chunking(wb.k_pad // group_elems(wb.qtype), cfg["BLOCK_K"], wb.qtype)
+        vc, vh, vs, vd = part_arrays(wb)
+        extra = dict(vc=vc, vh=vh, vs=vs, vd=vd, N_B=wb.n, KQ_B=wb.kq, col_off_B=col_b,
+                     X_WORDS_B=wb.k_pad // positions_per_word(wb.qtype), PROGS_A=progs, QT_B=int(wb.qtype),
+                     WPG_B=words_per_group(wb.qtype), **{f"{key}_B": v for key, v in chunks_b.items()}, HAS_B=True)
+        progs += triton.cdiv(wb.n, cfg["BLOCK_N"])
+    _matmul_v2_kernel[(progs, M)](
+        x, xp, xs, dx, y, y if bias is None else bias, *part_arrays(w), w.n, K, w.kq, col_off,
+        w.k_pad // positions_per_word(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
+        QT=int(w.qtype), WPG=words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
+        EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], PDL=pdl, **launch_options(pdl), **flags, **extra,
+    )  # fmt: skip

@@ -248,7 +248,7 @@ def _xp_tiles(QT: tl.constexpr, a, s_row, g3, ok4, ok3, WORDS):
 
 @triton.jit
 def x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
-             EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr):  # fmt: skip
+            EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr):  # fmt: skip
     """x tiles of one row of x for groups gi [G]: int8 (XQ8: xp_row the int8 words, dx_row their scales; the
     tuple is (xa, xb, da, db, -, -, -, -, X0, X1)), from the prepared position-major row (XP) or from x itself."""
     g4 = gi[None, None, :, None]  # [1, 1, G, 1]
@@ -267,8 +267,8 @@ def x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, 
 
 @triton.jit
 def rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, rows, ok, g0: tl.constexpr,
-                G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8: tl.constexpr,
-                EMULATE_DP4A: tl.constexpr):  # fmt: skip
+               G: tl.constexpr, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8: tl.constexpr,
+               EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N] of rows [BLOCK_N] (ok: which to read) over groups [g0, g0 + G) against one token's
     x tiles (x_chunk of the same groups)."""
     gi = g0 + tl.arange(0, G)  # [G]
@@ -292,11 +292,11 @@ def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_
     nothing)."""
     gi = g0 + tl.arange(0, G)  # [G]
     x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gi, EVEN_K,
-                                                      XP, XQ8)  # fmt: skip
+                                                     XP, XQ8)  # fmt: skip
     dg = rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
-                     EMULATE_DP4A)  # fmt: skip
+                    EMULATE_DP4A)  # fmt: skip
     du = rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
-                     EMULATE_DP4A)  # fmt: skip
+                    EMULATE_DP4A)  # fmt: skip
     return dg, du
 
 
@@ -571,7 +571,7 @@ def prepare_x(x: torch.Tensor, qtype: QuantType, k_pad: int) -> tuple[torch.Tens
 
 
 def x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
-                x_int8: Int8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, bool]]:
+               x_int8: Int8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, bool]]:
     """(xp, xs, dx, flags) of one call: x quantized to int8 (cfg["x_q8"]; x_int8 when its producer rounded it
     already), prepared in the weights' layout (cfg["x_prep"]) or read as it is (x standing in for the unused
     arrays)."""

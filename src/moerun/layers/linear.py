@@ -68,7 +68,6 @@ class Linear(nn.Module):
 
         return int8_input_pad(x, q, backend)
 
-
     def norm_in_front(self, x: torch.Tensor, backend: str | None = None) -> bool:
         """Whether forward_norm_in_front runs for x (GGUF blocks: ops.quant.norm_in_front)."""
         q = self.__dict__.get("q_weight")

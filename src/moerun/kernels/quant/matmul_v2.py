@@ -210,7 +210,7 @@ def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq
                                   INTERPRET)  # fmt: skip
             tl.debug_barrier()  # every thread's stores issued before the flag releases them
             tl.atomic_xchg(flag, 1, sem="release")
-        else:
+        else:  # an add of 0 with acquire compiles to an acquire load (ld.acquire.gpu), not a queued atomic
             ready = tl.atomic_add(flag, 0, sem="acquire")
             while ready == 0:
                 ready = tl.atomic_add(flag, 0, sem="acquire")

@@ -420,7 +420,7 @@ def rms_norm_linear_triton(
     return _launch(x, residual, norm_weight, eps, weight, bias, config, qk)
 
 
-def _tiles(cfg: GemvConfig, N: int, K: int, T: int) -> tuple[int, int, int, int]:
+def _tiles(cfg: GemvConfig, N: int, K: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, split_k, k_split) of a launch under cfg: the tiles clipped to the shape, and no split
     without a K block of its own."""
     block_k = min(cfg.block_k, max(MIN_DOT if cfg.dot else 1, triton.next_power_of_2(K)))
@@ -436,7 +436,7 @@ def qk_epilogue_applies(x: torch.Tensor, weight: torch.Tensor, head_dim: int, co
     T, K = x.shape
     N = weight.shape[0]
     cfg = config or get_config(N, K, T, x.dtype, x.device)
-    block_n, _, split_k, _ = _tiles(cfg, N, K, T)
+    block_n, _, split_k, _ = _tiles(cfg, N, K)
     return T == 1 and not cfg.dot and split_k == 1 and head_dim % block_n == 0 and N % head_dim == 0
 
 
@@ -464,7 +464,7 @@ def _launch(
     res_out = torch.empty(T, K, dtype=x.dtype, device=x.device) if residual is not None else x  # [T, K]
     if T == 0:
         return y, res_out
-    block_n, block_k, split_k, k_split = _tiles(cfg, N, K, T)
+    block_n, block_k, split_k, k_split = _tiles(cfg, N, K)
     n_tiles = triton.cdiv(N, block_n)
     extra: dict = {}
     if qk is not None:

@@ -56,7 +56,7 @@ def test_norm_in_front_equals_the_two_launches(seed, int8_config, types, K: int,
     out, new_residual = rms_norm_quant_matmul_triton(x, residual, weight, EPS, parts, bias, first=first)
     assert torch.equal(x, x_before), "x is read, never written"
     if first:  # the flags and counts are back to 0 for the next launch, which gives the same result
-        assert not ticket_counters(DEVICE, 2 * M, "quant_norm_gemv").any()
+        assert not ticket_counters(DEVICE, 3 * M, "quant_norm_gemv").any()
         again, _ = rms_norm_quant_matmul_triton(x, residual, weight, EPS, parts, bias, first=True)
         assert torch.equal(again, out)
     assert out.shape == ref.shape and out.dtype == x.dtype

@@ -165,7 +165,8 @@ def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) 
 
 def _norm_in_front_mode() -> str:
     """``MOERUN_QUANT_NORM_GEMV``: "0" (the default until timed on a GPU: the norm's own launch), "all" (every
-    program of the q|k|v GEMV normalises its row) or "first" (the first program of a row does, the others wait)."""
+    program of the q|k|v GEMV normalises its row) or "first" (the first program of a row to arrive does, the
+    others wait)."""
     mode = os.environ.get("MOERUN_QUANT_NORM_GEMV", "0")
     if mode not in ("0", "all", "first"):
         raise ValueError(f"MOERUN_QUANT_NORM_GEMV must be 0, all or first, got {mode!r}")

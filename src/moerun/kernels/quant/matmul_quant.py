@@ -275,7 +275,7 @@ def rms_norm_quant_matmul_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ W^T (+ bias) [M, N], x + residual [M, K]) in one launch for parts that
     norm_in_front_applies takes: every program normalises its row of x and rounds it to int8 itself (gemv_v2's
-    NORM), or with ``first`` the first program of each row does while the others wait for it; either saves the
+    NORM), or with ``first`` the first program of each row to arrive does while the others wait for it; either saves the
     norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None. ``qk`` (where
     qk_epilogue_applies): the launch also ends with the q/k norm, RoPE and k/v cache write, q left in qk.q."""
     M, K = x.shape

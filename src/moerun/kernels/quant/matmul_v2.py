@@ -4,7 +4,7 @@ Q4_K_M file); x read as it is, prepared in the weights' layout, or rounded to in
 
 As the q|k|v projection at decode it can also take its neighbours' work into its launch:
   NormInFront  x arrives raw: the residual add and RMSNorm are done and the row rounded to int8 inside the launch,
-               by every program, or by the first program of each row while the others wait on its flag
+               by every program, or by the first program of each row to arrive while the others wait on its flag
                (``MOERUN_QUANT_NORM_GEMV``, ops.quant.rms_norm_quant_linear)
   QkEpilogue   the launch ends with the q/k norm, RoPE and k/v cache write (qk_norm_rope.head_epilogue: the last
                program of each head does it; ``MOERUN_QK_EPILOGUE``)
@@ -112,10 +112,10 @@ def _matmul_v2_kernel(
     LOG_BG_B: tl.constexpr = 0,
     HAS_B: tl.constexpr = False,
     # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
-    # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the first
-    # program of the row while the others wait on its flag (flags_ptr: [M, 2] int32 ticket counters: the flag, and
-    # the programs done, the last of which resets both). The first program also stores the normed row [M, K]
-    # (h_ptr) and x + residual [M, K] (res_out_ptr).
+    # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the program of
+    # the row that arrives first while the others wait on its flag (flags_ptr: [M, 3] int32 ticket counters: the
+    # flag, the programs done, the last of which resets all three, and the programs arrived). That program (else
+    # program 0) also stores the normed row [M, K] (h_ptr) and x + residual [M, K] (res_out_ptr).
     res_ptr=None,
     norm_w_ptr=None,
     h_ptr=None,
@@ -188,13 +188,14 @@ def _matmul_v2_kernel(
 
 @triton.jit
 def _norm_flag_done(flags_ptr, m, NORM_FIRST: tl.constexpr):
-    """With NORM_FIRST, the program counts itself done; the last of row m resets its flag and count to 0 for the
-    next launch (every program is past its wait by then)."""
+    """With NORM_FIRST, the program counts itself done; the last of row m resets its counters to 0 for the next
+    launch (every program is past its wait by then)."""
     if NORM_FIRST:
-        flag = flags_ptr + 2 * m
+        flag = flags_ptr + 3 * m
         if tl.atomic_add(flag + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(flag, 0)
             tl.atomic_xchg(flag + 1, 0)
+            tl.atomic_xchg(flag + 2, 0)
 
 
 @triton.jit
@@ -203,8 +204,10 @@ def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq
                    K_PAD: tl.constexpr, INTERPRET: tl.constexpr, NORM_FIRST: tl.constexpr):  # fmt: skip
     """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it."""
     if NORM_FIRST:
-        flag = flags_ptr + 2 * m
-        if pid_n == 0:
+        flag = flags_ptr + 3 * m
+        # the first to arrive, not program 0: it is running, whatever order the GPU starts programs in, so the
+        # others never wait on a program that waits for a free SM
+        if tl.atomic_add(flag + 2, 1, sem="relaxed") == 0:
             add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, K_NORM, eps, stride_xm,
                                   stride_rm, xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD,
                                   INTERPRET)  # fmt: skip
@@ -234,7 +237,7 @@ class NormInFront(NamedTuple):
     out: torch.Tensor  # [M, K] contiguous: the normed rows
     residual_out: torch.Tensor  # [M, K] contiguous: x + residual (unused without a residual)
     rows: Int8Rows  # the normed rows rounded to int8, which the GEMV reads
-    first: bool  # the first program of a row normalises it while the others wait (else every program does)
+    first: bool  # the first program of a row to arrive normalises it while the others wait (else every one does)
 
     @classmethod
     def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, k_pad: int,
@@ -251,7 +254,7 @@ class NormInFront(NamedTuple):
         if K > MAX_HIDDEN:
             raise ValueError(f"a norm in front of the GEMV takes rows of up to {MAX_HIDDEN} values, got {K}")
         res = self.residual if self.residual is not None else x
-        flags = ticket_counters(x.device, 2 * x.shape[0], "quant_norm_gemv") if self.first else x
+        flags = ticket_counters(x.device, 3 * x.shape[0], "quant_norm_gemv") if self.first else x
         return dict(res_ptr=res, norm_w_ptr=self.weight, h_ptr=self.out, res_out_ptr=self.residual_out,
                     flags_ptr=flags, eps=self.eps, stride_rm=res.stride(0), K_NORM=K,
                     BLOCK_H=triton.next_power_of_2(k_pad), K_PAD=k_pad, HAS_RESIDUAL=self.residual is not None,

@@ -35,7 +35,7 @@ def norm_rope_heads(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
-    CACHE: tl.constexpr = "",  # the heads' loads' cache modifier (".cg": rows other programs of the launch stored)
+    CACHE: tl.constexpr,  # the heads' loads' cache modifier ("", or ".cg" for rows other programs of the launch stored)
 ):
     """Heads [HB, D]: weight * rms_normalise(x), rotated NeoX style; returns [HB, BLOCK_D] in the source dtype."""
     half: tl.constexpr = D // 2
@@ -163,12 +163,13 @@ def _qk_norm_rope_write_kernel(
     sin_row = sin_ptr + pos * stride_sin
     if group < q_groups:
         heads = group * HB + tl.arange(0, HB)  # [HB]
-        out = norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        out = norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET, "")
         mask = (heads[:, None] < N_Q) & (d[None, :] < D)
         tl.store(q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=mask)
     else:
         kv = (group - q_groups) * HB + tl.arange(0, HB)  # [HB] kv heads
-        out = norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
+        out = norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET,
+                              "")
         mask = (kv[:, None] < N_KV) & (d[None, :] < D)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]

@@ -473,7 +473,6 @@ def _launch(
                              f"rows, and programs of rows dividing a head without a split of K, got T={T}, N={N}, "
                              f"{block_n} rows a program, split {split_k}")  # fmt: skip
         extra = qk.kernel_args()
-        del extra["INTERPRET"]  # passed below
     block_t = max(MIN_DOT, triton.next_power_of_2(T)) if cfg.dot else triton.next_power_of_2(T)
     # the 1/rms pass holds at most 8192 floats (64 registers a thread at 4 warps)
     norm_block_k = max(block_k, min(triton.next_power_of_2(K), 8192 // block_t))

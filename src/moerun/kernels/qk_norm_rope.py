@@ -293,7 +293,8 @@ class QkEpilogue(NamedTuple):
         return self.cos.shape[-1]
 
     def kernel_args(self) -> dict:
-        """head_epilogue's arguments as keywords of a GEMV kernel that calls it (QK=True)."""
+        """head_epilogue's arguments as keywords of a GEMV kernel that calls it (QK=True; the kernel's INTERPRET is
+        its launcher's)."""
         T = self.q.shape[0]
         counters = ticket_counters(self.q.device, T * (self.n_q + self.n_kv), "qk_epilogue")
         kc = self.k_cache
@@ -301,7 +302,7 @@ class QkEpilogue(NamedTuple):
                     cos_ptr=self.cos, sin_ptr=self.sin, pos_ptr=self.positions, slot_ptr=self.token_slots,
                     k_cache_ptr=kc, v_cache_ptr=self.v_cache, qk_eps=self.eps, stride_cs=kc.stride(0),
                     stride_cl=kc.stride(1), stride_ch=kc.stride(2), N_Q=self.n_q, N_KV=self.n_kv, D=self.head_dim,
-                    BLOCK_D=triton.next_power_of_2(self.head_dim), INTERPRET=interpreting(), QK=True)  # fmt: skip
+                    BLOCK_D=triton.next_power_of_2(self.head_dim), QK=True)  # fmt: skip
 
 
 def unit_inner_stride(t: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,22 @@ def _rms_norm_kernel(
                          HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
 
 
+def check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Raises unless x [T, H], weight [H] and residual [T, H] (or None) are what a kernel normalising whole rows in
+    registers takes: one dtype, H at most MAX_HIDDEN. Shapes and dtypes only."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    H = x.shape[1]
+    if weight.shape != (H,) or weight.dtype != x.dtype:
+        raise ValueError(f"norm weight must be [{H}] of {x.dtype}, got {tuple(weight.shape)} of {weight.dtype}")
+    if H > MAX_HIDDEN:
+        raise ValueError(f"hidden size {H} exceeds the one-row-in-registers limit {MAX_HIDDEN}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+        )
+
+
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,17 +189,8 @@ def _rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, Int8Rows | None]:
     """Both entry points: checks, one launch; the int8 rows when k_pad is given."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    check_norm_operands(x, weight, residual)
     T, H = x.shape
-    if weight.shape != (H,) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be [{H}] of {x.dtype}, got {tuple(weight.shape)} of {weight.dtype}")
-    if H > MAX_HIDDEN:
-        raise ValueError(f"hidden size {H} exceeds the one-row-in-registers limit {MAX_HIDDEN}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
-        )
     if x.stride(1) != 1:
         x = x.contiguous()
     if residual is not None and residual.stride(1) != 1:

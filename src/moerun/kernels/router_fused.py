@@ -24,7 +24,7 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row
-from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row, rms_norm_slice, round_to
+from moerun.kernels.rmsnorm import add_rms_norm_row, check_norm_operands, rms_norm_slice, round_to
 from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
 
@@ -191,19 +191,10 @@ def _check_inputs(
     gate_weight: torch.Tensor,
     k: int,
 ) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
+    check_norm_operands(x, norm_weight, residual)
+    H = x.shape[1]
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {x.dtype}; expected one of {_SUPPORTED_DTYPES}")
-    if H > MAX_HIDDEN:
-        raise ValueError(f"hidden size {H} exceeds the one-row-in-registers limit {MAX_HIDDEN}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
-        )
-    if norm_weight.shape != (H,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"norm weight must be [{H}] of {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     if gate_weight.dim() != 2 or gate_weight.shape[1] != H or gate_weight.dtype != x.dtype:
         raise ValueError(
             f"gate weight must be [E, {H}] of {x.dtype}, got {tuple(gate_weight.shape)} {gate_weight.dtype}"

@@ -275,19 +275,13 @@ def rms_norm_quant_matmul_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ W^T (+ bias) [M, N], x + residual [M, K]) in one launch for parts that
     norm_in_front_applies takes: every program normalises its row of x and rounds it to int8 itself (gemv_v2's
-    NORM), or with ``first`` the first program of each row to arrive does while the others wait for it; either saves the
-    norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None. ``qk`` (where
+    NORM), or with ``first`` the first program of each row to arrive does while the others wait for it; either
+    saves the norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None. ``qk`` (where
     qk_epilogue_applies): the launch also ends with the q/k norm, RoPE and k/v cache write, q left in qk.q."""
     M, K = x.shape
     if not norm_in_front_applies(parts, M):
         raise ValueError("the norm in front of a quantized GEMV needs one gemv_v2 launch of int8 x: "
                          f"{[p.qtype.name for p in parts]} at {M} rows")
-    if norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"norm weight must be [{K}] of {x.dtype}, got {tuple(norm_weight.shape)} "
-                         f"{norm_weight.dtype}")  # fmt: skip
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
-                         f"{residual.dtype}")  # fmt: skip
     for p in parts:
         if p.k != K:
             raise ValueError(f"weight part of shape {p.shape} does not take inputs of length {K}")

@@ -27,7 +27,7 @@ from moerun.kernels.quant.gemv_v2 import (
 )
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.rmsnorm import MAX_HIDDEN, add_rms_norm_row_int8
+from moerun.kernels.rmsnorm import add_rms_norm_row_int8, check_norm_operands
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config
 
@@ -242,7 +242,9 @@ class NormInFront(NamedTuple):
     @classmethod
     def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, k_pad: int,
               first: bool = False) -> NormInFront:  # fmt: skip
-        """Outputs allocated for x [M, K] (the new residual is x itself without a residual)."""
+        """Outputs allocated for x [M, K] (the new residual is x itself without a residual), once the operands are
+        checked."""
+        check_norm_operands(x, weight, residual)
         M, K = x.shape
         out = torch.empty(M, K, dtype=x.dtype, device=x.device)
         res_out = torch.empty_like(out) if residual is not None else x
@@ -251,15 +253,12 @@ class NormInFront(NamedTuple):
     def kernel_args(self, x: torch.Tensor) -> dict:
         """The NORM keyword arguments of _matmul_v2_kernel."""
         K, k_pad = x.shape[1], self.rows.k_pad
-        if K > MAX_HIDDEN:
-            raise ValueError(f"a norm in front of the GEMV takes rows of up to {MAX_HIDDEN} values, got {K}")
         res = self.residual if self.residual is not None else x
         flags = ticket_counters(x.device, 3 * x.shape[0], "quant_norm_gemv") if self.first else x
         return dict(res_ptr=res, norm_w_ptr=self.weight, h_ptr=self.out, res_out_ptr=self.residual_out,
                     flags_ptr=flags, eps=self.eps, stride_rm=res.stride(0), K_NORM=K,
                     BLOCK_H=triton.next_power_of_2(k_pad), K_PAD=k_pad, HAS_RESIDUAL=self.residual is not None,
-                    INTERPRET=interpreting(), NORM=True, NORM_FIRST=self.first,
-                    enable_fp_fusion=False)  # rounds as the norm kernel does (ops.rms_norm_int8)  # fmt: skip
+                    NORM=True, NORM_FIRST=self.first, enable_fp_fusion=False)  # fmt: skip  # rounds as rms_norm_int8
 
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
@@ -310,5 +309,5 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
         w.k_pad // positions_per_word(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
         EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], PDL=pdl, **launch_options(pdl), **flags, **extra,
+        num_stages=cfg["num_stages"], PDL=pdl, INTERPRET=interpreting(), **launch_options(pdl), **flags, **extra,
     )  # fmt: skip

@@ -16,6 +16,10 @@ With the norm prologue (``rms_norm_linear_triton``) every program recomputes 1/r
 whole row of x + residual (a few KB, from L2) and normalises its K range on the fly, rounding where
 ``RMSNorm.forward_with_residual`` rounds; the programs of N-tile 0 also write x + residual. Grids, buffers
 and configs depend only on shapes, so a decode step with these kernels can be captured in a CUDA graph.
+
+As o_proj at decode the launch can also route its output for the MoE block after it (``tail``,
+router_fused.RouterTail): extra programs after the GEMV's, in its last split, run the fused router's programs once
+every GEMV program has counted itself done (``MOERUN_ROUTER_TAIL``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
 from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
 from moerun.kernels.rmsnorm import round_to
+from moerun.kernels.router_fused import RouterTail, route_program, tail_done
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
 
@@ -313,10 +318,55 @@ def _gemv_kernel(
     D: tl.constexpr = 1,
     BLOCK_D: tl.constexpr = 1,
     QK: tl.constexpr = False,
+    # TAIL: programs from rt_progs on (axis 0, the last split) route y's rows once the others are done
+    # (router_fused.RouterTail's arguments; rt_done_ptr: 2 int32 counters, the programs done and the tail programs
+    # past their wait)
+    rt_res_ptr=None,
+    rt_norm_w_ptr=None,
+    rt_gate_ptr=None,
+    rt_normed_ptr=None,
+    rt_res_out_ptr=None,
+    rt_logits_ptr=None,
+    rt_counter_ptr=None,
+    rt_weights_ptr=None,
+    rt_ids_ptr=None,
+    rt_done_ptr=None,
+    rt_xq_ptr=None,
+    rt_dx_ptr=None,
+    rt_xs_ptr=None,
+    rt_eps=0.0,
+    rt_stride_r=0,
+    rt_stride_g=0,
+    rt_progs=0,
+    RT_H: tl.constexpr = 1,
+    RT_E: tl.constexpr = 1,
+    RT_K: tl.constexpr = 1,
+    RT_RENORMALIZE: tl.constexpr = False,
+    RT_HAS_RESIDUAL: tl.constexpr = False,
+    RT_SPLIT: tl.constexpr = 1,
+    RT_ROWS: tl.constexpr = 1,
+    RT_BLOCK_ROWS: tl.constexpr = 1,
+    RT_BLOCK_H: tl.constexpr = 1,
+    RT_BLOCK_E: tl.constexpr = 1,
+    RT_K_PAD: tl.constexpr = 0,
+    RT_Q8: tl.constexpr = False,
+    RT_Q_BLOCK: tl.constexpr = 32,
+    TAIL: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    if TAIL:
+        if pid_n >= rt_progs:
+            if split == SPLIT_K - 1:  # the tail's programs come after every GEMV program in launch order
+                idx = pid_n - rt_progs
+                route_program((idx // RT_SPLIT).to(tl.int64), idx % RT_SPLIT, y_ptr, rt_res_ptr, rt_norm_w_ptr,
+                              rt_gate_ptr, rt_normed_ptr, rt_res_out_ptr, rt_logits_ptr, rt_counter_ptr,
+                              rt_weights_ptr, rt_ids_ptr, rt_eps, stride_yt, rt_stride_r, rt_stride_g, rt_xq_ptr,
+                              rt_dx_ptr, rt_xs_ptr, rt_done_ptr, rt_progs * SPLIT_K, rt_done_ptr + 1, T * RT_SPLIT,
+                              RT_H, RT_E, RT_K, RT_RENORMALIZE, RT_HAS_RESIDUAL, RT_SPLIT, RT_ROWS, RT_BLOCK_ROWS,
+                              RT_BLOCK_H, RT_BLOCK_E, RT_K_PAD, RT_Q8, RT_Q_BLOCK, INTERPRET, PDL, True)  # fmt: skip
+            return
     t = tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     t_mask = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
@@ -388,6 +438,7 @@ def _gemv_kernel(
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + s * T * N + rows, mask=y_mask, other=0.0, cache_modifier=".cg")
             _store_y(total, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)
+    tail_done(rt_done_ptr, 0, TAIL)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,10 +447,15 @@ def _gemv_kernel(
 
 
 def linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    tail: RouterTail | None = None,
 ) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x's dtype, float32 accumulation; T <= MAX_TOKENS."""
-    y, _ = _launch(x, None, None, 0.0, weight, bias, config)
+    """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x's dtype, float32 accumulation; T <= MAX_TOKENS.
+    ``tail``: the launch also routes y for the MoE block after it (router_fused.RouterTail)."""
+    y, _ = _launch(x, None, None, 0.0, weight, bias, config, tail=tail)
     return y
 
 
@@ -449,6 +505,7 @@ def _launch(
     bias: torch.Tensor | None,
     config: GemvConfig | None,
     qk: QkEpilogue | None = None,
+    tail: RouterTail | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, residual, norm_weight, weight, bias)
     T, K = x.shape
@@ -473,6 +530,12 @@ def _launch(
                              f"rows, and programs of rows dividing a head without a split of K, got T={T}, N={N}, "
                              f"{block_n} rows a program, split {split_k}")  # fmt: skip
         extra = qk.kernel_args()
+    grid_n = n_tiles
+    if tail is not None:
+        if qk is not None:
+            raise ValueError("the q/k epilogue and a router tail do not share a launch")
+        extra = {**tail.kernel_args(y, cfg.num_warps, 2), "rt_progs": n_tiles}
+        grid_n += T * tail.programs(cfg.num_warps)
     block_t = max(MIN_DOT, triton.next_power_of_2(T)) if cfg.dot else triton.next_power_of_2(T)
     # the 1/rms pass holds at most 8192 floats (64 registers a thread at 4 warps)
     norm_block_k = max(block_k, min(triton.next_power_of_2(K), 8192 // block_t))
@@ -483,7 +546,7 @@ def _launch(
         partials = tickets = y  # dummies, never touched
     interpret = interpreting()
     pdl = pdl_mode(x.device, T)
-    _gemv_kernel[(n_tiles, split_k)](
+    _gemv_kernel[(grid_n, split_k)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x,

@@ -9,6 +9,11 @@ the normalised row and the new residual; for quantized experts whose kernels rou
 too (route_fused_int8_triton), a slice a program after the routing. Splitting the 0.5 MB of router weights over
 SPLIT programs per token spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
 
+The same programs (route_program) can also run at the end of the launch that writes x, the o_proj GEMV at decode
+(RouterTail): they are extra programs of that launch, which load their router rows, wait until its other programs
+have counted themselves done (an acquire load of a counter each of those releases), and route; the router then
+takes no launch of its own.
+
 The roundings follow the unfused path (kernels/rmsnorm.py's, then F.linear in the model dtype, then
 kernels/router.py's softmax_topk), so only float32 summation orders differ.
 """
@@ -16,6 +21,7 @@ kernels/router.py's softmax_topk), so only float32 summation orders differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -107,13 +113,41 @@ def _route_fused_kernel(
     Q_BLOCK: tl.constexpr = 32,  # Q8: values each program rounds, a power of two >= 32 with SPLIT x Q_BLOCK >= K_PAD
 ):
     launch_dependents(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
+    route_program(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, res_ptr, norm_w_ptr, gate_ptr, normed_ptr,
+                  res_out_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, eps, stride_x, stride_r, stride_g,
+                  xq_ptr, dx_ptr, xs_ptr, counter_ptr, 0, counter_ptr, 0, H, E, K, RENORMALIZE, HAS_RESIDUAL, SPLIT,
+                  ROWS, BLOCK_ROWS, BLOCK_H, BLOCK_E, K_PAD, Q8, Q_BLOCK, INTERPRET, PDL, False)  # fmt: skip
+
+
+@triton.jit
+def route_program(
+    token, split, x_ptr, res_ptr, norm_w_ptr, gate_ptr, normed_ptr, res_out_ptr, logits_ptr, counter_ptr, weights_ptr,
+    ids_ptr, eps, stride_x, stride_r, stride_g, xq_ptr, dx_ptr, xs_ptr, done_ptr, n_done, passed_ptr, n_passed,
+    H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    K_PAD: tl.constexpr, Q8: tl.constexpr, Q_BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    AFTER: tl.constexpr,
+):  # fmt: skip
+    """Program ``split`` of token ``token``'s routing (_route_fused_kernel's arguments).
+
+    AFTER: the program is part of the launch that writes x (a GEMV's router tail, RouterTail): once the previous
+    kernel is done it also waits until the counter at done_ptr reaches n_done (the launch's programs that write
+    x count themselves done there, tail_done), then counts itself at passed_ptr; the last of the n_passed
+    programs that wait on that counter resets both to 0 for the next launch.
+    """
     first = split * ROWS
     # The first step's router rows are requested before the norm (and before the previous kernel's end, with
     # PDL), so their trip to memory overlaps it.
     g, rows, row_ok = _load_router_rows(gate_ptr, first, 0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
     wait_for_previous(PDL)
+    if AFTER:
+        # an add of 0 with acquire compiles to an acquire load (ld.acquire.gpu), not a queued atomic
+        done = tl.atomic_add(done_ptr, 0, sem="acquire")
+        while done < n_done:
+            done = tl.atomic_add(done_ptr, 0, sem="acquire")
+        if tl.atomic_add(passed_ptr, 1, sem="relaxed") == n_passed - 1:  # every waiter is past the loop above
+            tl.atomic_xchg(done_ptr, 0)
+            tl.atomic_xchg(passed_ptr, 0)
     # every program normalises the token's row; the first one stores it and the new residual
     normed, inv_rms = add_rms_norm_row(
         x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
@@ -142,6 +176,15 @@ def _route_fused_kernel(
             v = rms_norm_slice(x_ptr, res_ptr, norm_w_ptr, token, start, inv_rms, stride_x, stride_r, H,
                                HAS_RESIDUAL, Q_BLOCK, INTERPRET).to(tl.float32)  # fmt: skip
             quantize_store_row(v, Q_BLOCK, start, xq_ptr, dx_ptr, xs_ptr, token, K_PAD, K_PAD)
+
+
+@triton.jit
+def tail_done(done_ptr, index, TAIL: tl.constexpr):
+    """The end of a program that writes x for a router tail (TAIL): counts itself done at done_ptr + index once
+    every thread's stores are issued (route_program's AFTER waits for the count)."""
+    if TAIL:
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr + index, 1, sem="release")
 
 
 @triton.jit
@@ -182,6 +225,91 @@ def _select_experts(
     slots = cols[None, :]  # [1, BLOCK_E]
     tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
     tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
+
+
+class RouterTail(NamedTuple):
+    """The decode routing (route_fused_triton / route_fused_int8_triton) run by extra programs at the end of the
+    launch that writes its x [T, H] (the o_proj GEMV: kernels/gemv.py, quant/matmul_v2.py), so that it needs no
+    launch of its own. The extra programs load their router rows first, wait until the launch's other programs
+    have counted themselves done (route_program's AFTER), then route as the fused router's programs do, into the
+    outputs held here."""
+
+    residual: torch.Tensor | None  # [T, H], added to x first; given before the launch (with_residual)
+    norm_weight: torch.Tensor  # [H]
+    eps: float
+    gate_weight: torch.Tensor  # [E, H]
+    k: int
+    renormalize: bool
+    normed: torch.Tensor  # [T, H] out
+    residual_out: torch.Tensor  # [T, H] out: x + residual
+    weights: torch.Tensor  # [T, k] float32 out
+    ids: torch.Tensor  # [T, k] int32 out
+    rows: Int8Rows | None  # the normed rows rounded to int8 (route_fused_int8_triton's), else None
+    logits: torch.Tensor  # [T, E] float32 scratch
+    config: FusedRouteConfig | None  # None: by the launch's warps (tail_config)
+
+    @classmethod
+    def empty(cls, T: int, like: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+              k: int, renormalize: bool, k_pad: int | None = None, residual: torch.Tensor | None = None,
+              config: FusedRouteConfig | None = None) -> RouterTail:  # fmt: skip
+        """Outputs for T rows of x's dtype and device (``like``, any tensor of them), once the operands are checked
+        as route_fused_triton checks them; the residual can be given later (with_residual)."""
+        H = gate_weight.shape[-1]
+        probe = torch.empty(T, H, dtype=like.dtype, device="meta")
+        _check_inputs(probe, None if residual is None else residual, norm_weight, gate_weight, k)
+        if k_pad is not None:
+            check_k_pad(k_pad, H)
+        device, E = like.device, gate_weight.shape[0]
+        normed = torch.empty(T, H, dtype=like.dtype, device=device)  # [T, H]
+        res_out = torch.empty_like(normed)  # [T, H]
+        weights = torch.empty(T, k, dtype=torch.float32, device=device)  # [T, k]
+        ids = torch.empty(T, k, dtype=torch.int32, device=device)  # [T, k]
+        rows = Int8Rows.empty(T, k_pad, device) if k_pad is not None else None
+        logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
+        return cls(residual, norm_weight.contiguous(), eps, gate_weight, k, bool(renormalize), normed, res_out,
+                   weights, ids, rows, logits, config)  # fmt: skip
+
+    def with_residual(self, residual: torch.Tensor) -> RouterTail:
+        """The same tail (the same outputs) adding ``residual`` [T, H] to x first."""
+        if residual.shape != self.normed.shape or residual.dtype != self.normed.dtype:
+            raise ValueError(f"residual must be {tuple(self.normed.shape)} of {self.normed.dtype}, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")  # fmt: skip
+        return self._replace(residual=residual.contiguous() if residual.stride(-1) != 1 else residual)
+
+    def tail_config(self, num_warps: int) -> FusedRouteConfig:
+        """The routing's split in a launch of num_warps warps a program: one router row a one-warp program (as the
+        fused router at one token), else four (as at several)."""
+        if self.config is not None:
+            return self.config
+        return SINGLE_TOKEN_CONFIG if num_warps == 1 else FusedRouteConfig(split=32, num_warps=num_warps)
+
+    def programs(self, num_warps: int) -> int:
+        """Tail programs per token."""
+        return _split_rows(self.gate_weight.shape[0], self.tail_config(num_warps).split)[0]
+
+    def kernel_args(self, x: torch.Tensor, num_warps: int, counters: int) -> dict:
+        """The tail's keyword arguments (rt_*, RT_*, TAIL) of a GEMV kernel writing x [T, H] (its y) in programs
+        of num_warps warps; ``counters``: how many int32 counters the kernel's tail uses (2 a done counter)."""
+        T, H = x.shape
+        if self.residual is None:
+            raise ValueError("a router tail adds a residual: give it with with_residual before the launch")
+        if x.shape != self.normed.shape or x.dtype != self.normed.dtype or x.stride(1) != 1:
+            raise ValueError(f"the router tail routes rows of {tuple(self.normed.shape)} {self.normed.dtype}, got "
+                             f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")  # fmt: skip
+        gate = self.gate_weight if self.gate_weight.stride(1) == 1 else self.gate_weight.contiguous()
+        k_pad = self.rows.k_pad if self.rows is not None else None
+        shape = _launch_shape(gate.shape[0], H, k_pad, self.tail_config(num_warps))
+        rows = self.rows if self.rows is not None else (x, x, x)
+        return dict(
+            rt_res_ptr=self.residual, rt_norm_w_ptr=self.norm_weight, rt_gate_ptr=gate, rt_normed_ptr=self.normed,
+            rt_res_out_ptr=self.residual_out, rt_logits_ptr=self.logits, rt_weights_ptr=self.weights,
+            rt_ids_ptr=self.ids, rt_counter_ptr=ticket_counters(x.device, T, "route_fused"),
+            rt_done_ptr=ticket_counters(x.device, counters, "router_tail"), rt_xq_ptr=rows[0], rt_dx_ptr=rows[1],
+            rt_xs_ptr=rows[2], rt_eps=self.eps, rt_stride_r=self.residual.stride(0), rt_stride_g=gate.stride(0),
+            RT_K=self.k, RT_RENORMALIZE=self.renormalize, RT_HAS_RESIDUAL=True, RT_Q8=k_pad is not None,
+            RT_K_PAD=k_pad or 0,
+            **{f"RT_{key}": value for key, value in shape.items()}, TAIL=True,
+        )  # fmt: skip
 
 
 def _check_inputs(
@@ -259,21 +387,34 @@ def _route_fused(
     if T == 0:
         return normed, residual_out, weights, ids, int8_rows
     logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
-    rows = triton.cdiv(E, min(cfg.split, E))  # router rows per program
-    split = triton.cdiv(E, rows)  # no program without rows
-    block_h = triton.next_power_of_2(max(H, k_pad or 0))
-    block_rows = min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows))
+    shape = _launch_shape(E, H, k_pad, cfg)
     pdl = pdl_mode(device, T)
-    _route_fused_kernel[(T, split)](
+    _route_fused_kernel[(T, shape["SPLIT"])](
         x, residual if residual is not None else x, norm_weight, gate_weight, normed, residual_out, logits,
         ticket_counters(device, T, "route_fused"), weights, ids, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, gate_weight.stride(0),
-        H=H, E=E, K=k, RENORMALIZE=bool(renormalize), HAS_RESIDUAL=residual is not None, SPLIT=split, ROWS=rows,
-        BLOCK_ROWS=block_rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
+        K=k, RENORMALIZE=bool(renormalize), HAS_RESIDUAL=residual is not None, **shape,
         INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
         enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
         **(int8_rows.store_args() if int8_rows is not None else {}),
-        **({"Q_BLOCK": max(32, triton.next_power_of_2(triton.cdiv(k_pad, split)))} if k_pad is not None else {}),
     )  # fmt: skip
     return normed, residual_out, weights, ids, int8_rows
+
+
+def _split_rows(E: int, split: int) -> tuple[int, int]:
+    """(programs per token, router rows per program) for a config's split of E rows: no program without rows."""
+    rows = triton.cdiv(E, min(split, E))
+    return triton.cdiv(E, rows), rows
+
+
+def _launch_shape(E: int, H: int, k_pad: int | None, cfg: FusedRouteConfig) -> dict:
+    """The compile-time shape arguments of a routing launch (H, E, SPLIT, ROWS, BLOCK_*, and with int8 rows of
+    k_pad values Q_BLOCK, the values a program rounds)."""
+    split, rows = _split_rows(E, cfg.split)
+    block_h = triton.next_power_of_2(max(H, k_pad or 0))
+    shape = dict(H=H, E=E, SPLIT=split, ROWS=rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
+                 BLOCK_ROWS=min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows)))
+    if k_pad is not None:
+        shape["Q_BLOCK"] = max(32, triton.next_power_of_2(triton.cdiv(k_pad, split)))
+    return shape

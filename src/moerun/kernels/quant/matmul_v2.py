@@ -8,6 +8,9 @@ As the q|k|v projection at decode it can also take its neighbours' work into its
                (``MOERUN_QUANT_NORM_GEMV``, ops.quant.rms_norm_quant_linear)
   QkEpilogue   the launch ends with the q/k norm, RoPE and k/v cache write (qk_norm_rope.head_epilogue: the last
                program of each head does it; ``MOERUN_QK_EPILOGUE``)
+As the o_proj projection at decode:
+  RouterTail   extra programs route the output for the MoE block after it (router_fused.route_program), once the
+               GEMV's programs are done (``MOERUN_ROUTER_TAIL``)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from moerun.kernels.quant.gemv_v2 import (
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.rmsnorm import add_rms_norm_row_int8, check_norm_operands
+from moerun.kernels.router_fused import RouterTail, route_program, tail_done
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config
 
@@ -150,12 +154,54 @@ def _matmul_v2_kernel(
     D: tl.constexpr = 1,
     BLOCK_D: tl.constexpr = 1,
     QK: tl.constexpr = False,
+    # TAIL: programs from rt_progs on (axis 0) route row m of y once the others are done (router_fused.RouterTail's
+    # arguments; rt_done_ptr: [M, 2] int32 counters, the programs done and the tail programs past their wait)
+    rt_res_ptr=None,
+    rt_norm_w_ptr=None,
+    rt_gate_ptr=None,
+    rt_normed_ptr=None,
+    rt_res_out_ptr=None,
+    rt_logits_ptr=None,
+    rt_counter_ptr=None,
+    rt_weights_ptr=None,
+    rt_ids_ptr=None,
+    rt_done_ptr=None,
+    rt_xq_ptr=None,
+    rt_dx_ptr=None,
+    rt_xs_ptr=None,
+    rt_eps=0.0,
+    rt_stride_r=0,
+    rt_stride_g=0,
+    rt_progs=0,
+    RT_H: tl.constexpr = 1,
+    RT_E: tl.constexpr = 1,
+    RT_K: tl.constexpr = 1,
+    RT_RENORMALIZE: tl.constexpr = False,
+    RT_HAS_RESIDUAL: tl.constexpr = False,
+    RT_SPLIT: tl.constexpr = 1,
+    RT_ROWS: tl.constexpr = 1,
+    RT_BLOCK_ROWS: tl.constexpr = 1,
+    RT_BLOCK_H: tl.constexpr = 1,
+    RT_BLOCK_E: tl.constexpr = 1,
+    RT_K_PAD: tl.constexpr = 0,
+    RT_Q8: tl.constexpr = False,
+    RT_Q_BLOCK: tl.constexpr = 32,
+    TAIL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
-    wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
+    if TAIL:
+        if pid_n >= rt_progs:
+            route_program(m, pid_n - rt_progs, y_ptr, rt_res_ptr, rt_norm_w_ptr, rt_gate_ptr, rt_normed_ptr,
+                          rt_res_out_ptr, rt_logits_ptr, rt_counter_ptr, rt_weights_ptr, rt_ids_ptr, rt_eps, stride_ym,
+                          rt_stride_r, rt_stride_g, rt_xq_ptr, rt_dx_ptr, rt_xs_ptr, rt_done_ptr + 2 * m, rt_progs,
+                          rt_done_ptr + 2 * m + 1, RT_SPLIT, RT_H, RT_E, RT_K, RT_RENORMALIZE, RT_HAS_RESIDUAL,
+                          RT_SPLIT, RT_ROWS, RT_BLOCK_ROWS, RT_BLOCK_H, RT_BLOCK_E, RT_K_PAD, RT_Q8, RT_Q_BLOCK,
+                          INTERPRET, PDL, True)  # fmt: skip
+            return
+    wait_for_previous(PDL)
     if NORM:
         _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xp_ptr, dx_ptr, xs_ptr, m, pid_n,
                        eps, stride_xm, stride_rm, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET,
@@ -175,6 +221,7 @@ def _matmul_v2_kernel(
                               q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
                               stride_cs, stride_cl, stride_ch, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
             _norm_flag_done(flags_ptr, m, NORM_FIRST)
+            tail_done(rt_done_ptr, 2 * m, TAIL)
             return
     vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
                            X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
@@ -184,6 +231,7 @@ def _matmul_v2_kernel(
                       sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cs, stride_cl, stride_ch,
                       N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
     _norm_flag_done(flags_ptr, m, NORM_FIRST)
+    tail_done(rt_done_ptr, 2 * m, TAIL)
 
 
 @triton.jit
@@ -263,14 +311,17 @@ class NormInFront(NamedTuple):
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
-                   norm: NormInFront | None = None, qk: QkEpilogue | None = None) -> None:  # fmt: skip
+                   norm: NormInFront | None = None, qk: QkEpilogue | None = None,
+                   tail: RouterTail | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
     prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
     the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
     first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only). ``qk``: y is
     the q|k|v output (its parts whole heads, BLOCK_N dividing the head dim), ended by the q/k norm, RoPE and the
-    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q."""
+    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q. ``tail``: y is the whole [M, H] input of the
+    MoE block's routing, which extra programs of the launch run once the others are done (router_fused's
+    RouterTail; not with ``norm`` or ``qk``)."""
     M, K = x.shape
     groups = w.k_pad // group_elems(w.qtype)
     check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
@@ -304,7 +355,14 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
                      X_WORDS_B=wb.k_pad // positions_per_word(wb.qtype), PROGS_A=progs, QT_B=int(wb.qtype),
                      WPG_B=words_per_group(wb.qtype), **{f"{key}_B": v for key, v in chunks_b.items()}, HAS_B=True)
         progs += triton.cdiv(wb.n, cfg["BLOCK_N"])
-    _matmul_v2_kernel[(progs, M)](
+    grid_n = progs
+    if tail is not None:
+        if norm is not None or qk is not None or col_off or w.n + (second[0].n if second else 0) != y.shape[1]:
+            raise ValueError("a router tail routes the whole output of a launch without a norm in front or a q/k "
+                             "epilogue")
+        extra.update(tail.kernel_args(y, cfg["num_warps"], 2 * M), rt_progs=progs)
+        grid_n += tail.programs(cfg["num_warps"])
+    _matmul_v2_kernel[(grid_n, M)](
         x, xp, xs, dx, y, y if bias is None else bias, *part_arrays(w), w.n, K, w.kq, col_off,
         w.k_pad // positions_per_word(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],

@@ -299,73 +299,27 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     # QK (one token, no split): y is a q|k|v row, ended by the q/k norm, RoPE and cache write
     # (qk_norm_rope.head_epilogue's arguments)
-    qk_counters_ptr=None,
-    q_ptr=None,
-    q_w_ptr=None,
-    k_w_ptr=None,
-    cos_ptr=None,
-    sin_ptr=None,
-    pos_ptr=None,
-    slot_ptr=None,
-    k_cache_ptr=None,
-    v_cache_ptr=None,
-    qk_eps=0.0,
-    stride_cs=0,
-    stride_cl=0,
-    stride_ch=0,
-    N_Q: tl.constexpr = 0,
-    N_KV: tl.constexpr = 0,
-    D: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 1,
+    qk=None,  # qk_norm_rope.QkOperands
+    QS: tl.constexpr = None,  # qk_norm_rope.QkShape
     QK: tl.constexpr = False,
-    # TAIL: programs from rt_progs on (axis 0, the last split) route y's rows once the others are done
-    # (router_fused.RouterTail's arguments; rt_done_ptr: 2 int32 counters, the programs done and the tail programs
+    # TAIL: programs from tail_progs on (axis 0, the last split) route y's rows once the others are done
+    # (router_fused.RouterTail's arguments; tail_ptr: 2 int32 counters, the programs done and the tail programs
     # past their wait)
-    rt_res_ptr=None,
-    rt_norm_w_ptr=None,
-    rt_gate_ptr=None,
-    rt_normed_ptr=None,
-    rt_res_out_ptr=None,
-    rt_logits_ptr=None,
-    rt_counter_ptr=None,
-    rt_weights_ptr=None,
-    rt_ids_ptr=None,
-    rt_done_ptr=None,
-    rt_xq_ptr=None,
-    rt_dx_ptr=None,
-    rt_xs_ptr=None,
-    rt_eps=0.0,
-    rt_stride_r=0,
-    rt_stride_g=0,
-    rt_progs=0,
-    RT_H: tl.constexpr = 1,
-    RT_E: tl.constexpr = 1,
-    RT_K: tl.constexpr = 1,
-    RT_RENORMALIZE: tl.constexpr = False,
-    RT_HAS_RESIDUAL: tl.constexpr = False,
-    RT_SPLIT: tl.constexpr = 1,
-    RT_ROWS: tl.constexpr = 1,
-    RT_BLOCK_ROWS: tl.constexpr = 1,
-    RT_BLOCK_H: tl.constexpr = 1,
-    RT_BLOCK_E: tl.constexpr = 1,
-    RT_K_PAD: tl.constexpr = 0,
-    RT_Q8: tl.constexpr = False,
-    RT_Q_BLOCK: tl.constexpr = 32,
+    rt=None,  # router_fused.RouteOperands
+    RT: tl.constexpr = None,  # router_fused.RouteShape
+    tail_ptr=None,
+    tail_progs=0,
     TAIL: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     if TAIL:
-        if pid_n >= rt_progs:
+        if pid_n >= tail_progs:
             if split == SPLIT_K - 1:  # the tail's programs come after every GEMV program in launch order
-                idx = pid_n - rt_progs
-                route_program((idx // RT_SPLIT).to(tl.int64), idx % RT_SPLIT, y_ptr, rt_res_ptr, rt_norm_w_ptr,
-                              rt_gate_ptr, rt_normed_ptr, rt_res_out_ptr, rt_logits_ptr, rt_counter_ptr,
-                              rt_weights_ptr, rt_ids_ptr, rt_eps, stride_yt, rt_stride_r, rt_stride_g, rt_xq_ptr,
-                              rt_dx_ptr, rt_xs_ptr, rt_done_ptr, rt_progs * SPLIT_K, rt_done_ptr + 1, T * RT_SPLIT,
-                              RT_H, RT_E, RT_K, RT_RENORMALIZE, RT_HAS_RESIDUAL, RT_SPLIT, RT_ROWS, RT_BLOCK_ROWS,
-                              RT_BLOCK_H, RT_BLOCK_E, RT_K_PAD, RT_Q8, RT_Q_BLOCK, INTERPRET, PDL, True)  # fmt: skip
+                idx = pid_n - tail_progs
+                route_program((idx // RT.SPLIT).to(tl.int64), idx % RT.SPLIT, y_ptr, stride_yt, rt, RT, tail_ptr,
+                              tail_progs * SPLIT_K, tail_ptr + 1, T * RT.SPLIT, INTERPRET, PDL, True)  # fmt: skip
             return
     t = tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     t_mask = t < T
@@ -422,9 +376,7 @@ def _gemv_kernel(
         y = _store_y(acc, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)  # [BLOCK_T, BLOCK_N]
         if QK:
             tl.static_assert(BLOCK_T == 1, "the q/k epilogue takes one token")
-            head_epilogue(y_ptr, tl.reshape(y, [BLOCK_N]), pid_n * BLOCK_N, 0, qk_counters_ptr, q_ptr, q_w_ptr,
-                          k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cs,
-                          stride_cl, stride_ch, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
+            head_epilogue(y_ptr, tl.reshape(y, [BLOCK_N]), pid_n * BLOCK_N, 0, qk, QS, BLOCK_N, INTERPRET)
     else:
         y_mask = t_mask[:, None] & n_mask[None, :]
         rows = t.to(tl.int64)[:, None] * N + n[None, :]  # [BLOCK_T, BLOCK_N] index into one [T, N] partial
@@ -438,7 +390,7 @@ def _gemv_kernel(
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + s * T * N + rows, mask=y_mask, other=0.0, cache_modifier=".cg")
             _store_y(total, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)
-    tail_done(rt_done_ptr, 0, TAIL)
+    tail_done(tail_ptr, 0, TAIL)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -534,7 +486,7 @@ def _launch(
     if tail is not None:
         if qk is not None:
             raise ValueError("the q/k epilogue and a router tail do not share a launch")
-        extra = {**tail.kernel_args(y, cfg.num_warps, 2), "rt_progs": n_tiles}
+        extra = {**tail.kernel_args(y, cfg.num_warps, 2), "tail_progs": n_tiles}
         grid_n += T * tail.programs(cfg.num_warps)
     block_t = max(MIN_DOT, triton.next_power_of_2(T)) if cfg.dot else triton.next_power_of_2(T)
     # the 1/rms pass holds at most 8192 floats (64 registers a thread at 4 warps)

@@ -67,56 +67,44 @@ def head_epilogue(
     vals,  # [ROWS] the values this program stored at columns col0 + [0, ROWS) of it (within one head)
     col0,
     t,  # the token (row of x)
-    counters_ptr,  # [T, N_Q + N_KV] int32 ticket counters (tickets.py)
-    q_ptr,  # [T, N_Q, D] output
-    q_w_ptr,  # [D]
-    k_w_ptr,  # [D]
-    cos_ptr,  # [P, D] contiguous
-    sin_ptr,  # [P, D] contiguous
-    pos_ptr,  # [T]
-    slot_ptr,  # [T]
-    k_cache_ptr,  # [S, L, N_KV, D]
-    v_cache_ptr,  # [S, L, N_KV, D], strided as k_cache
-    eps,
-    stride_cs,  # the caches' strides along S, L and N_KV
-    stride_cl,
-    stride_ch,
-    N_Q: tl.constexpr,
-    N_KV: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    qk,  # QkOperands
+    QS: tl.constexpr,  # QkShape
     ROWS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """The work of _qk_norm_rope_write_kernel at the end of a q|k|v GEMV program (decode, no host reads): a program
     of a v head writes its values into the v cache; the last of a q or k head's D / ROWS programs to store its
     values normalises and rotates the whole head (read back from y) into q or the k cache, as that kernel does."""
+    N_Q: tl.constexpr = QS.N_Q
+    N_KV: tl.constexpr = QS.N_KV
+    D: tl.constexpr = QS.D
     head = col0 // D
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pos = tl.load(qk.pos_ptr + t).to(tl.int64)
+    slot = tl.load(qk.slot_ptr + t).to(tl.int64)
     if head >= N_Q + N_KV:  # v passes through unchanged
         d = col0 % D + tl.arange(0, ROWS)  # [ROWS]
-        v_dst = v_cache_ptr + slot * stride_cs + pos * stride_cl + (head - N_Q - N_KV) * stride_ch + d
-        tl.store(v_dst, vals.to(v_cache_ptr.dtype.element_ty))
+        v_dst = qk.v_cache_ptr + slot * qk.stride_cs + pos * qk.stride_cl + (head - N_Q - N_KV) * qk.stride_ch + d
+        tl.store(v_dst, vals.to(qk.v_cache_ptr.dtype.element_ty))
     else:
-        counter = counters_ptr + t * (N_Q + N_KV) + head
+        counter = qk.counters_ptr + t * (N_Q + N_KV) + head
         tl.debug_barrier()  # every thread's values are stored before the ticket is taken
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == D // ROWS - 1:
             tl.atomic_xchg(counter, 0)  # the head is complete (acquire): reset for the next launch
-            d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-            cos_row = cos_ptr + pos * D
-            sin_row = sin_ptr + pos * D
+            d = tl.arange(0, QS.BLOCK_D)  # [BLOCK_D]
+            cos_row = qk.cos_ptr + pos * D
+            sin_row = qk.sin_ptr + pos * D
             heads = head + tl.arange(0, 1)  # [1]
             if head < N_Q:
-                out = norm_rope_heads(y_row, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET,
-                                      ".cg")  # [1, BLOCK_D]
-                tl.store(q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=d[None, :] < D)
+                out = norm_rope_heads(y_row, heads, N_Q, qk.q_w_ptr, cos_row, sin_row, qk.eps, D, QS.BLOCK_D,
+                                      INTERPRET, ".cg")  # [1, BLOCK_D]
+                tl.store(qk.q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=d[None, :] < D)
             else:
                 kv = heads - N_Q
-                out = norm_rope_heads(y_row + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D,
+                out = norm_rope_heads(y_row + N_Q * D, kv, N_KV, qk.k_w_ptr, cos_row, sin_row, qk.eps, D, QS.BLOCK_D,
                                       INTERPRET, ".cg")  # fmt: skip
-                k_dst = k_cache_ptr + slot * stride_cs + pos * stride_cl + kv[:, None] * stride_ch + d[None, :]
-                tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=d[None, :] < D)
+                k_dst = qk.k_cache_ptr + slot * qk.stride_cs + pos * qk.stride_cl + kv[:, None] * qk.stride_ch + \
+                    d[None, :]
+                tl.store(k_dst, out.to(qk.k_cache_ptr.dtype.element_ty), mask=d[None, :] < D)
 
 
 @triton.jit
@@ -293,16 +281,43 @@ class QkEpilogue(NamedTuple):
         return self.cos.shape[-1]
 
     def kernel_args(self) -> dict:
-        """head_epilogue's arguments as keywords of a GEMV kernel that calls it (QK=True; the kernel's INTERPRET is
-        its launcher's)."""
+        """head_epilogue's arguments as keywords of a GEMV kernel that calls it: qk (QkOperands), QS (QkShape) and
+        QK=True (the kernel's INTERPRET is its launcher's)."""
         T = self.q.shape[0]
         counters = ticket_counters(self.q.device, T * (self.n_q + self.n_kv), "qk_epilogue")
         kc = self.k_cache
-        return dict(qk_counters_ptr=counters, q_ptr=self.q, q_w_ptr=self.q_norm_w, k_w_ptr=self.k_norm_w,
-                    cos_ptr=self.cos, sin_ptr=self.sin, pos_ptr=self.positions, slot_ptr=self.token_slots,
-                    k_cache_ptr=kc, v_cache_ptr=self.v_cache, qk_eps=self.eps, stride_cs=kc.stride(0),
-                    stride_cl=kc.stride(1), stride_ch=kc.stride(2), N_Q=self.n_q, N_KV=self.n_kv, D=self.head_dim,
-                    BLOCK_D=triton.next_power_of_2(self.head_dim), QK=True)  # fmt: skip
+        qk = QkOperands(counters, self.q, self.q_norm_w, self.k_norm_w, self.cos, self.sin, self.positions,
+                        self.token_slots, kc, self.v_cache, self.eps, kc.stride(0), kc.stride(1), kc.stride(2))
+        return dict(qk=qk, QS=QkShape(self.n_q, self.n_kv, self.head_dim, triton.next_power_of_2(self.head_dim)),
+                    QK=True)  # fmt: skip
+
+
+class QkOperands(NamedTuple):
+    """head_epilogue's run-time operands, passed to a kernel as one argument."""
+
+    counters_ptr: torch.Tensor  # [T, N_Q + N_KV] int32 ticket counters (tickets.py)
+    q_ptr: torch.Tensor  # [T, N_Q, D] output
+    q_w_ptr: torch.Tensor  # [D]
+    k_w_ptr: torch.Tensor  # [D]
+    cos_ptr: torch.Tensor  # [P, D] contiguous
+    sin_ptr: torch.Tensor  # [P, D] contiguous
+    pos_ptr: torch.Tensor  # [T]
+    slot_ptr: torch.Tensor  # [T]
+    k_cache_ptr: torch.Tensor  # [S, L, N_KV, D]
+    v_cache_ptr: torch.Tensor  # [S, L, N_KV, D], strided as k_cache
+    eps: float
+    stride_cs: int  # the caches' strides along S, L and N_KV
+    stride_cl: int
+    stride_ch: int
+
+
+class QkShape(NamedTuple):
+    """head_epilogue's compile-time arguments, passed to a kernel as one constexpr."""
+
+    N_Q: int
+    N_KV: int
+    D: int
+    BLOCK_D: int
 
 
 def unit_inner_stride(t: torch.Tensor) -> torch.Tensor:

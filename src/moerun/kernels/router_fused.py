@@ -77,68 +77,74 @@ def default_config(tokens: int) -> FusedRouteConfig:
     return SINGLE_TOKEN_CONFIG if tokens == 1 and not interpreting() else DEFAULT_CONFIG
 
 
+class RouteOperands(NamedTuple):
+    """The run-time operands of the routing programs (route_program), besides x, passed to a kernel as one
+    argument."""
+
+    res_ptr: torch.Tensor  # [T, H], or x without a residual
+    norm_w_ptr: torch.Tensor  # [H]
+    gate_ptr: torch.Tensor  # [E, H]
+    normed_ptr: torch.Tensor  # [T, H] out
+    res_out_ptr: torch.Tensor  # [T, H] out (never written without a residual)
+    logits_ptr: torch.Tensor  # [T, E] float32 scratch
+    counter_ptr: torch.Tensor  # [>= T] int32 top-k tickets, zero on entry and left zero
+    weights_ptr: torch.Tensor  # [T, K] float32 out
+    ids_ptr: torch.Tensor  # [T, K] int32 out
+    xq_ptr: torch.Tensor  # Q8: the normalised rows as Int8Rows (int8_dot.quantize_x's layout, K padded to K_PAD)
+    dx_ptr: torch.Tensor
+    xs_ptr: torch.Tensor
+    eps: float
+    stride_r: int
+    stride_g: int
+
+
+class RouteShape(NamedTuple):
+    """The compile-time arguments of the routing programs, passed to a kernel as one constexpr."""
+
+    H: int
+    E: int
+    K: int
+    RENORMALIZE: bool
+    HAS_RESIDUAL: bool
+    SPLIT: int  # programs per token
+    ROWS: int  # router rows per program, cdiv(E, SPLIT)
+    BLOCK_ROWS: int
+    BLOCK_H: int
+    BLOCK_E: int
+    K_PAD: int  # Q8: the int8 rows' padded length
+    Q8: bool
+    Q_BLOCK: int  # Q8: values each program rounds, a power of two >= 32 with SPLIT x Q_BLOCK >= K_PAD
+
+
 @triton.jit
 def _route_fused_kernel(
     x_ptr,  # [T, H]
-    res_ptr,  # [T, H], or x when HAS_RESIDUAL is false
-    norm_w_ptr,  # [H]
-    gate_ptr,  # [E, H]
-    normed_ptr,  # [T, H] out
-    res_out_ptr,  # [T, H] out, or x when HAS_RESIDUAL is false (never written then)
-    logits_ptr,  # [T, E] float32 scratch
-    counter_ptr,  # [>= T] int32 tickets, zero on entry and left zero
-    weights_ptr,  # [T, K] float32 out
-    ids_ptr,  # [T, K] int32 out
-    eps,
     stride_x,
-    stride_r,
-    stride_g,
-    H: tl.constexpr,
-    E: tl.constexpr,
-    K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SPLIT: tl.constexpr,
-    ROWS: tl.constexpr,  # router rows per program, cdiv(E, SPLIT)
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    ops,  # RouteOperands
+    S: tl.constexpr,  # RouteShape
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    xq_ptr=None,  # Q8: the normalised rows as Int8Rows (int8_dot.quantize_x's layout, K padded to K_PAD)
-    dx_ptr=None,
-    xs_ptr=None,
-    K_PAD: tl.constexpr = 0,
-    Q8: tl.constexpr = False,
-    Q_BLOCK: tl.constexpr = 32,  # Q8: values each program rounds, a power of two >= 32 with SPLIT x Q_BLOCK >= K_PAD
 ):
     launch_dependents(PDL)
-    route_program(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, res_ptr, norm_w_ptr, gate_ptr, normed_ptr,
-                  res_out_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, eps, stride_x, stride_r, stride_g,
-                  xq_ptr, dx_ptr, xs_ptr, counter_ptr, 0, counter_ptr, 0, H, E, K, RENORMALIZE, HAS_RESIDUAL, SPLIT,
-                  ROWS, BLOCK_ROWS, BLOCK_H, BLOCK_E, K_PAD, Q8, Q_BLOCK, INTERPRET, PDL, False)  # fmt: skip
+    route_program(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, stride_x, ops, S, ops.counter_ptr, 0,
+                  ops.counter_ptr, 0, INTERPRET, PDL, False)  # fmt: skip
 
 
 @triton.jit
-def route_program(
-    token, split, x_ptr, res_ptr, norm_w_ptr, gate_ptr, normed_ptr, res_out_ptr, logits_ptr, counter_ptr, weights_ptr,
-    ids_ptr, eps, stride_x, stride_r, stride_g, xq_ptr, dx_ptr, xs_ptr, done_ptr, n_done, passed_ptr, n_passed,
-    H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-    K_PAD: tl.constexpr, Q8: tl.constexpr, Q_BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    AFTER: tl.constexpr,
-):  # fmt: skip
-    """Program ``split`` of token ``token``'s routing (_route_fused_kernel's arguments).
+def route_program(token, split, x_ptr, stride_x, ops, S: tl.constexpr, done_ptr, n_done, passed_ptr, n_passed,
+                  INTERPRET: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr):  # fmt: skip
+    """Program ``split`` of token ``token``'s routing of x [T, H] (ops: RouteOperands, S: RouteShape).
 
     AFTER: the program is part of the launch that writes x (a GEMV's router tail, RouterTail): once the previous
     kernel is done it also waits until the counter at done_ptr reaches n_done (the launch's programs that write
     x count themselves done there, tail_done), then counts itself at passed_ptr; the last of the n_passed
     programs that wait on that counter resets both to 0 for the next launch.
     """
-    first = split * ROWS
+    first = split * S.ROWS
     # The first step's router rows are requested before the norm (and before the previous kernel's end, with
     # PDL), so their trip to memory overlaps it.
-    g, rows, row_ok = _load_router_rows(gate_ptr, first, 0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
+    g, rows, row_ok = _load_router_rows(ops.gate_ptr, first, 0, ops.stride_g, S.H, S.E, S.ROWS, S.BLOCK_ROWS,
+                                        S.BLOCK_H)  # fmt: skip
     wait_for_previous(PDL)
     if AFTER:
         # an add of 0 with acquire compiles to an acquire load (ld.acquire.gpu), not a queued atomic
@@ -150,32 +156,33 @@ def route_program(
             tl.atomic_xchg(passed_ptr, 0)
     # every program normalises the token's row; the first one stores it and the new residual
     normed, inv_rms = add_rms_norm_row(
-        x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, token, tl.where(split == 0, H, 0), eps, stride_x,
-        stride_r, H, HAS_RESIDUAL, BLOCK_H, INTERPRET,
+        x_ptr, ops.res_ptr, ops.norm_w_ptr, ops.normed_ptr, ops.res_out_ptr, token, tl.where(split == 0, S.H, 0),
+        ops.eps, stride_x, ops.stride_r, S.H, S.HAS_RESIDUAL, S.BLOCK_H, INTERPRET,
     )  # fmt: skip
     normed = normed.to(tl.float32)
-    _store_logits(logits_ptr, g, normed, token, rows, row_ok, E, INTERPRET)
-    for r0 in range(BLOCK_ROWS, ROWS, BLOCK_ROWS):
-        g_r, rows_r, ok_r = _load_router_rows(gate_ptr, first, r0, stride_g, H, E, ROWS, BLOCK_ROWS, BLOCK_H)
-        _store_logits(logits_ptr, g_r, normed, token, rows_r, ok_r, E, INTERPRET)
+    _store_logits(ops.logits_ptr, g, normed, token, rows, row_ok, S.E, INTERPRET)
+    for r0 in range(S.BLOCK_ROWS, S.ROWS, S.BLOCK_ROWS):
+        g_r, rows_r, ok_r = _load_router_rows(ops.gate_ptr, first, r0, ops.stride_g, S.H, S.E, S.ROWS, S.BLOCK_ROWS,
+                                              S.BLOCK_H)  # fmt: skip
+        _store_logits(ops.logits_ptr, g_r, normed, token, rows_r, ok_r, S.E, INTERPRET)
     # The barrier orders every thread's scratch stores before the release of the ticket (taken by one thread).
     tl.debug_barrier()
-    if SPLIT == 1:
-        _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E)
+    if S.SPLIT == 1:
+        _select_experts(ops.logits_ptr, ops.weights_ptr, ops.ids_ptr, token, S.E, S.K, S.RENORMALIZE, S.BLOCK_E)
     else:
-        ticket = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
-            _select_experts(logits_ptr, weights_ptr, ids_ptr, token, E, K, RENORMALIZE, BLOCK_E)
-            tl.store(counter_ptr + token, 0)
-    if Q8:
+        ticket = tl.atomic_add(ops.counter_ptr + token, 1, sem="acq_rel")
+        if ticket == S.SPLIT - 1:
+            _select_experts(ops.logits_ptr, ops.weights_ptr, ops.ids_ptr, token, S.E, S.K, S.RENORMALIZE, S.BLOCK_E)
+            tl.store(ops.counter_ptr + token, 0)
+    if S.Q8:
         # The int8 row in slices of Q_BLOCK values, one a program (programs past K_PAD have none), after the
         # routing so that it never delays the last program's top-k. A slice is the normalised row's columns
         # computed again from x and the residual (L1 / L2 hits), bit for bit the values above.
-        start = split * Q_BLOCK
-        if start < K_PAD:
-            v = rms_norm_slice(x_ptr, res_ptr, norm_w_ptr, token, start, inv_rms, stride_x, stride_r, H,
-                               HAS_RESIDUAL, Q_BLOCK, INTERPRET).to(tl.float32)  # fmt: skip
-            quantize_store_row(v, Q_BLOCK, start, xq_ptr, dx_ptr, xs_ptr, token, K_PAD, K_PAD)
+        start = split * S.Q_BLOCK
+        if start < S.K_PAD:
+            v = rms_norm_slice(x_ptr, ops.res_ptr, ops.norm_w_ptr, token, start, inv_rms, stride_x, ops.stride_r, S.H,
+                               S.HAS_RESIDUAL, S.Q_BLOCK, INTERPRET).to(tl.float32)  # fmt: skip
+            quantize_store_row(v, S.Q_BLOCK, start, ops.xq_ptr, ops.dx_ptr, ops.xs_ptr, token, S.K_PAD, S.K_PAD)
 
 
 @triton.jit
@@ -277,39 +284,33 @@ class RouterTail(NamedTuple):
         return self._replace(residual=residual.contiguous() if residual.stride(-1) != 1 else residual)
 
     def tail_config(self, num_warps: int) -> FusedRouteConfig:
-        """The routing's split in a launch of num_warps warps a program: one router row a one-warp program (as the
-        fused router at one token), else four (as at several)."""
+        """The routing's split in a launch of num_warps warps a program: one router row a one-warp program at one
+        token (as the fused router there), else four rows a program (as at several tokens). The tail's programs
+        wait while they hold an SM slot, so there are few of them: at most 32 a token beside the one-token case."""
         if self.config is not None:
             return self.config
-        return SINGLE_TOKEN_CONFIG if num_warps == 1 else FusedRouteConfig(split=32, num_warps=num_warps)
+        if num_warps == 1 and self.normed.shape[0] == 1:
+            return SINGLE_TOKEN_CONFIG
+        return FusedRouteConfig(split=32, num_warps=num_warps)
 
     def programs(self, num_warps: int) -> int:
         """Tail programs per token."""
         return _split_rows(self.gate_weight.shape[0], self.tail_config(num_warps).split)[0]
 
     def kernel_args(self, x: torch.Tensor, num_warps: int, counters: int) -> dict:
-        """The tail's keyword arguments (rt_*, RT_*, TAIL) of a GEMV kernel writing x [T, H] (its y) in programs
-        of num_warps warps; ``counters``: how many int32 counters the kernel's tail uses (2 a done counter)."""
+        """The tail's keyword arguments of a GEMV kernel writing x [T, H] (its y) in programs of num_warps warps:
+        rt (RouteOperands), RT (RouteShape), tail_ptr (its done counters; ``counters`` of them, 2 a done count) and
+        TAIL."""
         T, H = x.shape
         if self.residual is None:
             raise ValueError("a router tail adds a residual: give it with with_residual before the launch")
         if x.shape != self.normed.shape or x.dtype != self.normed.dtype or x.stride(1) != 1:
             raise ValueError(f"the router tail routes rows of {tuple(self.normed.shape)} {self.normed.dtype}, got "
                              f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")  # fmt: skip
-        gate = self.gate_weight if self.gate_weight.stride(1) == 1 else self.gate_weight.contiguous()
-        k_pad = self.rows.k_pad if self.rows is not None else None
-        shape = _launch_shape(gate.shape[0], H, k_pad, self.tail_config(num_warps))
-        rows = self.rows if self.rows is not None else (x, x, x)
-        return dict(
-            rt_res_ptr=self.residual, rt_norm_w_ptr=self.norm_weight, rt_gate_ptr=gate, rt_normed_ptr=self.normed,
-            rt_res_out_ptr=self.residual_out, rt_logits_ptr=self.logits, rt_weights_ptr=self.weights,
-            rt_ids_ptr=self.ids, rt_counter_ptr=ticket_counters(x.device, T, "route_fused"),
-            rt_done_ptr=ticket_counters(x.device, counters, "router_tail"), rt_xq_ptr=rows[0], rt_dx_ptr=rows[1],
-            rt_xs_ptr=rows[2], rt_eps=self.eps, rt_stride_r=self.residual.stride(0), rt_stride_g=gate.stride(0),
-            RT_K=self.k, RT_RENORMALIZE=self.renormalize, RT_HAS_RESIDUAL=True, RT_Q8=k_pad is not None,
-            RT_K_PAD=k_pad or 0,
-            **{f"RT_{key}": value for key, value in shape.items()}, TAIL=True,
-        )  # fmt: skip
+        ops, shape = _bundles(x, self.residual, self.norm_weight, self.gate_weight, self.normed, self.residual_out,
+                              self.logits, self.weights, self.ids, self.rows, self.eps, self.k, self.renormalize,
+                              self.tail_config(num_warps))  # fmt: skip
+        return dict(rt=ops, RT=shape, tail_ptr=ticket_counters(x.device, counters, "router_tail"), TAIL=True)
 
 
 def _check_inputs(
@@ -373,11 +374,6 @@ def _route_fused(
     E = gate_weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    if gate_weight.stride(1) != 1:
-        gate_weight = gate_weight.contiguous()
-    norm_weight = norm_weight.contiguous()
     device = x.device
     normed = torch.empty(T, H, dtype=x.dtype, device=device)  # [T, H]
     residual_out = torch.empty_like(normed) if residual is not None else x  # [T, H]
@@ -387,17 +383,13 @@ def _route_fused(
     if T == 0:
         return normed, residual_out, weights, ids, int8_rows
     logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
-    shape = _launch_shape(E, H, k_pad, cfg)
+    ops, shape = _bundles(x, residual, norm_weight, gate_weight, normed, residual_out, logits, weights, ids, int8_rows,
+                          eps, k, renormalize, cfg)  # fmt: skip
     pdl = pdl_mode(device, T)
-    _route_fused_kernel[(T, shape["SPLIT"])](
-        x, residual if residual is not None else x, norm_weight, gate_weight, normed, residual_out, logits,
-        ticket_counters(device, T, "route_fused"), weights, ids, eps,
-        x.stride(0), residual.stride(0) if residual is not None else 0, gate_weight.stride(0),
-        K=k, RENORMALIZE=bool(renormalize), HAS_RESIDUAL=residual is not None, **shape,
-        INTERPRET=interpreting(), num_warps=cfg.num_warps,
+    _route_fused_kernel[(T, shape.SPLIT)](
+        x, x.stride(0), ops, shape, INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
         enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
-        **(int8_rows.store_args() if int8_rows is not None else {}),
     )  # fmt: skip
     return normed, residual_out, weights, ids, int8_rows
 
@@ -408,13 +400,27 @@ def _split_rows(E: int, split: int) -> tuple[int, int]:
     return triton.cdiv(E, rows), rows
 
 
-def _launch_shape(E: int, H: int, k_pad: int | None, cfg: FusedRouteConfig) -> dict:
-    """The compile-time shape arguments of a routing launch (H, E, SPLIT, ROWS, BLOCK_*, and with int8 rows of
-    k_pad values Q_BLOCK, the values a program rounds)."""
-    split, rows = _split_rows(E, cfg.split)
-    block_h = triton.next_power_of_2(max(H, k_pad or 0))
-    shape = dict(H=H, E=E, SPLIT=split, ROWS=rows, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(E),
-                 BLOCK_ROWS=min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows)))
-    if k_pad is not None:
-        shape["Q_BLOCK"] = max(32, triton.next_power_of_2(triton.cdiv(k_pad, split)))
-    return shape
+def _bundles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, gate_weight: torch.Tensor,
+             normed: torch.Tensor, residual_out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
+             ids: torch.Tensor, rows: Int8Rows | None, eps: float, k: int, renormalize: bool,
+             cfg: FusedRouteConfig) -> tuple[RouteOperands, RouteShape]:  # fmt: skip
+    """route_program's operands and shape for routing x [T, H] into the given outputs under cfg (the dummies where
+    there is no residual or no int8 rows are x; the routing's tensors made unit-stride along H)."""
+    H, E = x.shape[1], gate_weight.shape[0]
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    if gate_weight.stride(1) != 1:
+        gate_weight = gate_weight.contiguous()
+    res = residual if residual is not None else x
+    q8 = rows if rows is not None else (x, x, x)
+    ops = RouteOperands(res, norm_weight.contiguous(), gate_weight, normed, residual_out, logits,
+                        ticket_counters(x.device, x.shape[0], "route_fused"), weights, ids, q8[0], q8[1], q8[2], eps,
+                        res.stride(0) if residual is not None else 0, gate_weight.stride(0))  # fmt: skip
+    split, rows_per = _split_rows(E, cfg.split)
+    k_pad = rows.k_pad if rows is not None else 0
+    block_h = triton.next_power_of_2(max(H, k_pad))
+    shape = RouteShape(H, E, k, bool(renormalize), residual is not None, split, rows_per,
+                       min(cfg.block_rows or max(1, 16384 // block_h), triton.next_power_of_2(rows_per)), block_h,
+                       triton.next_power_of_2(E), k_pad, rows is not None,
+                       max(32, triton.next_power_of_2(triton.cdiv(k_pad, split))) if rows is not None else 32)
+    return ops, shape

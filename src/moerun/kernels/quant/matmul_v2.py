@@ -117,75 +117,23 @@ def _matmul_v2_kernel(
     HAS_B: tl.constexpr = False,
     # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
     # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the program of
-    # the row that arrives first while the others wait on its flag (flags_ptr: [M, 3] int32 ticket counters: the
-    # flag, the programs done, the last of which resets all three, and the programs arrived). That program (else
-    # program 0) also stores the normed row [M, K] (h_ptr) and x + residual [M, K] (res_out_ptr).
-    res_ptr=None,
-    norm_w_ptr=None,
-    h_ptr=None,
-    res_out_ptr=None,
-    flags_ptr=None,
-    eps=0.0,
-    stride_rm=0,
-    K_NORM: tl.constexpr = 0,
-    BLOCK_H: tl.constexpr = 1,
-    K_PAD: tl.constexpr = 0,
-    HAS_RESIDUAL: tl.constexpr = False,
+    # the row that arrives first while the others wait on its flag (NormOperands.flags_ptr). That program (else
+    # program 0) also stores the normed row and x + residual.
+    nf=None,  # NormOperands
+    NS: tl.constexpr = None,  # NormShape
     INTERPRET: tl.constexpr = False,
     NORM: tl.constexpr = False,
     NORM_FIRST: tl.constexpr = False,
     # QK: y is a q|k|v row, ended by the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue's arguments)
-    qk_counters_ptr=None,
-    q_ptr=None,
-    q_w_ptr=None,
-    k_w_ptr=None,
-    cos_ptr=None,
-    sin_ptr=None,
-    pos_ptr=None,
-    slot_ptr=None,
-    k_cache_ptr=None,
-    v_cache_ptr=None,
-    qk_eps=0.0,
-    stride_cs=0,
-    stride_cl=0,
-    stride_ch=0,
-    N_Q: tl.constexpr = 0,
-    N_KV: tl.constexpr = 0,
-    D: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 1,
+    qk=None,  # qk_norm_rope.QkOperands
+    QS: tl.constexpr = None,  # qk_norm_rope.QkShape
     QK: tl.constexpr = False,
-    # TAIL: programs from rt_progs on (axis 0) route row m of y once the others are done (router_fused.RouterTail's
-    # arguments; rt_done_ptr: [M, 2] int32 counters, the programs done and the tail programs past their wait)
-    rt_res_ptr=None,
-    rt_norm_w_ptr=None,
-    rt_gate_ptr=None,
-    rt_normed_ptr=None,
-    rt_res_out_ptr=None,
-    rt_logits_ptr=None,
-    rt_counter_ptr=None,
-    rt_weights_ptr=None,
-    rt_ids_ptr=None,
-    rt_done_ptr=None,
-    rt_xq_ptr=None,
-    rt_dx_ptr=None,
-    rt_xs_ptr=None,
-    rt_eps=0.0,
-    rt_stride_r=0,
-    rt_stride_g=0,
-    rt_progs=0,
-    RT_H: tl.constexpr = 1,
-    RT_E: tl.constexpr = 1,
-    RT_K: tl.constexpr = 1,
-    RT_RENORMALIZE: tl.constexpr = False,
-    RT_HAS_RESIDUAL: tl.constexpr = False,
-    RT_SPLIT: tl.constexpr = 1,
-    RT_ROWS: tl.constexpr = 1,
-    RT_BLOCK_ROWS: tl.constexpr = 1,
-    RT_BLOCK_H: tl.constexpr = 1,
-    RT_BLOCK_E: tl.constexpr = 1,
-    RT_K_PAD: tl.constexpr = 0,
-    RT_Q8: tl.constexpr = False,
-    RT_Q_BLOCK: tl.constexpr = 32,
+    # TAIL: programs from tail_progs on (axis 0) route row m of y once the others are done (router_fused.RouterTail's
+    # arguments; tail_ptr: [M, 2] int32 counters, the programs done and the tail programs past their wait)
+    rt=None,  # router_fused.RouteOperands
+    RT: tl.constexpr = None,  # router_fused.RouteShape
+    tail_ptr=None,
+    tail_progs=0,
     TAIL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
@@ -193,19 +141,13 @@ def _matmul_v2_kernel(
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     if TAIL:
-        if pid_n >= rt_progs:
-            route_program(m, pid_n - rt_progs, y_ptr, rt_res_ptr, rt_norm_w_ptr, rt_gate_ptr, rt_normed_ptr,
-                          rt_res_out_ptr, rt_logits_ptr, rt_counter_ptr, rt_weights_ptr, rt_ids_ptr, rt_eps, stride_ym,
-                          rt_stride_r, rt_stride_g, rt_xq_ptr, rt_dx_ptr, rt_xs_ptr, rt_done_ptr + 2 * m, rt_progs,
-                          rt_done_ptr + 2 * m + 1, RT_SPLIT, RT_H, RT_E, RT_K, RT_RENORMALIZE, RT_HAS_RESIDUAL,
-                          RT_SPLIT, RT_ROWS, RT_BLOCK_ROWS, RT_BLOCK_H, RT_BLOCK_E, RT_K_PAD, RT_Q8, RT_Q_BLOCK,
-                          INTERPRET, PDL, True)  # fmt: skip
+        if pid_n >= tail_progs:
+            route_program(m, pid_n - tail_progs, y_ptr, stride_ym, rt, RT, tail_ptr + 2 * m, tail_progs,
+                          tail_ptr + 2 * m + 1, RT.SPLIT, INTERPRET, PDL, True)  # fmt: skip
             return
     wait_for_previous(PDL)
     if NORM:
-        _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xp_ptr, dx_ptr, xs_ptr, m, pid_n,
-                       eps, stride_xm, stride_rm, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET,
-                       NORM_FIRST)  # fmt: skip
+        _norm_in_front(x_ptr, nf, NS, xp_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET, NORM_FIRST)
     x_row = x_ptr + m * stride_xm
     xp_row = xp_ptr + m * stride_pm
     xs_row = xs_ptr + m * stride_psm
@@ -217,29 +159,25 @@ def _matmul_v2_kernel(
                                    N_B, K, KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B,
                                    FULL_B, REM_B, LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
             if QK:
-                head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk_counters_ptr, q_ptr,
-                              q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
-                              stride_cs, stride_cl, stride_ch, N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
-            _norm_flag_done(flags_ptr, m, NORM_FIRST)
-            tail_done(rt_done_ptr, 2 * m, TAIL)
+                head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk, QS, BLOCK_N, INTERPRET)
+            _norm_flag_done(nf, m, NORM_FIRST)
+            tail_done(tail_ptr, 2 * m, TAIL)
             return
     vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
                            X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
                            EMULATE_DP4A)  # fmt: skip
     if QK:
-        head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk_counters_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_ptr,
-                      sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, qk_eps, stride_cs, stride_cl, stride_ch,
-                      N_Q, N_KV, D, BLOCK_D, BLOCK_N, INTERPRET)  # fmt: skip
-    _norm_flag_done(flags_ptr, m, NORM_FIRST)
-    tail_done(rt_done_ptr, 2 * m, TAIL)
+        head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk, QS, BLOCK_N, INTERPRET)
+    _norm_flag_done(nf, m, NORM_FIRST)
+    tail_done(tail_ptr, 2 * m, TAIL)
 
 
 @triton.jit
-def _norm_flag_done(flags_ptr, m, NORM_FIRST: tl.constexpr):
+def _norm_flag_done(nf, m, NORM_FIRST: tl.constexpr):
     """With NORM_FIRST, the program counts itself done; the last of row m resets its counters to 0 for the next
     launch (every program is past its wait by then)."""
     if NORM_FIRST:
-        flag = flags_ptr + 3 * m
+        flag = nf.flags_ptr + 3 * m
         if tl.atomic_add(flag + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(flag, 0)
             tl.atomic_xchg(flag + 1, 0)
@@ -247,18 +185,18 @@ def _norm_flag_done(flags_ptr, m, NORM_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, eps,
-                   stride_xm, stride_rm, K_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
-                   K_PAD: tl.constexpr, INTERPRET: tl.constexpr, NORM_FIRST: tl.constexpr):  # fmt: skip
-    """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it."""
+def _norm_in_front(x_ptr, nf, NS: tl.constexpr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET: tl.constexpr,
+                   NORM_FIRST: tl.constexpr):  # fmt: skip
+    """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it (nf:
+    NormOperands, NS: NormShape)."""
     if NORM_FIRST:
-        flag = flags_ptr + 3 * m
+        flag = nf.flags_ptr + 3 * m
         # the first to arrive, not program 0: it is running, whatever order the GPU starts programs in, so the
         # others never wait on a program that waits for a free SM
         if tl.atomic_add(flag + 2, 1, sem="relaxed") == 0:
-            add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, K_NORM, eps, stride_xm,
-                                  stride_rm, xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD,
-                                  INTERPRET)  # fmt: skip
+            add_rms_norm_row_int8(x_ptr, nf.res_ptr, nf.norm_w_ptr, nf.h_ptr, nf.res_out_ptr, m, NS.K_NORM, nf.eps,
+                                  stride_xm, nf.stride_rm, xq_ptr, dx_ptr, xs_ptr, NS.K_NORM, NS.HAS_RESIDUAL,
+                                  NS.BLOCK_H, NS.K_PAD, INTERPRET)  # fmt: skip
             tl.debug_barrier()  # every thread's stores issued before the flag releases them
             tl.atomic_xchg(flag, 1, sem="release")
         else:  # an add of 0 with acquire compiles to an acquire load (ld.acquire.gpu), not a queued atomic
@@ -266,13 +204,35 @@ def _norm_in_front(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, flags_ptr, xq
             while ready == 0:
                 ready = tl.atomic_add(flag, 0, sem="acquire")
     else:
-        n_store = tl.where(pid_n == 0, K_NORM, 0)
-        add_rms_norm_row_int8(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, m, n_store, eps, stride_xm, stride_rm,
-                              xq_ptr, dx_ptr, xs_ptr, K_NORM, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET)  # fmt: skip
+        n_store = tl.where(pid_n == 0, NS.K_NORM, 0)
+        add_rms_norm_row_int8(x_ptr, nf.res_ptr, nf.norm_w_ptr, nf.h_ptr, nf.res_out_ptr, m, n_store, nf.eps,
+                              stride_xm, nf.stride_rm, xq_ptr, dx_ptr, xs_ptr, NS.K_NORM, NS.HAS_RESIDUAL, NS.BLOCK_H,
+                              NS.K_PAD, INTERPRET)  # fmt: skip
         tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
 
 
 # ------------------------------------------------------------------------------------------------ host side
+
+
+class NormOperands(NamedTuple):
+    """The run-time operands of the norm in front (_norm_in_front), passed to the kernel as one argument."""
+
+    res_ptr: torch.Tensor  # [M, K] residual, or x without one
+    norm_w_ptr: torch.Tensor  # [K]
+    h_ptr: torch.Tensor  # [M, K] out: the normed rows
+    res_out_ptr: torch.Tensor  # [M, K] out: x + residual
+    flags_ptr: torch.Tensor  # NORM_FIRST: [M, 3] int32 (the flag, the programs done, the programs arrived)
+    eps: float
+    stride_rm: int
+
+
+class NormShape(NamedTuple):
+    """Its compile-time arguments, passed as one constexpr."""
+
+    K_NORM: int  # x's row length
+    BLOCK_H: int
+    K_PAD: int  # the int8 rows' padded length
+    HAS_RESIDUAL: bool
 
 
 class NormInFront(NamedTuple):
@@ -299,14 +259,14 @@ class NormInFront(NamedTuple):
         return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device), first)
 
     def kernel_args(self, x: torch.Tensor) -> dict:
-        """The NORM keyword arguments of _matmul_v2_kernel."""
+        """The NORM keyword arguments of _matmul_v2_kernel: nf (NormOperands), NS (NormShape), NORM, NORM_FIRST."""
         K, k_pad = x.shape[1], self.rows.k_pad
         res = self.residual if self.residual is not None else x
         flags = ticket_counters(x.device, 3 * x.shape[0], "quant_norm_gemv") if self.first else x
-        return dict(res_ptr=res, norm_w_ptr=self.weight, h_ptr=self.out, res_out_ptr=self.residual_out,
-                    flags_ptr=flags, eps=self.eps, stride_rm=res.stride(0), K_NORM=K,
-                    BLOCK_H=triton.next_power_of_2(k_pad), K_PAD=k_pad, HAS_RESIDUAL=self.residual is not None,
-                    NORM=True, NORM_FIRST=self.first, enable_fp_fusion=False)  # fmt: skip  # rounds as rms_norm_int8
+        nf = NormOperands(res, self.weight, self.out, self.residual_out, flags, self.eps, res.stride(0))
+        ns = NormShape(K, triton.next_power_of_2(k_pad), k_pad, self.residual is not None)
+        # rounds as rms_norm_int8
+        return dict(nf=nf, NS=ns, NORM=True, NORM_FIRST=self.first, enable_fp_fusion=False)
 
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
@@ -360,7 +320,7 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
         if norm is not None or qk is not None or col_off or w.n + (second[0].n if second else 0) != y.shape[1]:
             raise ValueError("a router tail routes the whole output of a launch without a norm in front or a q/k "
                              "epilogue")
-        extra.update(tail.kernel_args(y, cfg["num_warps"], 2 * M), rt_progs=progs)
+        extra.update(tail.kernel_args(y, cfg["num_warps"], 2 * M), tail_progs=progs)
         grid_n += tail.programs(cfg["num_warps"])
     _matmul_v2_kernel[(grid_n, M)](
         x, xp, xs, dx, y, y if bias is None else bias, *part_arrays(w), w.n, K, w.kq, col_off,

@@ -263,7 +263,7 @@ class RouterTail(NamedTuple):
         as route_fused_triton checks them; the residual can be given later (with_residual)."""
         H = gate_weight.shape[-1]
         probe = torch.empty(T, H, dtype=like.dtype, device="meta")
-        _check_inputs(probe, None if residual is None else residual, norm_weight, gate_weight, k)
+        _check_inputs(probe, residual, norm_weight, gate_weight, k)
         if k_pad is not None:
             check_k_pad(k_pad, H)
         device, E = like.device, gate_weight.shape[0]

@@ -298,14 +298,14 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    # QK (one token, no split): y is a q|k|v row, ended by the q/k norm, RoPE and cache write
-    # (qk_norm_rope.head_epilogue's arguments)
     # NORM_FIRST (with HAS_NORM): the first program to arrive adds the residual and normalises x's rows into h_ptr
     # [T, K] (and writes x + residual) while the others wait on its flag; every program then reads the normed rows
     # (flags_ptr: 3 int32 counters, the flag, the programs done and the programs arrived; reset by the last done)
     h_ptr=None,
     flags_ptr=None,
     NORM_FIRST: tl.constexpr = False,
+    # QK (one token, no split): y is a q|k|v row, ended by the q/k norm, RoPE and cache write
+    # (qk_norm_rope.head_epilogue's arguments)
     qk=None,  # qk_norm_rope.QkOperands
     QS: tl.constexpr = None,  # qk_norm_rope.QkShape
     QK: tl.constexpr = False,
@@ -508,8 +508,8 @@ def _launch(
     first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, residual, norm_weight, weight, bias)
-    if first and (norm_weight is None or tail is not None):
-        raise ValueError("gemv: the first-program norm needs a norm in front and no router tail")
+    if first and norm_weight is None:  # (a router tail comes only without a norm: linear_triton)
+        raise ValueError("gemv: the first-program norm needs a norm in front")
     T, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1:

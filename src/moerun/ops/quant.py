@@ -128,9 +128,10 @@ def quant_matmul(
     interpreter with backend="triton"; dequantise + F.linear with the torch backend). ``x_int8``: x already
     rounded to int8 (rows of x [T, K], int8_input_pad's padding), read by the parts whose config rounds x.
     ``tail`` (where router_tail_applies): the launch also routes its output for the MoE block after it."""
-    if tail is not None and not router_tail_applies(x, weight, backend):
+    torch_path = pick_backend(backend, x.device, "quantized matmul") == "torch"
+    if tail is not None and (torch_path or not has_kernel_layout(weight)):  # quant_matmul_triton checks the rest
         raise ValueError("a router tail needs a quantized weight whose Triton GEMV is one gemv_v2 launch")
-    if pick_backend(backend, x.device, "quantized matmul") == "torch":
+    if torch_path:
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if not has_kernel_layout(weight):
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]

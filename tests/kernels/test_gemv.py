@@ -157,7 +157,8 @@ def test_fused_norm_rounds_like_rms_norm(seed: int, dtype: torch.dtype, config: 
     # as in test_rmsnorm: the same float32 values rounded, except a rare one-ulp flip from the sum's order
     ulps = ulp_distance(y, ref)
     assert ulps.max() <= 1, f"seed={seed}: {int(ulps.max())} ulps apart"
-    assert (ulps > 0).float().mean() <= 0.02, f"seed={seed}: {int((ulps > 0).sum())} of {ulps.numel()} differ"
+    differ = int((ulps > 0).sum())
+    assert differ <= max(1, ulps.numel() // 50), f"seed={seed}: {differ} of {ulps.numel()} differ"
 
 
 def test_default_configs_run(seed: int) -> None:

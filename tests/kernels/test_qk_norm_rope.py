@@ -76,7 +76,9 @@ def assert_rope_close(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
     # rounding (about 1 element in 2^15); x*cos + rot*sin may then move by one ulp of its larger term.
     ulp_one = torch.finfo(out.dtype).eps
     torch.testing.assert_close(out, ref, rtol=ulp_one, atol=ulp_one * 4, msg=msg)
-    assert (out != ref).float().mean() <= 0.01, f"seed={seed}: {int((out != ref).sum())} of {out.numel()} differ"
+    # one flip allowed in tiny cases (a 32-element case has one in 2^10 odds of a flip, not zero)
+    differ = int((out != ref).sum())
+    assert differ <= max(1, out.numel() // 100), f"seed={seed}: {differ} of {out.numel()} differ"
 
 
 def run_and_compare(case: Case, seed: int) -> None:

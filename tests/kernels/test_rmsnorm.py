@@ -39,7 +39,8 @@ def assert_norm_close(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
     # torch's can flip a rounding, which happens to about one element in 2^15
     ulps = ulp_distance(out, ref)
     assert ulps.max() <= 1, f"seed={seed}: {int(ulps.max())} ulps apart"
-    assert (ulps > 0).float().mean() <= 0.01, f"seed={seed}: {int((ulps > 0).sum())} of {ulps.numel()} differ"
+    differ = int((ulps > 0).sum())  # one flip allowed however small the case
+    assert differ <= max(1, ulps.numel() // 100), f"seed={seed}: {differ} of {ulps.numel()} differ"
 
 
 def make_inputs(T: int, H: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

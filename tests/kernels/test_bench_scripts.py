@@ -44,7 +44,7 @@ def test_bench_grid_gemv_tiny(tmp_path) -> None:
 
 def test_bench_quant_moe_compare_grid_type(tmp_path) -> None:
     # --compare on a grid type (no repacked layout): the tile configs read its GGUF blocks
-    _main("bench_quant_moe.py")(["--types", "IQ2_XXS", "--E", "4", "--H", "256", "--I", "256", "--k", "2", "--m", "16",
+    _main("bench_quant_moe.py")(["--types", "IQ2_XXS", "--E", "2", "--H", "256", "--I", "256", "--k", "1", "--m", "16",
                                  "--compare", "k16x64", "--budget-s", "0.01", "--max-runs", "1", "--out",
                                  str(tmp_path)])  # fmt: skip
     rows = json.loads((tmp_path / "compare.json").read_text())

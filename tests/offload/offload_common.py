@@ -29,9 +29,10 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(500) for _ in range(n)] for n in (5, 17, 3, 9)]
 
 
-def triton_run(llm_cls, path, device: str, opts: dict) -> tuple[dict, list[list[int]], list[list[int]]]:
-    """(``opts`` on ``device`` with the Triton MoE backend, two short prompts, the resident engine's greedy tokens
-    for them): what the quantized offloading tests compare against."""
+def triton_run(llm_cls, path, device: str, opts: dict, count: int = 2, params: SamplingParams = SHORT
+               ) -> tuple[dict, list[list[int]], list[list[int]]]:  # fmt: skip
+    """(``opts`` on ``device`` with the Triton MoE backend, ``count`` short prompts, the resident engine's greedy
+    tokens for them under ``params``): what the quantized offloading tests compare against."""
     options = dict(opts, device=device, moe_backend="triton")
-    few = prompts(2)[:2]
-    return options, few, [o.token_ids for o in llm_cls(str(path), **options).generate(few, SHORT)]
+    few = prompts(2)[:count]
+    return options, few, [o.token_ids for o in llm_cls(str(path), **options).generate(few, params)]

@@ -71,10 +71,17 @@ DEFAULT_CONFIG = FusedRouteConfig()
 SINGLE_TOKEN_CONFIG = FusedRouteConfig(split=128, num_warps=1)
 
 
+# Triton's interpreter runs programs one by one, each op at a fixed cost: the fewest programs that still take the
+# top-k ticket (four a token; a quantized tiny-model generation 10% faster than at split 32).
+INTERPRETER_CONFIG = FusedRouteConfig(split=4)
+
+
 def default_config(tokens: int) -> FusedRouteConfig:
-    """The launch config for ``tokens`` rows when the caller gives none: SINGLE_TOKEN_CONFIG for one token on a GPU,
-    else DEFAULT_CONFIG (the interpreter runs programs one by one: the fewer, the faster)."""
-    return SINGLE_TOKEN_CONFIG if tokens == 1 and not interpreting() else DEFAULT_CONFIG
+    """The launch config for ``tokens`` rows when the caller gives none: INTERPRETER_CONFIG in the interpreter,
+    SINGLE_TOKEN_CONFIG for one token on a GPU, else DEFAULT_CONFIG."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    return SINGLE_TOKEN_CONFIG if tokens == 1 else DEFAULT_CONFIG
 
 
 class RouteOperands(NamedTuple):

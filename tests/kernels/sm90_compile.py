@@ -97,9 +97,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
-    from moerun.kernels.router_fused import (
-        SINGLE_TOKEN_CONFIG, RouterTail, route_fused_int8_triton, route_fused_triton,
-    )
+    from moerun.kernels.router_fused import SINGLE_TOKEN_CONFIG, route_fused_int8_triton, route_fused_triton
     from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
@@ -130,8 +128,6 @@ def _cases() -> dict[str, Callable[[], None]]:
     q5 = [pack(random_quantized(QuantType.Q5_K, (E, I, H), "cpu")) for _ in range(2)]
     q8_down = pack(random_quantized(QuantType.Q8_0, (E, H, I), "cpu"))
     q4_0 = pack(random_quantized(QuantType.Q4_0, (64, H), "cpu"))
-    o_part = pack(random_quantized(QuantType.Q4_K, (H, H), "cpu"))
-    gate = torch.randn(E, H, dtype=bf16)
     iq4 = [pack(random_quantized(QuantType.IQ4_XS, (E, I, H), "cpu")) for _ in range(2)]
     iq4_down = pack(random_quantized(QuantType.IQ4_NL, (E, H, I), "cpu"))
     iq4_rows = pack(random_quantized(QuantType.IQ4_XS, (64, H), "cpu"))
@@ -277,14 +273,6 @@ def _cases() -> dict[str, Callable[[], None]]:
             qk=QkEpilogue.make(1, bf16, torch.ones(16, dtype=bf16), torch.ones(16, dtype=bf16), 1e-6, cos[:, :16],
                                sin[:, :16], lens.long() - 1, slots, torch.zeros(2, L, 2, 16, dtype=bf16),
                                torch.zeros(2, L, 2, 16, dtype=bf16), 2, 2)),
-        "gemv ending with the router (one-warp and four-warp programs, bf16 and int8 rows)": lambda: [
-            gemv.linear_triton(x, torch.randn(H, H, dtype=bf16), None, gemv.GemvConfig(block_n=4, block_k=256,
-                                                                                          num_warps=warps),
-                               tail=RouterTail.empty(x.shape[0], x, norm_w, 1e-6, gate, k, True, pad).with_residual(x))
-            for x, warps, pad in ((x1, 1, None), (x1, 4, H), (x8, 4, None))],
-        "quant matmul ending with the router (int8 x, int8 rows)": lambda: [matmul_v2_part(
-            x, torch.empty(x.shape[0], H, dtype=bf16), o_part, None, 0, {**v2, "x_q8": True},
-            tail=RouterTail.empty(x.shape[0], x, norm_w, 1e-6, gate, k, True, H).with_residual(x)) for x in (x1, x8)],
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
         "route": lambda: route_triton(torch.randn(8, E), k, True),

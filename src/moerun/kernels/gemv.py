@@ -17,10 +17,6 @@ whole row of x + residual (a few KB, from L2) and normalises its K range on the 
 ``RMSNorm.forward_with_residual`` rounds; the programs of N-tile 0 also write x + residual (with ``first``,
 the first program to arrive does both once for all the others, which wait on its flag). Grids, buffers
 and configs depend only on shapes, so a decode step with these kernels can be captured in a CUDA graph.
-
-As o_proj at decode the launch can also route its output for the MoE block after it (``tail``,
-router_fused.RouterTail): extra programs after the GEMV's, in its last split, run the fused router's programs once
-every GEMV program has counted itself done (``MOERUN_ROUTER_TAIL``).
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
 from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
 from moerun.kernels.rmsnorm import round_to
-from moerun.kernels.router_fused import RouterTail, route_program, tail_done
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
 
@@ -309,25 +304,10 @@ def _gemv_kernel(
     qk=None,  # qk_norm_rope.QkOperands
     QS: tl.constexpr = None,  # qk_norm_rope.QkShape
     QK: tl.constexpr = False,
-    # TAIL: programs from tail_progs on (axis 0, the last split) route y's rows once the others are done
-    # (router_fused.RouterTail's arguments; tail_ptr: 2 int32 counters, the programs done and the tail programs
-    # past their wait)
-    rt=None,  # router_fused.RouteOperands
-    RT: tl.constexpr = None,  # router_fused.RouteShape
-    tail_ptr=None,
-    tail_progs=0,
-    TAIL: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    if TAIL:
-        if pid_n >= tail_progs:
-            if split == SPLIT_K - 1:  # the tail's programs come after every GEMV program in launch order
-                idx = pid_n - tail_progs
-                route_program((idx // RT.SPLIT).to(tl.int64), idx % RT.SPLIT, y_ptr, stride_yt, rt, RT, tail_ptr,
-                              tail_progs * SPLIT_K, tail_ptr + 1, T * RT.SPLIT, INTERPRET, PDL, True)  # fmt: skip
-            return
     t = tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     t_mask = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
@@ -404,7 +384,6 @@ def _gemv_kernel(
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + s * T * N + rows, mask=y_mask, other=0.0, cache_modifier=".cg")
             _store_y(total, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)
-    tail_done(tail_ptr, 0, TAIL)
     if NORM_FIRST:  # the last program done resets the three counters (every program is past its wait by then)
         if tl.atomic_add(flags_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
             tl.atomic_xchg(flags_ptr, 0)
@@ -444,15 +423,10 @@ def _norm_rows_first(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, h_ptr, flags_ptr, 
 
 
 def linear_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: GemvConfig | None = None,
-    tail: RouterTail | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x's dtype, float32 accumulation; T <= MAX_TOKENS.
-    ``tail``: the launch also routes y for the MoE block after it (router_fused.RouterTail)."""
-    y, _ = _launch(x, None, None, 0.0, weight, bias, config, tail=tail)
+    """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x's dtype, float32 accumulation; T <= MAX_TOKENS."""
+    y, _ = _launch(x, None, None, 0.0, weight, bias, config)
     return y
 
 
@@ -504,11 +478,10 @@ def _launch(
     bias: torch.Tensor | None,
     config: GemvConfig | None,
     qk: QkEpilogue | None = None,
-    tail: RouterTail | None = None,
     first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, residual, norm_weight, weight, bias)
-    if first and norm_weight is None:  # (a router tail comes only without a norm: linear_triton)
+    if first and norm_weight is None:
         raise ValueError("gemv: the first-program norm needs a norm in front")
     T, K = x.shape
     N = weight.shape[0]
@@ -532,12 +505,6 @@ def _launch(
                              f"rows, and programs of rows dividing a head without a split of K, got T={T}, N={N}, "
                              f"{block_n} rows a program, split {split_k}")  # fmt: skip
         extra = qk.kernel_args()
-    grid_n = n_tiles
-    if tail is not None:
-        if qk is not None:
-            raise ValueError("the q/k epilogue and a router tail do not share a launch")
-        extra = {**tail.kernel_args(y, cfg.num_warps, 2), "tail_progs": n_tiles}
-        grid_n += T * tail.programs(cfg.num_warps)
     if first:  # the normed rows [T, K] and the counters
         extra.update(h_ptr=torch.empty(T, K, dtype=x.dtype, device=x.device), NORM_FIRST=True,
                      flags_ptr=ticket_counters(x.device, 3, "gemv_norm_first"))  # fmt: skip
@@ -551,7 +518,7 @@ def _launch(
         partials = tickets = y  # dummies, never touched
     interpret = interpreting()
     pdl = pdl_mode(x.device, T)
-    _gemv_kernel[(grid_n, split_k)](
+    _gemv_kernel[(n_tiles, split_k)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x,

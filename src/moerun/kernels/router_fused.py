@@ -9,11 +9,6 @@ the normalised row and the new residual; for quantized experts whose kernels rou
 too (route_fused_int8_triton), a slice a program after the routing. Splitting the 0.5 MB of router weights over
 SPLIT programs per token spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
 
-The same programs (route_program) can also run at the end of the launch that writes x, the o_proj GEMV at decode
-(RouterTail): they are extra programs of that launch, which load their router rows, wait until its other programs
-have counted themselves done (an acquire load of a counter each of those releases), and route; the router then
-takes no launch of its own.
-
 The roundings follow the unfused path (kernels/rmsnorm.py's, then F.linear in the model dtype, then
 kernels/router.py's softmax_topk), so only float32 summation orders differ.
 """
@@ -133,34 +128,18 @@ def _route_fused_kernel(
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
-    route_program(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, stride_x, ops, S, ops.counter_ptr, 0,
-                  ops.counter_ptr, 0, INTERPRET, PDL, False)  # fmt: skip
+    route_program(tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, stride_x, ops, S, INTERPRET, PDL)
 
 
 @triton.jit
-def route_program(token, split, x_ptr, stride_x, ops, S: tl.constexpr, done_ptr, n_done, passed_ptr, n_passed,
-                  INTERPRET: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr):  # fmt: skip
-    """Program ``split`` of token ``token``'s routing of x [T, H] (ops: RouteOperands, S: RouteShape).
-
-    AFTER: the program is part of the launch that writes x (a GEMV's router tail, RouterTail): once the previous
-    kernel is done it also waits until the counter at done_ptr reaches n_done (the launch's programs that write
-    x count themselves done there, tail_done), then counts itself at passed_ptr; the last of the n_passed
-    programs that wait on that counter resets both to 0 for the next launch.
-    """
+def route_program(token, split, x_ptr, stride_x, ops, S: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """Program ``split`` of token ``token``'s routing of x [T, H] (ops: RouteOperands, S: RouteShape)."""
     first = split * S.ROWS
     # The first step's router rows are requested before the norm (and before the previous kernel's end, with
     # PDL), so their trip to memory overlaps it.
     g, rows, row_ok = _load_router_rows(ops.gate_ptr, first, 0, ops.stride_g, S.H, S.E, S.ROWS, S.BLOCK_ROWS,
                                         S.BLOCK_H)  # fmt: skip
     wait_for_previous(PDL)
-    if AFTER:
-        # an add of 0 with acquire compiles to an acquire load (ld.acquire.gpu), not a queued atomic
-        done = tl.atomic_add(done_ptr, 0, sem="acquire")
-        while done < n_done:
-            done = tl.atomic_add(done_ptr, 0, sem="acquire")
-        if tl.atomic_add(passed_ptr, 1, sem="relaxed") == n_passed - 1:  # every waiter is past the loop above
-            tl.atomic_xchg(done_ptr, 0)
-            tl.atomic_xchg(passed_ptr, 0)
     # every program normalises the token's row; the first one stores it and the new residual
     normed, inv_rms = add_rms_norm_row(
         x_ptr, ops.res_ptr, ops.norm_w_ptr, ops.normed_ptr, ops.res_out_ptr, token, tl.where(split == 0, S.H, 0),
@@ -190,15 +169,6 @@ def route_program(token, split, x_ptr, stride_x, ops, S: tl.constexpr, done_ptr,
             v = rms_norm_slice(x_ptr, ops.res_ptr, ops.norm_w_ptr, token, start, inv_rms, stride_x, ops.stride_r, S.H,
                                S.HAS_RESIDUAL, S.Q_BLOCK, INTERPRET).to(tl.float32)  # fmt: skip
             quantize_store_row(v, S.Q_BLOCK, start, ops.xq_ptr, ops.dx_ptr, ops.xs_ptr, token, S.K_PAD, S.K_PAD)
-
-
-@triton.jit
-def tail_done(done_ptr, index, TAIL: tl.constexpr):
-    """The end of a program that writes x for a router tail (TAIL): counts itself done at done_ptr + index once
-    every thread's stores are issued (route_program's AFTER waits for the count)."""
-    if TAIL:
-        tl.debug_barrier()
-        tl.atomic_add(done_ptr + index, 1, sem="release")
 
 
 @triton.jit
@@ -239,85 +209,6 @@ def _select_experts(
     slots = cols[None, :]  # [1, BLOCK_E]
     tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
     tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
-
-
-class RouterTail(NamedTuple):
-    """The decode routing (route_fused_triton / route_fused_int8_triton) run by extra programs at the end of the
-    launch that writes its x [T, H] (the o_proj GEMV: kernels/gemv.py, quant/matmul_v2.py), so that it needs no
-    launch of its own. The extra programs load their router rows first, wait until the launch's other programs
-    have counted themselves done (route_program's AFTER), then route as the fused router's programs do, into the
-    outputs held here."""
-
-    residual: torch.Tensor | None  # [T, H], added to x first; given before the launch (with_residual)
-    norm_weight: torch.Tensor  # [H]
-    eps: float
-    gate_weight: torch.Tensor  # [E, H]
-    k: int
-    renormalize: bool
-    normed: torch.Tensor  # [T, H] out
-    residual_out: torch.Tensor  # [T, H] out: x + residual
-    weights: torch.Tensor  # [T, k] float32 out
-    ids: torch.Tensor  # [T, k] int32 out
-    rows: Int8Rows | None  # the normed rows rounded to int8 (route_fused_int8_triton's), else None
-    logits: torch.Tensor  # [T, E] float32 scratch
-    config: FusedRouteConfig | None  # None: by the launch's warps (tail_config)
-
-    @classmethod
-    def empty(cls, T: int, like: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
-              k: int, renormalize: bool, k_pad: int | None = None, residual: torch.Tensor | None = None,
-              config: FusedRouteConfig | None = None) -> RouterTail:  # fmt: skip
-        """Outputs for T rows of x's dtype and device (``like``, any tensor of them), once the operands are checked
-        as route_fused_triton checks them; the residual can be given later (with_residual)."""
-        H = gate_weight.shape[-1]
-        probe = torch.empty(T, H, dtype=like.dtype, device="meta")
-        _check_inputs(probe, residual, norm_weight, gate_weight, k)
-        if k_pad is not None:
-            check_k_pad(k_pad, H)
-        device, E = like.device, gate_weight.shape[0]
-        normed = torch.empty(T, H, dtype=like.dtype, device=device)  # [T, H]
-        res_out = torch.empty_like(normed)  # [T, H]
-        weights = torch.empty(T, k, dtype=torch.float32, device=device)  # [T, k]
-        ids = torch.empty(T, k, dtype=torch.int32, device=device)  # [T, k]
-        rows = Int8Rows.empty(T, k_pad, device) if k_pad is not None else None
-        logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
-        return cls(residual, norm_weight.contiguous(), eps, gate_weight, k, bool(renormalize), normed, res_out,
-                   weights, ids, rows, logits, config)  # fmt: skip
-
-    def with_residual(self, residual: torch.Tensor) -> RouterTail:
-        """The same tail (the same outputs) adding ``residual`` [T, H] to x first."""
-        if residual.shape != self.normed.shape or residual.dtype != self.normed.dtype:
-            raise ValueError(f"residual must be {tuple(self.normed.shape)} of {self.normed.dtype}, got "
-                             f"{tuple(residual.shape)} {residual.dtype}")  # fmt: skip
-        return self._replace(residual=residual.contiguous() if residual.stride(-1) != 1 else residual)
-
-    def tail_config(self, num_warps: int) -> FusedRouteConfig:
-        """The routing's split in a launch of num_warps warps a program: one router row a one-warp program at one
-        token (as the fused router there), else four rows a program (as at several tokens). The tail's programs
-        wait while they hold an SM slot, so there are few of them: at most 32 a token beside the one-token case."""
-        if self.config is not None:
-            return self.config
-        if num_warps == 1 and self.normed.shape[0] == 1:
-            return SINGLE_TOKEN_CONFIG
-        return FusedRouteConfig(split=32, num_warps=num_warps)
-
-    def programs(self, num_warps: int) -> int:
-        """Tail programs per token."""
-        return _split_rows(self.gate_weight.shape[0], self.tail_config(num_warps).split)[0]
-
-    def kernel_args(self, x: torch.Tensor, num_warps: int, counters: int) -> dict:
-        """The tail's keyword arguments of a GEMV kernel writing x [T, H] (its y) in programs of num_warps warps:
-        rt (RouteOperands), RT (RouteShape), tail_ptr (its done counters; ``counters`` of them, 2 a done count) and
-        TAIL."""
-        T, H = x.shape
-        if self.residual is None:
-            raise ValueError("a router tail adds a residual: give it with with_residual before the launch")
-        if x.shape != self.normed.shape or x.dtype != self.normed.dtype or x.stride(1) != 1:
-            raise ValueError(f"the router tail routes rows of {tuple(self.normed.shape)} {self.normed.dtype}, got "
-                             f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")  # fmt: skip
-        ops, shape = _bundles(x, self.residual, self.norm_weight, self.gate_weight, self.normed, self.residual_out,
-                              self.logits, self.weights, self.ids, self.rows, self.eps, self.k, self.renormalize,
-                              self.tail_config(num_warps))  # fmt: skip
-        return dict(rt=ops, RT=shape, tail_ptr=ticket_counters(x.device, counters, "router_tail"), TAIL=True)
 
 
 def _check_inputs(
@@ -401,12 +292,6 @@ def _route_fused(
     return normed, residual_out, weights, ids, int8_rows
 
 
-def _split_rows(E: int, split: int) -> tuple[int, int]:
-    """(programs per token, router rows per program) for a config's split of E rows: no program without rows."""
-    rows = triton.cdiv(E, min(split, E))
-    return triton.cdiv(E, rows), rows
-
-
 def _bundles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, gate_weight: torch.Tensor,
              normed: torch.Tensor, residual_out: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
              ids: torch.Tensor, rows: Int8Rows | None, eps: float, k: int, renormalize: bool,
@@ -423,7 +308,8 @@ def _bundles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.
     ops = RouteOperands(res, norm_weight.contiguous(), gate_weight, normed, residual_out, logits,
                         ticket_counters(x.device, x.shape[0], "route_fused"), weights, ids, q8[0], q8[1], q8[2], eps,
                         res.stride(0) if residual is not None else 0, gate_weight.stride(0))  # fmt: skip
-    split, rows_per = _split_rows(E, cfg.split)
+    rows_per = triton.cdiv(E, min(cfg.split, E))  # router rows per program
+    split = triton.cdiv(E, rows_per)  # no program without rows
     k_pad = rows.k_pad if rows is not None else 0
     block_h = triton.next_power_of_2(max(H, k_pad))
     shape = RouteShape(H, E, k, bool(renormalize), residual is not None, split, rows_per,

@@ -20,7 +20,6 @@ from moerun.ops.linear import gemv_applies
 
 if TYPE_CHECKING:
     from moerun.kernels.qk_norm_rope import QkEpilogue
-    from moerun.kernels.router_fused import RouterTail
 
 
 def decode_qk_in_attention() -> bool:
@@ -66,11 +65,8 @@ class Qwen3Attention(nn.Module):
         self.rotary = rotary
         self.scale = D**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
-                tail: RouterTail | None = None) -> torch.Tensor:  # fmt: skip
-        """Attention of x [T, H] -> [T, H]; ``tail`` (decode): o_proj's launch also routes its output
-        (SparseMoeBlock.router_tail, its residual given)."""
-        return self._attend(self.qkv_proj(x), batch, cache, tail)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        return self._attend(self.qkv_proj(x), batch, cache)
 
     def forward_fused_norm(
         self,
@@ -80,7 +76,6 @@ class Qwen3Attention(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         backend: str | None = None,
-        tail: RouterTail | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm.forward_with_residual(x, residual)`` then ``forward``: (attention output [T, H], new residual).
 
@@ -89,25 +84,24 @@ class Qwen3Attention(nn.Module):
         blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``), or with
         ``MOERUN_QUANT_NORM_GEMV=all|first`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``).
         With ``MOERUN_QK_EPILOGUE=1`` a q|k|v GEMV with the norm in front also ends with the q/k norm, RoPE and cache
-        write where it can (_qk_epilogue). ``tail`` (decode): o_proj's launch also routes the attention output
-        plus the new residual for the MoE block after it (SparseMoeBlock.router_tail).
+        write where it can (_qk_epilogue).
         """
         if self._fuse_norm(x, batch, backend):
             qk = self._qk_epilogue(x, batch, cache, backend)
             qkv, residual = ops.rms_norm_linear(
                 x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend, qk=qk
             )  # [T, (n_q + 2 n_kv) D], [T, H]
-            return self._attend_after(qkv, qk, batch, cache, _bind(tail, residual)), residual
+            return self._attend_after(qkv, qk, batch, cache), residual
         pad = None if batch.is_prefill else self.qkv_proj.int8_input_pad(x, backend)
         if pad is not None and self.qkv_proj.norm_in_front(x, backend):  # the norm inside the q|k|v GEMV
             qk = self._qk_epilogue(x, batch, cache, backend)
             qkv, residual = self.qkv_proj.forward_norm_in_front(x, residual, norm.weight, norm.eps, qk)
-            return self._attend_after(qkv, qk, batch, cache, _bind(tail, residual)), residual
+            return self._attend_after(qkv, qk, batch, cache), residual
         if pad is not None:  # GGUF q|k|v whose decode kernels round x to int8: the norm hands it over rounded
             h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad)
-            return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache, _bind(tail, residual)), residual
+            return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache), residual
         h, residual = norm.forward_with_residual(x, residual)
-        return self.forward(h, batch, cache, _bind(tail, residual)), residual
+        return self.forward(h, batch, cache), residual
 
     def _qk_epilogue(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                      backend: str | None) -> QkEpilogue | None:  # fmt: skip
@@ -134,11 +128,11 @@ class Qwen3Attention(nn.Module):
                                batch.positions, batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q,
                                self.n_kv)  # fmt: skip
 
-    def _attend_after(self, qkv: torch.Tensor, qk: QkEpilogue | None, batch: ForwardBatch, cache: KVCache,
-                      tail: RouterTail | None) -> torch.Tensor:  # fmt: skip
+    def _attend_after(self, qkv: torch.Tensor, qk: QkEpilogue | None, batch: ForwardBatch,
+                      cache: KVCache) -> torch.Tensor:  # fmt: skip
         """_attend of the q|k|v output, or where its launch ended with the q/k epilogue (q normalised and rotated,
         the caches written) the decode attention of that q."""
-        return self._attend(qkv, batch, cache, tail) if qk is None else self._decode(qk.q, batch, cache, tail)
+        return self._attend(qkv, batch, cache) if qk is None else self._decode(qk.q, batch, cache)
 
     def _fuse_norm(self, x: torch.Tensor, batch: ForwardBatch, backend: str | None) -> bool:
         """Whether forward_fused_norm runs the fused norm + q|k|v GEMV (never for GGUF-block weights)."""
@@ -148,12 +142,9 @@ class Qwen3Attention(nn.Module):
             return True
         return gemv_applies(x, self.qkv_proj.weight, x.shape[0])
 
-    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache,
-                tail: RouterTail | None = None) -> torch.Tensor:  # fmt: skip
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H]."""
         T, D = qkv.shape[0], self.head_dim
-        if tail is not None and batch.is_prefill:
-            raise ValueError("a router tail is for decode steps")
         cos, sin = self.rotary.cos_sin(qkv.device, qkv.dtype)
         if not batch.is_prefill and qkv.device.type == "cuda" and decode_qk_in_attention():
             pad = self.o_proj.int8_input_pad(qkv[:, : self.n_q * D])  # a GGUF o_proj's int8 rows, made in the launch
@@ -162,7 +153,7 @@ class Qwen3Attention(nn.Module):
                 batch.token_slots, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
                 self.scale, self.n_q, self.n_kv, k_pad=pad,
             )  # [T, n_q, D]
-            return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8, tail=tail)
+            return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
         # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
         k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op
@@ -174,10 +165,9 @@ class Qwen3Attention(nn.Module):
             v_new = qkv[:, (self.n_q + self.n_kv) * D :].unflatten(-1, (self.n_kv, D))  # [T, n_kv, D] view
             out = self._prefill(q, k_new, v_new, batch, cache)
             return self.o_proj(out.reshape(T, self.n_q * D))
-        return self._decode(q, batch, cache, tail)
+        return self._decode(q, batch, cache)
 
-    def _decode(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache,
-                tail: RouterTail | None = None) -> torch.Tensor:  # fmt: skip
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Decode attention of q [T, n_q, D] over the cache (this step's k and v written), then o_proj -> [T, H]."""
         T, D = q.shape[0], self.head_dim
         if q.device.type == "cuda":
@@ -185,12 +175,12 @@ class Qwen3Attention(nn.Module):
             if pad is not None:  # GGUF o_proj whose decode kernel rounds x to int8: attention hands it over rounded
                 out, out_int8 = ops.decode_attention_int8(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids,
                                                           batch.seq_lens, self.scale, pad)  # fmt: skip
-                return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8, tail=tail)
+                return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
             out = ops.decode_attention(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
                                        self.scale)
         else:
             out = self._decode_eager(q, batch, cache)
-        return self.o_proj(out.reshape(T, self.n_q * D), tail=tail)
+        return self.o_proj(out.reshape(T, self.n_q * D))
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, batch: ForwardBatch,
                  cache: KVCache) -> torch.Tensor:
@@ -226,8 +216,3 @@ class Qwen3Attention(nn.Module):
             enable_gqa=True,
         )  # [B, n_q, 1, D]
         return out.squeeze(2)
-
-
-def _bind(tail: RouterTail | None, residual: torch.Tensor) -> RouterTail | None:
-    """The router tail adding the residual stream as it stands after the input norm (None stays None)."""
-    return tail.with_residual(residual) if tail is not None else None

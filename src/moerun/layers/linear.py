@@ -17,7 +17,6 @@ from moerun import ops
 if TYPE_CHECKING:
     from moerun.kernels.qk_norm_rope import QkEpilogue
     from moerun.kernels.quant.int8_dot import Int8Rows
-    from moerun.kernels.router_fused import RouterTail
 
 ShardIndex = tuple  # an index into a parameter's leading dimensions (all but the last)
 
@@ -51,26 +50,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor, x_int8: Int8Rows | None = None, tail: RouterTail | None = None) -> torch.Tensor:
-        """x_int8: x already rounded to int8 (ops.rms_norm_int8), for GGUF blocks whose kernels round x. tail: the
-        launch also routes the output for the MoE block after it (where router_tail_applies)."""
+    def forward(self, x: torch.Tensor, x_int8: Int8Rows | None = None) -> torch.Tensor:
+        """x_int8: x already rounded to int8 (ops.rms_norm_int8), for GGUF blocks whose kernels round x."""
         q = self.__dict__.get("q_weight")
         if q is not None:
             from moerun.ops.quant import quant_matmul
 
-            return quant_matmul(x, q, bias=self.bias, x_int8=x_int8, tail=tail)
-        return ops.linear(x, self.weight, self.bias, tail=tail)
-
-    def router_tail_applies(self, x: torch.Tensor) -> bool:
-        """Whether forward can take a router tail for x [T, in_features] (its Triton GEMV is one launch)."""
-        q = self.__dict__.get("q_weight")
-        if q is not None:
-            from moerun.ops.quant import router_tail_applies
-
-            return router_tail_applies(x, q)
-        from moerun.ops.linear import router_tail_applies
-
-        return router_tail_applies(x, self.weight)
+            return quant_matmul(x, q, bias=self.bias, x_int8=x_int8)
+        return ops.linear(x, self.weight, self.bias)
 
     def int8_input_pad(self, x: torch.Tensor, backend: str | None = None) -> int | None:
         """The padding at which forward would round x to int8 (GGUF blocks on the Triton path), else None."""

@@ -38,17 +38,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output before the residual add, the residual stream so far)."""
-        # Each norm is fused into the op after it where a kernel exists (decode: q|k|v GEMV, router), and with
-        # MOERUN_ROUTER_TAIL=1 the router's launch into o_proj's.
-        if isinstance(self.mlp, SparseMoeBlock):
-            tail = None if batch.is_prefill else self.mlp.router_tail(x, self.self_attn.o_proj,
-                                                                      self.post_attention_layernorm)  # fmt: skip
-            h, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache,
-                                                            tail=tail)  # fmt: skip
-            if tail is not None:
-                return self.mlp.forward_routed(tail)
-            return self.mlp.forward_fused_norm(h, residual, self.post_attention_layernorm)
+        # Each norm is fused into the op after it where a kernel exists (decode: q|k|v GEMV, router).
         h, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp.forward_fused_norm(h, residual, self.post_attention_layernorm)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return self.mlp(h), residual
 

@@ -1,15 +1,10 @@
 """The sparse MoE block: router (a linear layer + softmax/top-k) then the experts backend.
 
 ``forward_fused_norm`` also takes the residual add and RMSNorm in front of the block; for decode-sized batches on
-the Triton backend these and the whole router run as one kernel (ops.route_fused). With ``MOERUN_ROUTER_TAIL=1``
-that kernel's work can instead be the tail of the launch that makes the block's input (``router_tail``, then
-``forward_routed``).
+the Triton backend these and the whole router run as one kernel (ops.route_fused).
 """
 
 from __future__ import annotations
-
-import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +17,6 @@ from moerun.layers.norm import RMSNorm
 from moerun.moe.experts import Experts
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8
-
-if TYPE_CHECKING:
-    from moerun.kernels.router_fused import RouterTail
 
 
 class SparseMoeBlock(nn.Module):
@@ -70,33 +62,6 @@ class SparseMoeBlock(nn.Module):
             return self.experts(x_normed, topk_weights, topk_ids), residual
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h), residual
-
-    def router_tail(self, x: torch.Tensor, producer: Linear, norm: RMSNorm) -> RouterTail | None:
-        """forward_fused_norm's add, norm and routing as the tail of the launch of ``producer``, the projection
-        that makes the block's input [T, H] (attention's o_proj) from rows [T, producer.in_features]: the outputs
-        that launch will fill, or None where it cannot (forward_fused_norm then routes in a launch of its own).
-        Decode-sized batches on the Triton backend, ``MOERUN_ROUTER_TAIL=1`` (off by default until timed); x: any
-        [T, H] tensor of the block's input dtype and device. The residual is given to the tail later
-        (RouterTail.with_residual), by whoever holds it when producer runs."""
-        if os.environ.get("MOERUN_ROUTER_TAIL", "0") != "1" or not self._routes_fused(x, norm):
-            return None
-        rows = x[:, :1].expand(x.shape[0], producer.in_features)  # the producer's input shape, no memory
-        if not producer.router_tail_applies(rows):
-            return None
-        from moerun.kernels.router_fused import RouterTail
-
-        pad_of = getattr(self.experts, "int8_input_pad", None)
-        pad = pad_of(x, self.top_k) if pad_of is not None else None
-        return RouterTail.empty(x.shape[0], x, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
-                                pad)  # fmt: skip
-
-    def forward_routed(self, tail: RouterTail) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on the routing that the launch making its input x [T, H] left in ``tail`` (router_tail, given
-        the residual): (block output [T, H], new residual [T, H]), as forward_fused_norm(x, residual, norm) returns
-        them."""
-        if tail.rows is not None:
-            return self.experts(tail.normed, tail.weights, tail.ids, x_int8=tail.rows), tail.residual_out
-        return self.experts(tail.normed, tail.weights, tail.ids), tail.residual_out
 
     def _routes_fused(self, x: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether routing runs as the one fused kernel: the Triton backend, few tokens, dense weights of x's dtype."""

@@ -18,7 +18,6 @@ from moerun.ops.norm import rms_norm, rms_norm_reference
 
 if TYPE_CHECKING:
     from moerun.kernels.qk_norm_rope import QkEpilogue
-    from moerun.kernels.router_fused import RouterTail
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,28 +39,16 @@ def rms_norm_linear_reference(
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    backend: str | None = None,
-    tail: RouterTail | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None
 ) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, accumulated in float32. ``tail`` (where
-    router_tail_applies): the Triton GEMV's launch also routes its output for the MoE block after it."""
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, accumulated in float32."""
     K, N = weight.shape[1], weight.shape[0]
     T = x.numel() // K if K else 0
     if _pick(backend, x, weight, T) == "torch":
-        if tail is not None:
-            raise ValueError("a router tail runs in the Triton GEMV only")
         return F.linear(x, weight, bias)
     from moerun.kernels.gemv import linear_triton
 
-    return linear_triton(x.reshape(T, K), weight, bias, tail=tail).view(*x.shape[:-1], N)
-
-
-def router_tail_applies(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> bool:
-    """Whether linear with this backend can take a router tail for x [T, K]: where it runs the Triton GEMV."""
-    return x.dim() == 2 and _pick(backend, x, weight, x.shape[0]) == "triton"
+    return linear_triton(x.reshape(T, K), weight, bias).view(*x.shape[:-1], N)
 
 
 def rms_norm_linear(

@@ -34,7 +34,6 @@ from moerun.ops.dispatch import pick_backend
 if TYPE_CHECKING:
     from moerun.kernels.qk_norm_rope import QkEpilogue
     from moerun.kernels.quant.int8_dot import Int8Rows
-    from moerun.kernels.router_fused import RouterTail
 
 # Up to this many rows of x, a weight without a repacked layout is multiplied by the GEMV over its GGUF blocks.
 _BLOCK_GEMV_ROWS = 8
@@ -122,16 +121,12 @@ def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
 
 def quant_matmul(
     x: torch.Tensor, weight: Weight, backend: str | None = None, bias: torch.Tensor | None = None,
-    x_int8: Int8Rows | None = None, tail: RouterTail | None = None,
+    x_int8: Int8Rows | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for a quantized W [N, K] -> [..., N] in x's dtype (Triton on CUDA or in the
     interpreter with backend="triton"; dequantise + F.linear with the torch backend). ``x_int8``: x already
-    rounded to int8 (rows of x [T, K], int8_input_pad's padding), read by the parts whose config rounds x.
-    ``tail`` (where router_tail_applies): the launch also routes its output for the MoE block after it."""
-    torch_path = pick_backend(backend, x.device, "quantized matmul") == "torch"
-    if tail is not None and (torch_path or not has_kernel_layout(weight)):  # quant_matmul_triton checks the rest
-        raise ValueError("a router tail needs a quantized weight whose Triton GEMV is one gemv_v2 launch")
-    if torch_path:
+    rounded to int8 (rows of x [T, K], int8_input_pad's padding), read by the parts whose config rounds x."""
+    if pick_backend(backend, x.device, "quantized matmul") == "torch":
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if not has_kernel_layout(weight):
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
@@ -150,18 +145,8 @@ def quant_matmul(
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
 
     K = x.shape[-1]
-    y = quant_matmul_triton(x.reshape(-1, K), packed_parts(weight), bias, x_int8=x_int8, tail=tail)
+    y = quant_matmul_triton(x.reshape(-1, K), packed_parts(weight), bias, x_int8=x_int8)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def router_tail_applies(x: torch.Tensor, weight: Weight, backend: str | None = None) -> bool:
-    """Whether quant_matmul can take a router tail for x [T, K]: the Triton path over a weight whose parts run as
-    one gemv_v2 launch (kernels/quant/matmul_quant.py's one_v2_launch)."""
-    if x.dim() != 2 or pick_backend(backend, x.device, "quantized matmul") == "torch" or not has_kernel_layout(weight):
-        return False
-    from moerun.kernels.quant.matmul_quant import one_v2_launch
-
-    return one_v2_launch(packed_parts(weight), x.shape[0])
 
 
 def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) -> int | None:

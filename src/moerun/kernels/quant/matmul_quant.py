@@ -38,7 +38,6 @@ from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.matmul_v2 import NormInFront, matmul_v2_part
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
-from moerun.kernels.router_fused import RouterTail
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
@@ -201,16 +200,13 @@ def quant_matmul_triton(
     config: Config | None = None,
     x_int8: Int8Rows | None = None,
     out: torch.Tensor | None = None,
-    tail: RouterTail | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype; W [N, K] is the row-stacked parts (any mix of types).
 
     config applies to every part; by default each part takes its own (configs.get_matmul_config). Grid-type parts
     (GroupBlocks) run tile64 alone: under a config of another path they take its default tiles. x_int8: x already
     rounded to int8 (int8_dot.Int8Rows), which the parts whose config rounds x read instead. out: where to write
-    the result (an [M, N] view with unit stride along N, e.g. columns of a wider output), returned. tail: the
-    launch also routes its output for the MoE block after it (router_fused.RouterTail), where one_v2_launch holds
-    and no config is given."""
+    the result (an [M, N] view with unit stride along N, e.g. columns of a wider output), returned."""
     parts = [parts] if isinstance(parts, PackedWeight) else list(parts)
     M, K = x.shape
     n_total = sum(p.n for p in parts)
@@ -230,14 +226,6 @@ def quant_matmul_triton(
     if M == 0:
         return y
     x = x.contiguous()
-    if tail is not None:
-        if config is not None or not one_v2_launch(parts, M):
-            raise ValueError(f"a router tail needs the parts' own config and one gemv_v2 launch, got "
-                             f"{[p.qtype.name for p in parts]} at {M} rows")  # fmt: skip
-        cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, K, M)
-        second = (parts[1], parts[0].n) if len(parts) == 2 else None
-        matmul_v2_part(x, y, parts[0], bias, 0, cfg, x_int8, second=second, tail=tail)
-        return y
     col, i = 0, 0
     while i < len(parts):
         p = parts[i]
@@ -264,23 +252,15 @@ def _joins(a: PackedWeight, b: PackedWeight, cfg: Config) -> bool:
             and b.qtype in V2_TYPES and cfg["path"] == "gemv_v2" and not cfg.get("x_prep"))  # fmt: skip
 
 
-def one_v2_launch(parts: Sequence[PackedWeight], M: int) -> bool:
-    """Whether quant_matmul_triton runs these parts for M rows as one gemv_v2 launch (one part, or two that join)
-    under the first part's default config."""
-    if not parts or any(p.is_dense or p.qtype not in V2_TYPES for p in parts) or len(parts) > 2:
-        return False
-    cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, parts[0].k, M)
-    if cfg["path"] != "gemv_v2":
-        return False
-    return len(parts) == 1 or (_joins(parts[0], parts[1], cfg) and parts[1].k_pad == parts[0].k_pad)
-
-
 def norm_in_front_applies(parts: Sequence[PackedWeight], M: int) -> bool:
     """Whether rms_norm_quant_matmul_triton takes these parts for M rows: one gemv_v2 launch reading int8 x (one
     part, or two that join) under the first part's default config."""
-    if not one_v2_launch(parts, M):
+    if not parts or any(p.is_dense or p.qtype not in V2_TYPES for p in parts) or len(parts) > 2:
         return False
-    return bool(get_matmul_config(parts[0].qtype.name, parts[0].n, parts[0].k, M).get("x_q8"))
+    cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, parts[0].k, M)
+    if cfg["path"] != "gemv_v2" or not cfg.get("x_q8"):
+        return False
+    return len(parts) == 1 or (_joins(parts[0], parts[1], cfg) and parts[1].k_pad == parts[0].k_pad)
 
 
 def rms_norm_quant_matmul_triton(

@@ -8,9 +8,6 @@ As the q|k|v projection at decode it can also take its neighbours' work into its
                (``MOERUN_QUANT_NORM_GEMV``, ops.quant.rms_norm_quant_linear)
   QkEpilogue   the launch ends with the q/k norm, RoPE and k/v cache write (qk_norm_rope.head_epilogue: the last
                program of each head does it; ``MOERUN_QK_EPILOGUE``)
-As the o_proj projection at decode:
-  RouterTail   extra programs route the output for the MoE block after it (router_fused.route_program), once the
-               GEMV's programs are done (``MOERUN_ROUTER_TAIL``)
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ from moerun.kernels.quant.gemv_v2 import (
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.rmsnorm import add_rms_norm_row_int8, check_norm_operands
-from moerun.kernels.router_fused import RouterTail, route_program, tail_done
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config
 
@@ -128,24 +124,12 @@ def _matmul_v2_kernel(
     qk=None,  # qk_norm_rope.QkOperands
     QS: tl.constexpr = None,  # qk_norm_rope.QkShape
     QK: tl.constexpr = False,
-    # TAIL: programs from tail_progs on (axis 0) route row m of y once the others are done (router_fused.RouterTail's
-    # arguments; tail_ptr: [M, 2] int32 counters, the programs done and the tail programs past their wait)
-    rt=None,  # router_fused.RouteOperands
-    RT: tl.constexpr = None,  # router_fused.RouteShape
-    tail_ptr=None,
-    tail_progs=0,
-    TAIL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
+    wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    if TAIL:
-        if pid_n >= tail_progs:
-            route_program(m, pid_n - tail_progs, y_ptr, stride_ym, rt, RT, tail_ptr + 2 * m, tail_progs,
-                          tail_ptr + 2 * m + 1, RT.SPLIT, INTERPRET, PDL, True)  # fmt: skip
-            return
-    wait_for_previous(PDL)
     if NORM:
         _norm_in_front(x_ptr, nf, NS, xp_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET, NORM_FIRST)
     x_row = x_ptr + m * stride_xm
@@ -161,7 +145,6 @@ def _matmul_v2_kernel(
             if QK:
                 head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk, QS, BLOCK_N, INTERPRET)
             _norm_flag_done(nf, m, NORM_FIRST)
-            tail_done(tail_ptr, 2 * m, TAIL)
             return
     vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
                            X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
@@ -169,7 +152,6 @@ def _matmul_v2_kernel(
     if QK:
         head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk, QS, BLOCK_N, INTERPRET)
     _norm_flag_done(nf, m, NORM_FIRST)
-    tail_done(tail_ptr, 2 * m, TAIL)
 
 
 @triton.jit
@@ -271,17 +253,14 @@ class NormInFront(NamedTuple):
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
-                   norm: NormInFront | None = None, qk: QkEpilogue | None = None,
-                   tail: RouterTail | None = None) -> None:  # fmt: skip
+                   norm: NormInFront | None = None, qk: QkEpilogue | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
     prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
     the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
     first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only). ``qk``: y is
     the q|k|v output (its parts whole heads, BLOCK_N dividing the head dim), ended by the q/k norm, RoPE and the
-    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q. ``tail``: y is the whole [M, H] input of the
-    MoE block's routing, which extra programs of the launch run once the others are done (router_fused's
-    RouterTail; not with ``norm`` or ``qk``)."""
+    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q."""
     M, K = x.shape
     groups = w.k_pad // group_elems(w.qtype)
     check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
@@ -315,14 +294,7 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
                      X_WORDS_B=wb.k_pad // positions_per_word(wb.qtype), PROGS_A=progs, QT_B=int(wb.qtype),
                      WPG_B=words_per_group(wb.qtype), **{f"{key}_B": v for key, v in chunks_b.items()}, HAS_B=True)
         progs += triton.cdiv(wb.n, cfg["BLOCK_N"])
-    grid_n = progs
-    if tail is not None:
-        if norm is not None or qk is not None or col_off or w.n + (second[0].n if second else 0) != y.shape[1]:
-            raise ValueError("a router tail routes the whole output of a launch without a norm in front or a q/k "
-                             "epilogue")
-        extra.update(tail.kernel_args(y, cfg["num_warps"], 2 * M), tail_progs=progs)
-        grid_n += tail.programs(cfg["num_warps"])
-    _matmul_v2_kernel[(grid_n, M)](
+    _matmul_v2_kernel[(progs, M)](
         x, xp, xs, dx, y, y if bias is None else bias, *part_arrays(w), w.n, K, w.kq, col_off,
         w.k_pad // positions_per_word(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],

@@ -85,7 +85,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe import fused_moe_triton
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
-    from moerun.kernels.qk_norm_rope import QkEpilogue, qk_norm_rope_write_triton
+    from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, GroupBlocks, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
     from moerun.ops.quant import _pair_products, fused_moe_quantized
@@ -268,11 +268,6 @@ def _cases() -> dict[str, Callable[[], None]]:
             for x, cfg in ((x1, gemv.GemvConfig(block_n=2, block_k=256)),
                            (x1, gemv.GemvConfig(block_n=4, block_k=64, split_k=2)),
                            (x8, gemv.GemvConfig(block_n=16, block_k=64, dot=True, num_stages=3)))],
-        "gemv with add + RMSNorm, ending with the q/k norm, RoPE and cache write": lambda: gemv.rms_norm_linear_triton(
-            x1, x1, norm_w, 1e-6, torch.randn(96, H, dtype=bf16), config=gemv.GemvConfig(block_n=4, block_k=256),
-            qk=QkEpilogue.make(1, bf16, torch.ones(16, dtype=bf16), torch.ones(16, dtype=bf16), 1e-6, cos[:, :16],
-                               sin[:, :16], lens.long() - 1, slots, torch.zeros(2, L, 2, 16, dtype=bf16),
-                               torch.zeros(2, L, 2, 16, dtype=bf16), 2, 2)),
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
         "route": lambda: route_triton(torch.randn(8, E), k, True),
@@ -298,12 +293,7 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant matmul, q|k and v in one launch with the add + RMSNorm in front": lambda: [
             matmul_v2_part(x1, torch.empty(1, 96, dtype=bf16), qk, None, 0, {**v2, "x_q8": True}, second=(v, 64),
                            norm=NormInFront.empty(x1, x1, norm_w, 1e-6, H, first))
-            for first in (False, True)] + [matmul_v2_part(
-                x1, torch.empty(1, 96, dtype=bf16), qk, None, 0, {**v2, "x_q8": True}, second=(v, 64),
-                norm=NormInFront.empty(x1, x1, norm_w, 1e-6, H, True), qk=QkEpilogue.make(
-                    1, bf16, torch.ones(16, dtype=bf16), torch.ones(16, dtype=bf16), 1e-6, cos[:, :16], sin[:, :16],
-                    lens.long() - 1, slots, torch.zeros(2, L, 2, 16, dtype=bf16),
-                    torch.zeros(2, L, 2, 16, dtype=bf16), 2, 2))],
+            for first in (False, True)],
         "quant matmul, float x": lambda: quant_matmul_triton(x1, [qk], config=v2),
         "quant decode to bf16 (prefill path 'dequant')": lambda: dequantize_triton(q4[0], bf16),
         "quant MoE, decode": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1),

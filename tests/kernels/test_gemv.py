@@ -20,7 +20,6 @@ from moerun.kernels.gemv import (  # noqa: E402
     choose,
     default_config,
     linear_triton,
-    qk_epilogue_applies,
     load_table,
     rms_norm_linear_triton,
     table_key,
@@ -285,11 +284,12 @@ def tiny_attention(dtype: torch.dtype, num_heads: int = 4, head_dim: int = 16) -
     return attn.to(DEVICE, dtype), norm.to(DEVICE, dtype), config
 
 
-def decode_inputs(config: ModelConfig, dtype: torch.dtype, positions: tuple[int, ...] = (5, 11, 2)):
-    cache = KVCache(1, 3, 16, config.num_kv_heads, config.head_dim, dtype, DEVICE)
+def decode_inputs(config: ModelConfig, dtype: torch.dtype):
+    positions = [5, 11, 2]
+    cache = KVCache(1, len(positions), 16, config.num_kv_heads, config.head_dim, dtype, DEVICE)
     cache.k.normal_()
     cache.v.normal_()
-    batch = ForwardBatch.build(list(positions), [1] * len(positions), [2, 0, 1][: len(positions)], DEVICE)
+    batch = ForwardBatch.build(positions, [1] * len(positions), [2, 0, 1], DEVICE)
     x, residual = (torch.randn(2, len(positions), config.hidden_size) * 2).to(dtype).to(DEVICE).unbind(0)
     return batch, cache, x, residual
 
@@ -343,72 +343,6 @@ def test_attention_forward_fused_norm(seed: int, dtype: torch.dtype, with_residu
     torch.testing.assert_close(cache_fused.v, cache_ref.v, **tol, msg=lambda m: f"seed={seed} v cache: {m}")
 
 
-@pytest.mark.parametrize("first", [False, True], ids=["every_program", "first_program"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_forward_fused_norm_with_the_qk_epilogue(seed: int, dtype: torch.dtype, first: bool,
-                                                           monkeypatch) -> None:  # fmt: skip
-    """One token, MOERUN_QK_EPILOGUE=1: the q|k|v GEMV with the norm in front also does the q/k norm, RoPE and
-    cache write (no launch of ops.qk_norm_rope_write), with the outputs and caches of the two launches; with
-    MOERUN_DENSE_NORM_GEMV=first its norm done once by the first program."""
-    from moerun import ops
-
-    attn, norm, config = tiny_attention(dtype)
-    batch, cache, x, residual = decode_inputs(config, dtype, positions=(7,))
-    calls = []
-    qk_op = ops.qk_norm_rope_write
-    monkeypatch.setattr(ops, "qk_norm_rope_write", lambda *a, **kw: calls.append(1) or qk_op(*a, **kw))
-    cache_ref, cache_fused = clone_cache(cache), clone_cache(cache)
-    with torch.no_grad():
-        ref, ref_residual = attn.forward_fused_norm(x, residual, norm, batch, cache_ref, backend="triton")
-        assert calls == [1]
-        monkeypatch.setenv("MOERUN_QK_EPILOGUE", "1")
-        monkeypatch.setenv("MOERUN_DENSE_NORM_GEMV", "first" if first else "0")
-        out, new_residual = attn.forward_fused_norm(x, residual, norm, batch, cache_fused, backend="triton")
-    assert calls == [1], "the q/k norm ran in its own launch"
-    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
-    # the epilogue rounds as the Triton q/k kernel does; on the CPU the two-launch path takes the torch reference,
-    # whose sum of squares runs in another order
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out, ref, **tol, msg=lambda m: f"seed={seed}: {m}")
-    torch.testing.assert_close(cache_fused.k, cache_ref.k, **tol, msg=lambda m: f"seed={seed} k cache: {m}")
-    assert torch.equal(cache_fused.v, cache_ref.v), f"seed={seed}: v passes through unchanged"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_linear_qk_epilogue_equals_the_qk_kernel(seed: int, dtype: torch.dtype) -> None:
-    # the dense q|k|v GEMV ending with the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue) against the
-    # GEMV followed by qk_norm_rope_write's launch; refused where it does not apply
-    from moerun.kernels.qk_norm_rope import QkEpilogue, qk_norm_rope_write_triton
-
-    n_q, n_kv, D, K, S, L = 4, 2, 32, 64, 3, 8
-    cfg = GemvConfig(block_n=8, block_k=32)  # four programs a head
-    x, residual = (torch.randn(1, K, device=DEVICE).to(dtype) for _ in range(2))
-    norm_w = (1 + 0.1 * torch.randn(K, device=DEVICE)).to(dtype)
-    weight = (torch.randn((n_q + 2 * n_kv) * D, K, device=DEVICE) / K**0.5).to(dtype)
-    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype) for _ in range(2))
-    cos, sin = (torch.randn(L, D, device=DEVICE).to(dtype) for _ in range(2))
-    positions, slots = torch.tensor([6], device=DEVICE), torch.tensor([1], device=DEVICE, dtype=torch.int32)
-    caches = [torch.randn(S, L, n_kv, D, device=DEVICE).to(dtype) for _ in range(2)]
-    ref_k, ref_v = (c.clone() for c in caches)
-    ref_y, ref_res = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, config=cfg)
-    ref_q = qk_norm_rope_write_triton(ref_y, q_w, k_w, EPS, cos, sin, positions, slots, ref_k, ref_v, n_q, n_kv)
-    qk = QkEpilogue.make(1, dtype, q_w, k_w, EPS, cos, sin, positions, slots, caches[0], caches[1], n_q, n_kv)
-    assert qk_epilogue_applies(x, weight, D, cfg)
-    y, res = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, config=cfg, qk=qk)
-    assert torch.equal(y, ref_y) and torch.equal(res, ref_res), f"seed={seed}"
-    assert not ticket_counters(DEVICE, n_q + n_kv, "qk_epilogue").any(), "counters reset for the next launch"
-    assert torch.equal(caches[1], ref_v), f"seed={seed}: v cache"
-    for got, want, what in ((qk.q, ref_q, "q"), (caches[0], ref_k, "k cache")):
-        if DEVICE.type == "cpu":  # the interpreter fuses no float operations
-            assert torch.equal(got, want), f"seed={seed}: {what}"
-        else:  # the GEMV keeps FMA (its products), so a head's sum of squares may round apart
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"seed={seed} {what}: {m}")
-    for bad in (GemvConfig(block_n=64, block_k=32), GemvConfig(block_n=8, block_k=16, split_k=2)):
-        assert not qk_epilogue_applies(x, weight, D, bad)
-        with pytest.raises(ValueError, match="the q/k epilogue needs one token"):
-            rms_norm_linear_triton(x, residual, norm_w, EPS, weight, config=bad, qk=qk)
-
-
 def test_attention_forward_fused_norm_falls_back(seed: int) -> None:
     """GGUF-block q|k|v weights, and the CPU default, take the unfused path: equal bit for bit on the CPU."""
     from moerun.formats.quants import QuantizedTensor
@@ -426,11 +360,10 @@ def test_attention_forward_fused_norm_falls_back(seed: int) -> None:
     assert_equal_but_int8_rounding(out, ref, res, ref_res, seed)
 
 
-def gguf_qkv_attention(monkeypatch, block_n: int | None = None):
+def gguf_qkv_attention(monkeypatch):
     """A tiny attention whose q|k|v are Q8_0 blocks read on the Triton path (the interpreter on the CPU) by an
-    int8-x GEMV config (programs of block_n rows if given): (run, calls), run() -> forward_fused_norm's (output,
-    new residual, cache) on a fresh cache copy, calls noting each ops.rms_norm_int8 and ops.qk_norm_rope_write
-    launch."""
+    int8-x GEMV config: (run, calls), run() -> forward_fused_norm's (output, new residual) on a fresh cache copy,
+    calls noting each ops.rms_norm_int8 launch."""
     from moerun import ops
     from moerun.formats.quants import QuantizedTensor
     from moerun.kernels.quant import matmul_quant
@@ -441,21 +374,19 @@ def gguf_qkv_attention(monkeypatch, block_n: int | None = None):
     blocks = QuantizedTensor.from_float(attn.qkv_proj.weight.detach(), "Q8_0")
     set_quantized(attn.qkv_proj, "weight", QuantizedWeight([QuantizedTensor(blocks.raw.to(DEVICE), blocks.qtype,
                                                                             blocks.shape)]))  # fmt: skip
-    int8_cfg = {"path": "gemv_v2", "BLOCK_N": block_n or (16 if DEVICE.type == "cuda" else 128), "BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 1, "x_q8": True}  # fmt: skip
+    int8_cfg = {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 128, "BLOCK_K": 256, "num_warps": 4,
+                "num_stages": 1, "x_q8": True}  # fmt: skip
     monkeypatch.setattr(matmul_quant, "get_matmul_config", lambda *args: int8_cfg)
     # the interpreter on the CPU, for the quantized matmul and for the norm of the path that rounds x in q|k|v
     monkeypatch.setattr("moerun.ops.quant.pick_backend", lambda *args: "triton")
     monkeypatch.setattr("moerun.ops.norm.pick_backend", lambda *args: "triton")
     calls = []
-    for name in ("rms_norm_int8", "qk_norm_rope_write"):
-        op = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *args, op=op, name=name, **kw: calls.append(name) or op(*args, **kw))
+    norm_int8 = ops.rms_norm_int8
+    monkeypatch.setattr(ops, "rms_norm_int8", lambda *args: calls.append(1) or norm_int8(*args))
 
-    def run() -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        copy = clone_cache(cache)
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            return *attn.forward_fused_norm(x, residual, norm, batch, copy, backend="triton"), copy
+            return attn.forward_fused_norm(x, residual, norm, batch, clone_cache(cache), backend="triton")
 
     return run, calls
 
@@ -466,36 +397,31 @@ def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch
     from moerun.layers.linear import Linear
 
     run, calls = gguf_qkv_attention(monkeypatch)
-    out, new_residual, _ = run()
-    assert calls.count("rms_norm_int8") == 1, "the norm did not hand over int8 rows"
+    out, new_residual = run()
+    assert calls == [1], "the norm did not hand over int8 rows"
     monkeypatch.setattr(Linear, "int8_input_pad", lambda self, x, backend=None: None)  # q|k|v rounds x itself
-    ref, ref_residual, _ = run()
-    assert calls.count("rms_norm_int8") == 1
+    ref, ref_residual = run()
+    assert calls == [1]
     assert_equal_but_int8_rounding(out, ref, new_residual, ref_residual, seed)
 
 
-@pytest.mark.parametrize("mode,qk", [("all", False), ("first", False), ("all", True), ("first", True)],
-                         ids=["all", "first", "all+qk", "first+qk"])  # fmt: skip
-def test_attention_runs_the_norm_inside_gguf_qkv(seed: int, monkeypatch, mode: str, qk: bool) -> None:
+@pytest.mark.parametrize("mode", ["all", "first"])
+def test_attention_runs_the_norm_inside_gguf_qkv(seed: int, monkeypatch, mode: str) -> None:
     """GGUF q|k|v with MOERUN_QUANT_NORM_GEMV=all|first: the norm runs inside the q|k|v GEMV's launch instead of
     ops.rms_norm_int8's, with the same output and residual (bit for bit in the interpreter; on a GPU the GEMV's
-    scales are applied without FMA there); with MOERUN_QK_EPILOGUE=1 that launch also does
-    ops.qk_norm_rope_write's work (heads of 16 under 16-row programs)."""
-    run, calls = gguf_qkv_attention(monkeypatch, block_n=16)
-    ref, ref_residual, ref_cache = run()
-    assert calls == ["rms_norm_int8", "qk_norm_rope_write"]
+    scales are applied without FMA there)."""
+    run, calls = gguf_qkv_attention(monkeypatch)
+    ref, ref_residual = run()
+    assert calls == [1]
     monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", mode)
-    monkeypatch.setenv("MOERUN_QK_EPILOGUE", "1" if qk else "0")
-    out, new_residual, cache = run()
-    assert calls[2:] == ([] if qk else ["qk_norm_rope_write"]), "a launch the fused q|k|v GEMV takes ran apart"
+    out, new_residual = run()
+    assert calls == [1], "the norm ran in its own launch"
     assert torch.equal(new_residual, ref_residual), f"seed={seed}"
-    if DEVICE.type == "cpu" and not qk:
+    if DEVICE.type == "cpu":
         assert torch.equal(out, ref), f"seed={seed}"
-    else:  # the epilogue sums a head's squares in its own order (and the torch reference's on the CPU)
+    else:
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
                                    msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
-    for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed}: {m}")
     monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", "1")
     with pytest.raises(ValueError, match="MOERUN_QUANT_NORM_GEMV must be 0, all or first"):
         run()

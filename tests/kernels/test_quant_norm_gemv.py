@@ -13,7 +13,7 @@ from moerun.formats.quants import QuantType  # noqa: E402
 from moerun.kernels.quant import matmul_quant  # noqa: E402
 from moerun.kernels.quant.int8_dot import dequantize_xq  # noqa: E402
 from moerun.kernels.quant.matmul_quant import (  # noqa: E402
-    norm_in_front_applies, qk_epilogue_applies, quant_matmul_triton, rms_norm_quant_matmul_triton,
+    norm_in_front_applies, quant_matmul_triton, rms_norm_quant_matmul_triton,
 )
 from moerun.kernels.quant.repack import pack, padded_k  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
@@ -87,38 +87,3 @@ def test_norm_in_front_refuses_what_is_not_one_int8_launch(seed, int8_config, mo
         rms_norm_quant_matmul_triton(x, x[:, :128], weight, EPS, one)
     monkeypatch.setattr(matmul_quant, "get_matmul_config", lambda *args: {**INT8, "x_q8": False})
     assert not norm_in_front_applies(one, 1)  # float x: nothing to round in front
-
-
-@pytest.mark.parametrize("first", [False, True], ids=["every_program", "first_program"])
-def test_qk_epilogue_equals_the_qk_kernel(seed, int8_config, first: bool) -> None:
-    # the q|k|v launch that ends with the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue): the same q,
-    # caches and q|k|v output as the GEMV followed by qk_norm_rope_write's own launch
-    from moerun.kernels.qk_norm_rope import QkEpilogue, qk_norm_rope_write_triton
-
-    n_q, n_kv, D, K, M, S, L = 4, 2, 64, 256, 2, 3, 8  # four programs of 16 rows a head
-    parts = _parts((QuantType.Q4_K, QuantType.Q6_K), ((n_q + n_kv) * D, n_kv * D), K)
-    assert qk_epilogue_applies(parts, M, D) and not qk_epilogue_applies(parts, M, 24)
-    x, residual = (torch.randn(M, K, device=DEVICE).bfloat16() for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(K, device=DEVICE)).bfloat16()
-    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=DEVICE)).bfloat16() for _ in range(2))
-    cos, sin = (torch.randn(L, D, device=DEVICE).bfloat16() for _ in range(2))
-    positions = torch.tensor([5, 2], device=DEVICE)
-    slots = torch.tensor([2, 0], device=DEVICE, dtype=torch.int32)
-    caches = [torch.randn(S, L, n_kv, D, device=DEVICE).bfloat16() for _ in range(2)]
-    ref_k, ref_v = (c.clone() for c in caches)
-    ref_y, ref_residual = rms_norm_quant_matmul_triton(x, residual, weight, EPS, parts)
-    ref_q = qk_norm_rope_write_triton(ref_y, q_w, k_w, EPS, cos, sin, positions, slots, ref_k, ref_v, n_q, n_kv)
-    qk = QkEpilogue.make(M, x.dtype, q_w, k_w, EPS, cos, sin, positions, slots, caches[0], caches[1], n_q, n_kv)
-    y, new_residual = rms_norm_quant_matmul_triton(x, residual, weight, EPS, parts, first=first, qk=qk)
-    assert torch.equal(y, ref_y) and torch.equal(new_residual, ref_residual), f"seed={seed}"
-    assert not ticket_counters(DEVICE, M * (n_q + n_kv), "qk_epilogue").any(), "counters reset for the next launch"
-    exact = not ON_CUDA  # on a GPU a head's sum of squares may be summed in another order: an ulp apart
-    for got, want, what in ((qk.q, ref_q, "q"), (caches[0], ref_k, "k cache"), (caches[1], ref_v, "v cache")):
-        if exact or what == "v cache":
-            assert torch.equal(got, want), f"seed={seed}: {what}"
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"seed={seed} {what}: {m}")
-    with pytest.raises(ValueError, match="the q/k epilogue needs whole heads"):  # heads of 8 under 16-row programs
-        rms_norm_quant_matmul_triton(x, residual, weight, EPS, parts, qk=QkEpilogue.make(
-            M, x.dtype, q_w[:8], k_w[:8], EPS, cos[:, :8], sin[:, :8], positions, slots,
-            caches[0].view(S, L, 8 * n_kv, 8), caches[1].view(S, L, 8 * n_kv, 8), 8 * n_q, 8 * n_kv))

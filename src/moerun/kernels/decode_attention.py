@@ -145,7 +145,7 @@ def _write_new_kv(qkv_row, k_w_ptr, cos_row, sin_row, eps, pos, tslot, k_ptr, v_
     d = tl.arange(0, D)  # [D]
     if writes:
         kv = kv_head + tl.arange(0, 1)  # [1]
-        k_new = norm_rope_heads(qkv_row + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, D, INTERPRET, "")
+        k_new = norm_rope_heads(qkv_row + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, D, INTERPRET)
         k_dst = k_ptr + tslot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
         tl.store(k_dst, k_new.to(k_ptr.dtype.element_ty))  # [1, D]
         v_new = tl.load(qkv_row + (N_Q + N_KV + kv[:, None]) * D + d[None, :])  # v passes through unchanged
@@ -363,7 +363,7 @@ def _decode_attention_kernel(
             heads = kv_head * G + g
             # the query heads of kv_head normed and rotated here; padding rows name no head and stay zero
             q = norm_rope_heads(qkv_row, tl.where(g_mask, heads, N_Q), N_Q, q_w_ptr, cos_row, sin_row, eps, D, D,
-                                INTERPRET, "")  # [BLOCK_G, D]
+                                INTERPRET)  # [BLOCK_G, D]
             acc, l, m = _slot_softmax(q, k_ptr, v_ptr, slot_ptr, b, kv_head, start, end, qk_scale, stride_ks,
                                       stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, BLOCK_G, D, BLOCK_N,
                                       DOT_PRECISION, INTERPRET)  # fmt: skip

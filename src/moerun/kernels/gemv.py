@@ -33,7 +33,6 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
-from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
 from moerun.kernels.rmsnorm import round_to
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
@@ -250,14 +249,12 @@ def _normalise(h, norm_w_ptr, k, inv_rms, K: tl.constexpr, INTERPRET: tl.constex
 
 @triton.jit
 def _store_y(acc, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
-    """y[t, n] = acc (+ bias[n]) rounded once to y's dtype, as cuBLAS's epilogue; acc [BLOCK_T, BLOCK_N] fp32.
-    Returns the stored tile."""
+    """y[t, n] = acc (+ bias[n]) rounded once to y's dtype, as cuBLAS's epilogue; acc [BLOCK_T, BLOCK_N] fp32."""
     if HAS_BIAS:
         bias = tl.load(b_ptr + n, mask=n_mask, other=0.0)  # [BLOCK_N]
         acc += bias.to(tl.float32)[None, :]
     y = round_to(acc, y_ptr.dtype.element_ty, INTERPRET)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * stride_yt + n[None, :], y, mask=t_mask[:, None] & n_mask[None, :])
-    return y
 
 
 @triton.jit
@@ -299,11 +296,6 @@ def _gemv_kernel(
     h_ptr=None,
     flags_ptr=None,
     NORM_FIRST: tl.constexpr = False,
-    # QK (one token, no split): y is a q|k|v row, ended by the q/k norm, RoPE and cache write
-    # (qk_norm_rope.head_epilogue's arguments)
-    qk=None,  # qk_norm_rope.QkOperands
-    QS: tl.constexpr = None,  # qk_norm_rope.QkShape
-    QK: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -367,10 +359,7 @@ def _gemv_kernel(
         acc = tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]: one cross-lane reduction for the whole K range
 
     if SPLIT_K == 1:
-        y = _store_y(acc, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)  # [BLOCK_T, BLOCK_N]
-        if QK:
-            tl.static_assert(BLOCK_T == 1, "the q/k epilogue takes one token")
-            head_epilogue(y_ptr, tl.reshape(y, [BLOCK_N]), pid_n * BLOCK_N, 0, qk, QS, BLOCK_N, INTERPRET)
+        _store_y(acc, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)
     else:
         y_mask = t_mask[:, None] & n_mask[None, :]
         rows = t.to(tl.int64)[:, None] * N + n[None, :]  # [BLOCK_T, BLOCK_N] index into one [T, N] partial
@@ -438,35 +427,13 @@ def rms_norm_linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
-    qk: QkEpilogue | None = None,
     first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ weight^T (+ bias) [T, N], x + residual [T, K]); the new residual is x itself
     when residual is None, else a new tensor (never written in place: other programs still read residual).
-    ``qk`` (where qk_epilogue_applies): y is a q|k|v output and the launch ends with the q/k norm, RoPE and
-    k/v cache write, q left in qk.q. ``first``: the first program to arrive normalises the rows once for all the
-    others, which wait for it (the same values; else every program normalises its own K range)."""
-    return _launch(x, residual, norm_weight, eps, weight, bias, config, qk, first=first)
-
-
-def _tiles(cfg: GemvConfig, N: int, K: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, split_k, k_split) of a launch under cfg: the tiles clipped to the shape, and no split
-    without a K block of its own."""
-    block_k = min(cfg.block_k, max(MIN_DOT if cfg.dot else 1, triton.next_power_of_2(K)))
-    block_n = min(cfg.block_n, max(MIN_DOT if cfg.dot else 1, triton.next_power_of_2(N)))
-    split_k = max(1, min(cfg.split_k, triton.cdiv(K, block_k)))
-    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    return block_n, block_k, triton.cdiv(K, k_split), k_split
-
-
-def qk_epilogue_applies(x: torch.Tensor, weight: torch.Tensor, head_dim: int, config: GemvConfig | None = None) -> bool:
-    """Whether rms_norm_linear_triton can end with the q/k epilogue for x [T, K] and a q|k|v weight [N, K] of
-    heads of head_dim rows: one token, the fma inner product without a split of K, programs' rows dividing a head."""
-    T, K = x.shape
-    N = weight.shape[0]
-    cfg = config or get_config(N, K, T, x.dtype, x.device)
-    block_n, _, split_k, _ = _tiles(cfg, N, K)
-    return T == 1 and not cfg.dot and split_k == 1 and head_dim % block_n == 0 and N % head_dim == 0
+    ``first``: the first program to arrive normalises the rows once for all the others, which wait for it (the
+    same values; else every program normalises its own K range)."""
+    return _launch(x, residual, norm_weight, eps, weight, bias, config, first=first)
 
 
 def _launch(
@@ -477,7 +444,6 @@ def _launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: GemvConfig | None,
-    qk: QkEpilogue | None = None,
     first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, residual, norm_weight, weight, bias)
@@ -496,15 +462,13 @@ def _launch(
     res_out = torch.empty(T, K, dtype=x.dtype, device=x.device) if residual is not None else x  # [T, K]
     if T == 0:
         return y, res_out
-    block_n, block_k, split_k, k_split = _tiles(cfg, N, K)
+    block_k = min(cfg.block_k, max(MIN_DOT if cfg.dot else 1, triton.next_power_of_2(K)))
+    block_n = min(cfg.block_n, max(MIN_DOT if cfg.dot else 1, triton.next_power_of_2(N)))
+    split_k = max(1, min(cfg.split_k, triton.cdiv(K, block_k)))  # no split without a K block of its own
+    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_split)
     n_tiles = triton.cdiv(N, block_n)
     extra: dict = {}
-    if qk is not None:
-        if not qk_epilogue_applies(x, weight, qk.head_dim, cfg) or N != (qk.n_q + 2 * qk.n_kv) * qk.head_dim:
-            raise ValueError(f"the q/k epilogue needs one token, a q|k|v weight of whole heads of {qk.head_dim} "
-                             f"rows, and programs of rows dividing a head without a split of K, got T={T}, N={N}, "
-                             f"{block_n} rows a program, split {split_k}")  # fmt: skip
-        extra = qk.kernel_args()
     if first:  # the normed rows [T, K] and the counters
         extra.update(h_ptr=torch.empty(T, K, dtype=x.dtype, device=x.device), NORM_FIRST=True,
                      flags_ptr=ticket_counters(x.device, 3, "gemv_norm_first"))  # fmt: skip

@@ -6,8 +6,6 @@ rounds, so the results differ from torch only through the order of the float32 s
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -15,7 +13,6 @@ import triton.language as tl
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import mean_of_squares_rows, round_to
-from moerun.kernels.tickets import ticket_counters
 
 
 # Prompts of more than this many tokens run several heads per program (decode keeps one head per program).
@@ -35,7 +32,6 @@ def norm_rope_heads(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
-    CACHE: tl.constexpr,  # the heads' loads' cache modifier ("", or ".cg" for rows other programs of the launch stored)
 ):
     """Heads [HB, D]: weight * rms_normalise(x), rotated NeoX style; returns [HB, BLOCK_D] in the source dtype."""
     half: tl.constexpr = D // 2
@@ -44,10 +40,10 @@ def norm_rope_heads(
     partner = tl.where(d < half, d + half, d - half)  # the element each one rotates with
     mask = (heads[:, None] < n_heads) & d_ok[None, :]  # [HB, BLOCK_D]
     rows = src_ptr + heads[:, None] * D  # [HB, 1]
-    x = tl.load(rows + d[None, :], mask=mask, other=0.0, cache_modifier=CACHE)  # [HB, BLOCK_D] in the model dtype
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0)  # [HB, BLOCK_D] in the model dtype
     dtype = x.dtype
     xf = x.to(tl.float32)
-    xpf = tl.load(rows + partner[None, :], mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    xpf = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.math.rsqrt(mean_of_squares_rows(xf, D, INTERPRET) + eps)[:, None]  # [HB, 1]
     w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_D]
     wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -59,52 +55,6 @@ def norm_rope_heads(
     a = round_to(normed.to(tl.float32) * c, dtype, INTERPRET).to(tl.float32)
     b = round_to(rotated * s, dtype, INTERPRET).to(tl.float32)
     return round_to(a + b, dtype, INTERPRET)
-
-
-@triton.jit
-def head_epilogue(
-    y_row,  # this token's q|k|v row [(N_Q + 2 N_KV) * D] of the GEMV's output
-    vals,  # [ROWS] the values this program stored at columns col0 + [0, ROWS) of it (within one head)
-    col0,
-    t,  # the token (row of x)
-    qk,  # QkOperands
-    QS: tl.constexpr,  # QkShape
-    ROWS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """The work of _qk_norm_rope_write_kernel at the end of a q|k|v GEMV program (decode, no host reads): a program
-    of a v head writes its values into the v cache; the last of a q or k head's D / ROWS programs to store its
-    values normalises and rotates the whole head (read back from y) into q or the k cache, as that kernel does."""
-    N_Q: tl.constexpr = QS.N_Q
-    N_KV: tl.constexpr = QS.N_KV
-    D: tl.constexpr = QS.D
-    head = col0 // D
-    pos = tl.load(qk.pos_ptr + t).to(tl.int64)
-    slot = tl.load(qk.slot_ptr + t).to(tl.int64)
-    if head >= N_Q + N_KV:  # v passes through unchanged
-        d = col0 % D + tl.arange(0, ROWS)  # [ROWS]
-        v_dst = qk.v_cache_ptr + slot * qk.stride_cs + pos * qk.stride_cl + (head - N_Q - N_KV) * qk.stride_ch + d
-        tl.store(v_dst, vals.to(qk.v_cache_ptr.dtype.element_ty))
-    else:
-        counter = qk.counters_ptr + t * (N_Q + N_KV) + head
-        tl.debug_barrier()  # every thread's values are stored before the ticket is taken
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == D // ROWS - 1:
-            tl.atomic_xchg(counter, 0)  # the head is complete (acquire): reset for the next launch
-            d = tl.arange(0, QS.BLOCK_D)  # [BLOCK_D]
-            cos_row = qk.cos_ptr + pos * D
-            sin_row = qk.sin_ptr + pos * D
-            heads = head + tl.arange(0, 1)  # [1]
-            if head < N_Q:
-                out = norm_rope_heads(y_row, heads, N_Q, qk.q_w_ptr, cos_row, sin_row, qk.eps, D, QS.BLOCK_D,
-                                      INTERPRET, ".cg")  # [1, BLOCK_D]
-                tl.store(qk.q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=d[None, :] < D)
-            else:
-                kv = heads - N_Q
-                out = norm_rope_heads(y_row + N_Q * D, kv, N_KV, qk.k_w_ptr, cos_row, sin_row, qk.eps, D, QS.BLOCK_D,
-                                      INTERPRET, ".cg")  # fmt: skip
-                k_dst = qk.k_cache_ptr + slot * qk.stride_cs + pos * qk.stride_cl + kv[:, None] * qk.stride_ch + \
-                    d[None, :]
-                tl.store(k_dst, out.to(qk.k_cache_ptr.dtype.element_ty), mask=d[None, :] < D)
 
 
 @triton.jit
@@ -151,13 +101,12 @@ def _qk_norm_rope_write_kernel(
     sin_row = sin_ptr + pos * stride_sin
     if group < q_groups:
         heads = group * HB + tl.arange(0, HB)  # [HB]
-        out = norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET, "")
+        out = norm_rope_heads(row_ptr, heads, N_Q, q_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
         mask = (heads[:, None] < N_Q) & (d[None, :] < D)
         tl.store(q_ptr + (t * N_Q + heads[:, None]) * D + d[None, :], out, mask=mask)
     else:
         kv = (group - q_groups) * HB + tl.arange(0, HB)  # [HB] kv heads
-        out = norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET,
-                              "")
+        out = norm_rope_heads(row_ptr + N_Q * D, kv, N_KV, k_w_ptr, cos_row, sin_row, eps, D, BLOCK_D, INTERPRET)
         mask = (kv[:, None] < N_KV) & (d[None, :] < D)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         k_dst = k_cache_ptr + slot * stride_ks + pos * stride_kl + kv[:, None] * stride_kh + d[None, :]
@@ -241,83 +190,6 @@ def qk_norm_rope_write_triton(
         **launch_options(pdl),
     )
     return q
-
-
-class QkEpilogue(NamedTuple):
-    """What a q|k|v GEMV needs to end with the q/k norm, RoPE and k/v cache write (head_epilogue), and the q it
-    writes: qk_norm_rope_write_triton's arguments, for the GEMV's output rows."""
-
-    q_norm_w: torch.Tensor  # [D]
-    k_norm_w: torch.Tensor  # [D]
-    eps: float
-    cos: torch.Tensor  # [P, D]
-    sin: torch.Tensor  # [P, D]
-    positions: torch.Tensor  # [T]
-    token_slots: torch.Tensor  # [T]
-    k_cache: torch.Tensor  # [S, L, n_kv, D]
-    v_cache: torch.Tensor  # [S, L, n_kv, D]
-    n_q: int
-    n_kv: int
-    q: torch.Tensor  # [T, n_q, D] output
-
-    @classmethod
-    def make(cls, T: int, dtype: torch.dtype, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float,
-             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-             k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_kv: int) -> QkEpilogue:  # fmt: skip
-        """Checked as qk_norm_rope_write_triton checks its inputs, for a q|k|v output [T, (n_q + 2 n_kv) D] of
-        dtype; q allocated."""
-        D = cos.shape[-1]
-        qkv = torch.empty(T, (n_q + 2 * n_kv) * D, dtype=dtype, device="meta")  # shapes and dtypes only
-        check_qk_inputs(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, D)
-        if k_cache.stride() != v_cache.stride():
-            raise ValueError(f"the k and v caches must share their strides, got {k_cache.stride()} and "
-                             f"{v_cache.stride()}")  # fmt: skip
-        q = torch.empty(T, n_q, D, dtype=dtype, device=cos.device)
-        return cls(q_norm_w.contiguous(), k_norm_w.contiguous(), eps, cos.contiguous(), sin.contiguous(), positions,
-                   token_slots, k_cache, v_cache, n_q, n_kv, q)  # fmt: skip
-
-    @property
-    def head_dim(self) -> int:
-        return self.cos.shape[-1]
-
-    def kernel_args(self) -> dict:
-        """head_epilogue's arguments as keywords of a GEMV kernel that calls it: qk (QkOperands), QS (QkShape) and
-        QK=True (the kernel's INTERPRET is its launcher's)."""
-        T = self.q.shape[0]
-        counters = ticket_counters(self.q.device, T * (self.n_q + self.n_kv), "qk_epilogue")
-        kc = self.k_cache
-        qk = QkOperands(counters, self.q, self.q_norm_w, self.k_norm_w, self.cos, self.sin, self.positions,
-                        self.token_slots, kc, self.v_cache, self.eps, kc.stride(0), kc.stride(1), kc.stride(2))
-        return dict(qk=qk, QS=QkShape(self.n_q, self.n_kv, self.head_dim, triton.next_power_of_2(self.head_dim)),
-                    QK=True)  # fmt: skip
-
-
-class QkOperands(NamedTuple):
-    """head_epilogue's run-time operands, passed to a kernel as one argument."""
-
-    counters_ptr: torch.Tensor  # [T, N_Q + N_KV] int32 ticket counters (tickets.py)
-    q_ptr: torch.Tensor  # [T, N_Q, D] output
-    q_w_ptr: torch.Tensor  # [D]
-    k_w_ptr: torch.Tensor  # [D]
-    cos_ptr: torch.Tensor  # [P, D] contiguous
-    sin_ptr: torch.Tensor  # [P, D] contiguous
-    pos_ptr: torch.Tensor  # [T]
-    slot_ptr: torch.Tensor  # [T]
-    k_cache_ptr: torch.Tensor  # [S, L, N_KV, D]
-    v_cache_ptr: torch.Tensor  # [S, L, N_KV, D], strided as k_cache
-    eps: float
-    stride_cs: int  # the caches' strides along S, L and N_KV
-    stride_cl: int
-    stride_ch: int
-
-
-class QkShape(NamedTuple):
-    """head_epilogue's compile-time arguments, passed to a kernel as one constexpr."""
-
-    N_Q: int
-    N_KV: int
-    D: int
-    BLOCK_D: int
 
 
 def unit_inner_stride(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +16,6 @@ from moerun.layers.linear import Linear, MergedLinear
 from moerun.layers.norm import RMSNorm
 from moerun.layers.rotary import RotaryEmbedding
 from moerun.ops.linear import gemv_applies
-
-if TYPE_CHECKING:
-    from moerun.kernels.qk_norm_rope import QkEpilogue
 
 
 def decode_qk_in_attention() -> bool:
@@ -83,56 +79,21 @@ class Qwen3Attention(nn.Module):
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
         blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``), or with
         ``MOERUN_QUANT_NORM_GEMV=all|first`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``).
-        With ``MOERUN_QK_EPILOGUE=1`` a q|k|v GEMV with the norm in front also ends with the q/k norm, RoPE and cache
-        write where it can (_qk_epilogue).
         """
         if self._fuse_norm(x, batch, backend):
-            qk = self._qk_epilogue(x, batch, cache, backend)
             qkv, residual = ops.rms_norm_linear(
-                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend, qk=qk
+                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend
             )  # [T, (n_q + 2 n_kv) D], [T, H]
-            return self._attend_after(qkv, qk, batch, cache), residual
+            return self._attend(qkv, batch, cache), residual
         pad = None if batch.is_prefill else self.qkv_proj.int8_input_pad(x, backend)
         if pad is not None and self.qkv_proj.norm_in_front(x, backend):  # the norm inside the q|k|v GEMV
-            qk = self._qk_epilogue(x, batch, cache, backend)
-            qkv, residual = self.qkv_proj.forward_norm_in_front(x, residual, norm.weight, norm.eps, qk)
-            return self._attend_after(qkv, qk, batch, cache), residual
+            qkv, residual = self.qkv_proj.forward_norm_in_front(x, residual, norm.weight, norm.eps)
+            return self._attend(qkv, batch, cache), residual
         if pad is not None:  # GGUF q|k|v whose decode kernels round x to int8: the norm hands it over rounded
             h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad)
             return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache), residual
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h, batch, cache), residual
-
-    def _qk_epilogue(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
-                     backend: str | None) -> QkEpilogue | None:  # fmt: skip
-        """The q/k norm, RoPE and cache write as the end of the q|k|v GEMV with the norm in front, at decode
-        (``MOERUN_QK_EPILOGUE=1``, off by default until timed; the dense GEMV at one token, the quantized one at
-        a few), else None."""
-        if os.environ.get("MOERUN_QK_EPILOGUE", "0") != "1" or batch.is_prefill:
-            return None
-        from moerun.kernels.qk_norm_rope import QkEpilogue
-
-        q_weight = self.qkv_proj.__dict__.get("q_weight")
-        if q_weight is None:
-            from moerun.ops.linear import qk_epilogue_applies
-
-            applies = qk_epilogue_applies(x, self.qkv_proj.weight, self.head_dim, backend)
-        else:
-            from moerun.ops.quant import qk_epilogue_applies
-
-            applies = qk_epilogue_applies(x, q_weight, self.head_dim)
-        if not applies:
-            return None
-        cos, sin = self.rotary.cos_sin(x.device, x.dtype)
-        return QkEpilogue.make(x.shape[0], x.dtype, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
-                               batch.positions, batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q,
-                               self.n_kv)  # fmt: skip
-
-    def _attend_after(self, qkv: torch.Tensor, qk: QkEpilogue | None, batch: ForwardBatch,
-                      cache: KVCache) -> torch.Tensor:  # fmt: skip
-        """_attend of the q|k|v output, or where its launch ended with the q/k epilogue (q normalised and rotated,
-        the caches written) the decode attention of that q."""
-        return self._attend(qkv, batch, cache) if qk is None else self._decode(qk.q, batch, cache)
 
     def _fuse_norm(self, x: torch.Tensor, batch: ForwardBatch, backend: str | None) -> bool:
         """Whether forward_fused_norm runs the fused norm + q|k|v GEMV (never for GGUF-block weights)."""
@@ -164,13 +125,7 @@ class Qwen3Attention(nn.Module):
         if batch.is_prefill:
             v_new = qkv[:, (self.n_q + self.n_kv) * D :].unflatten(-1, (self.n_kv, D))  # [T, n_kv, D] view
             out = self._prefill(q, k_new, v_new, batch, cache)
-            return self.o_proj(out.reshape(T, self.n_q * D))
-        return self._decode(q, batch, cache)
-
-    def _decode(self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Decode attention of q [T, n_q, D] over the cache (this step's k and v written), then o_proj -> [T, H]."""
-        T, D = q.shape[0], self.head_dim
-        if q.device.type == "cuda":
+        elif q.device.type == "cuda":
             pad = self.o_proj.int8_input_pad(q.reshape(T, self.n_q * D))
             if pad is not None:  # GGUF o_proj whose decode kernel rounds x to int8: attention hands it over rounded
                 out, out_int8 = ops.decode_attention_int8(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids,

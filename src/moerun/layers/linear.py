@@ -15,7 +15,6 @@ from torch import nn
 from moerun import ops
 
 if TYPE_CHECKING:
-    from moerun.kernels.qk_norm_rope import QkEpilogue
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 ShardIndex = tuple  # an index into a parameter's leading dimensions (all but the last)
@@ -77,19 +76,12 @@ class Linear(nn.Module):
 
         return norm_in_front(x, q, backend)
 
-    def forward_norm_in_front(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        qk: QkEpilogue | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(RMSNorm(x + residual)), x + residual) in one launch, where norm_in_front holds; ``qk``: the
-        launch also ends with the q/k norm, RoPE and cache write of a q|k|v output (ops.quant.qk_epilogue_applies)."""
+    def forward_norm_in_front(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(forward(RMSNorm(x + residual)), x + residual) in one launch, where norm_in_front holds."""
         from moerun.ops.quant import rms_norm_quant_linear
 
-        return rms_norm_quant_linear(x, residual, norm_weight, eps, self.__dict__["q_weight"], self.bias, qk)
+        return rms_norm_quant_linear(x, residual, norm_weight, eps, self.__dict__["q_weight"], self.bias)
 
 
 class MergedLinear(Linear):

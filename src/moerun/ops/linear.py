@@ -8,16 +8,12 @@ its weight, and the norm costs no launch of its own. Otherwise, and as the refer
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.norm import rms_norm, rms_norm_reference
-
-if TYPE_CHECKING:
-    from moerun.kernels.qk_norm_rope import QkEpilogue
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,23 +55,19 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     backend: str | None = None,
-    qk: QkEpilogue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual (or x); returns (RMSNorm(h) @ weight^T (+ bias) [T, N], h [T, K]).
 
     Rounds as ``RMSNorm.forward_with_residual`` followed by ``linear`` do. h is x itself when residual is None,
-    otherwise a new tensor. x, residual [T, K]; norm_weight [K]; weight [N, K]; bias [N] or None. ``qk``: the
-    Triton GEMV of a q|k|v weight also does the q/k norm, RoPE and cache write (qk_epilogue_applies).
+    otherwise a new tensor. x, residual [T, K]; norm_weight [K]; weight [N, K]; bias [N] or None.
     """
     T = x.shape[0]
     if _pick(backend, x, weight, T) == "torch":
-        if qk is not None:
-            raise ValueError("the q/k epilogue runs in the Triton GEMV only")
         normed, new_residual = rms_norm(x, norm_weight, eps, residual, backend=backend)
         return linear(normed, weight, bias, backend=backend), new_residual
     from moerun.kernels.gemv import rms_norm_linear_triton
 
-    return rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias, qk=qk, first=_norm_by_first())
+    return rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias, first=_norm_by_first())
 
 
 def _norm_by_first() -> bool:
@@ -86,16 +78,6 @@ def _norm_by_first() -> bool:
     if mode not in ("0", "first"):
         raise ValueError(f"MOERUN_DENSE_NORM_GEMV must be 0 or first, got {mode!r}")
     return mode == "first"
-
-
-def qk_epilogue_applies(x: torch.Tensor, weight: torch.Tensor, head_dim: int, backend: str | None = None) -> bool:
-    """Whether rms_norm_linear with this backend can take ``qk`` for x [T, K] and a q|k|v weight [N, K] of heads
-    of head_dim rows (the Triton GEMV at one token, kernels/gemv.py's qk_epilogue_applies)."""
-    if x.dim() != 2 or _pick(backend, x, weight, x.shape[0]) == "torch":
-        return False
-    from moerun.kernels.gemv import qk_epilogue_applies as applies
-
-    return applies(x, weight, head_dim)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:

@@ -32,7 +32,6 @@ from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
 
 if TYPE_CHECKING:
-    from moerun.kernels.qk_norm_rope import QkEpilogue
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 # Up to this many rows of x, a weight without a repacked layout is multiplied by the GEMV over its GGUF blocks.
@@ -193,7 +192,6 @@ def rms_norm_quant_linear(
     eps: float,
     weight: Weight,
     bias: torch.Tensor | None = None,
-    qk: QkEpilogue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ W^T (+ bias) [T, N], x + residual [T, K]) for x [T, K] in one launch, where
     norm_in_front holds: ops.rms_norm_int8 and quant_matmul's launches in one (the same int8 rows, so the same
@@ -201,15 +199,7 @@ def rms_norm_quant_linear(
     from moerun.kernels.quant.matmul_quant import rms_norm_quant_matmul_triton
 
     return rms_norm_quant_matmul_triton(x, residual, norm_weight, eps, packed_parts(weight), bias,
-                                        first=_norm_in_front_mode() == "first", qk=qk)
-
-
-def qk_epilogue_applies(x: torch.Tensor, weight: Weight, head_dim: int) -> bool:
-    """Whether rms_norm_quant_linear can also end with the q/k norm, RoPE and cache write (``qk``) for x [T, K]
-    and a q|k|v weight of heads of head_dim rows, where norm_in_front holds."""
-    from moerun.kernels.quant.matmul_quant import qk_epilogue_applies as applies
-
-    return applies(packed_parts(weight), x.shape[0], head_dim)
+                                        first=_norm_in_front_mode() == "first")
 
 
 def fused_moe_quantized(

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.fused_moe import _dot_precision, _tile_pid
-from moerun.kernels.qk_norm_rope import QkEpilogue
 from moerun.kernels.quant.configs import default_matmul_config, dot_steps, get_matmul_config, gemv_steps
 from moerun.kernels.quant.from_blocks import GroupBlocks
 from moerun.kernels.quant.decode import dequant_pair, supported, x_planes
@@ -271,13 +270,11 @@ def rms_norm_quant_matmul_triton(
     parts: Sequence[PackedWeight],
     bias: torch.Tensor | None = None,
     first: bool = False,
-    qk: QkEpilogue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ W^T (+ bias) [M, N], x + residual [M, K]) in one launch for parts that
     norm_in_front_applies takes: every program normalises its row of x and rounds it to int8 itself (gemv_v2's
     NORM), or with ``first`` the first program of each row to arrive does while the others wait for it; either
-    saves the norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None. ``qk`` (where
-    qk_epilogue_applies): the launch also ends with the q/k norm, RoPE and k/v cache write, q left in qk.q."""
+    saves the norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None."""
     M, K = x.shape
     if not norm_in_front_applies(parts, M):
         raise ValueError("the norm in front of a quantized GEMV needs one gemv_v2 launch of int8 x: "
@@ -296,17 +293,8 @@ def rms_norm_quant_matmul_triton(
         return y, norm.residual_out
     cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, K, M)
     second = (parts[1], parts[0].n) if len(parts) == 2 else None
-    matmul_v2_part(x, y, parts[0], bias, 0, cfg, second=second, norm=norm, qk=qk)
+    matmul_v2_part(x, y, parts[0], bias, 0, cfg, second=second, norm=norm)
     return y, norm.residual_out
-
-
-def qk_epilogue_applies(parts: Sequence[PackedWeight], M: int, head_dim: int) -> bool:
-    """Whether rms_norm_quant_matmul_triton can end with the q/k epilogue for these q|k|v parts at M rows: where
-    norm_in_front_applies, every part whole heads and the config's programs' rows dividing a head."""
-    if not norm_in_front_applies(parts, M):
-        return False
-    cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, parts[0].k, M)
-    return head_dim % cfg["BLOCK_N"] == 0 and all(p.n % head_dim == 0 for p in parts)
 
 
 def int8_input_pad(parts: Sequence[PackedWeight], M: int) -> int | None:

@@ -6,8 +6,6 @@ As the q|k|v projection at decode it can also take its neighbours' work into its
   NormInFront  x arrives raw: the residual add and RMSNorm are done and the row rounded to int8 inside the launch,
                by every program, or by the first program of each row to arrive while the others wait on its flag
                (``MOERUN_QUANT_NORM_GEMV``, ops.quant.rms_norm_quant_linear)
-  QkEpilogue   the launch ends with the q/k norm, RoPE and k/v cache write (qk_norm_rope.head_epilogue: the last
-               program of each head does it; ``MOERUN_QK_EPILOGUE``)
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
-from moerun.kernels.qk_norm_rope import QkEpilogue, head_epilogue
 from moerun.kernels.quant.gemv_v2 import (
     V2_TYPES, check_int8_x, chunking, group_elems, part_arrays, positions_per_word, rows_chunk, words_per_group,
     x_chunk, x_operands,
@@ -39,8 +36,7 @@ def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, 
                     X_WORDS, QT: tl.constexpr, WPG: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_G: tl.constexpr, FULL: tl.constexpr, REM: tl.constexpr, LOG_BG: tl.constexpr,
                     EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
-    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part: stored, and
-    returned [BLOCK_N] in y's dtype."""
+    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs_n < N
     rows = tl.where(ok, offs_n, 0).to(tl.int64)
@@ -60,9 +56,7 @@ def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, 
                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
-    vals = acc.to(y_row.dtype.element_ty)
-    tl.store(y_row + col_off + offs_n, vals, mask=ok)
-    return vals
+    tl.store(y_row + col_off + offs_n, acc.to(y_row.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -120,10 +114,6 @@ def _matmul_v2_kernel(
     INTERPRET: tl.constexpr = False,
     NORM: tl.constexpr = False,
     NORM_FIRST: tl.constexpr = False,
-    # QK: y is a q|k|v row, ended by the q/k norm, RoPE and cache write (qk_norm_rope.head_epilogue's arguments)
-    qk=None,  # qk_norm_rope.QkOperands
-    QS: tl.constexpr = None,  # qk_norm_rope.QkShape
-    QK: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
@@ -139,18 +129,13 @@ def _matmul_v2_kernel(
     y_row = y_ptr + m * stride_ym
     if HAS_B:
         if pid_n >= PROGS_A:
-            vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A,
-                                   N_B, K, KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B,
-                                   FULL_B, REM_B, LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
-            if QK:
-                head_epilogue(y_row, vals, col_off_B + (pid_n - PROGS_A) * BLOCK_N, m, qk, QS, BLOCK_N, INTERPRET)
+            _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A, N_B, K,
+                            KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B, FULL_B, REM_B,
+                            LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
             _norm_flag_done(nf, m, NORM_FIRST)
             return
-    vals = _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
-                           X_WORDS, QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8,
-                           EMULATE_DP4A)  # fmt: skip
-    if QK:
-        head_epilogue(y_row, vals, col_off + pid_n * BLOCK_N, m, qk, QS, BLOCK_N, INTERPRET)
+    _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off, X_WORDS,
+                    QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8, EMULATE_DP4A)
     _norm_flag_done(nf, m, NORM_FIRST)
 
 
@@ -253,14 +238,12 @@ class NormInFront(NamedTuple):
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
                    cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
-                   norm: NormInFront | None = None, qk: QkEpilogue | None = None) -> None:  # fmt: skip
+                   norm: NormInFront | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
     prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
     the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
-    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only). ``qk``: y is
-    the q|k|v output (its parts whole heads, BLOCK_N dividing the head dim), ended by the q/k norm, RoPE and the
-    k/v cache write (qk_norm_rope.head_epilogue), q written to qk.q."""
+    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only)."""
     M, K = x.shape
     groups = w.k_pad // group_elems(w.qtype)
     check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
@@ -272,14 +255,6 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
         flags = {"XQ8": True, "XP": False, "EMULATE_DP4A": emulate_dp4a(), **norm.kernel_args(x)}
     else:
         xp, xs, dx, flags = x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
-    if qk is not None:
-        parts = [w] + ([second[0]] if second is not None else [])
-        D = qk.head_dim
-        if (D % cfg["BLOCK_N"] or any(p.n % D for p in parts) or col_off or y.shape[1] != (qk.n_q + 2 * qk.n_kv) * D
-                or sum(p.n for p in parts) != y.shape[1] or qk.q.shape[0] != M):
-            raise ValueError(f"the q/k epilogue needs whole heads of {D} in every part, programs of rows dividing a "
-                             f"head (BLOCK_N {cfg['BLOCK_N']}) and one launch for the whole q|k|v output")
-        flags = {**flags, **qk.kernel_args(), "enable_fp_fusion": False}  # rounds as qk_norm_rope_write does
     pdl = quant_pdl_mode(x.device, M)
     progs = triton.cdiv(w.n, cfg["BLOCK_N"])
     extra: dict = {}

@@ -263,11 +263,6 @@ def _cases() -> dict[str, Callable[[], None]]:
                                                 gemv.GemvConfig(block_n=16, block_k=64, dot=True, num_stages=3)),
         "gemv with add + RMSNorm": lambda: gemv.rms_norm_linear_triton(x1, x1, norm_w, 1e-6,
                                                                        torch.randn(64, H, dtype=bf16)),
-        "gemv with add + RMSNorm by the first program (one step, split-K, dot)": lambda: [
-            gemv.rms_norm_linear_triton(x, x, norm_w, 1e-6, torch.randn(64, H, dtype=bf16), config=cfg, first=True)
-            for x, cfg in ((x1, gemv.GemvConfig(block_n=2, block_k=256)),
-                           (x1, gemv.GemvConfig(block_n=4, block_k=64, split_k=2)),
-                           (x8, gemv.GemvConfig(block_n=16, block_k=64, dot=True, num_stages=3)))],
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
         "route": lambda: route_triton(torch.randn(8, E), k, True),

@@ -26,7 +26,6 @@ from moerun.kernels.gemv import (  # noqa: E402
     table_path,
     tuned_for,
 )
-from moerun.kernels import gemv as gemv_module  # noqa: E402
 from moerun.kernels.tickets import ticket_counters  # noqa: E402
 from moerun.layers.attention import Qwen3Attention  # noqa: E402
 from moerun.layers.norm import RMSNorm  # noqa: E402
@@ -104,32 +103,6 @@ def test_rms_norm_linear_matches_unfused(seed: int, dtype: torch.dtype, T: int, 
             assert torch.equal(residual, residual_before), f"seed={seed}: residual was written"
         assert_linear_close(y, normed, weight, bias, seed, f"{config} call {call}")
     assert_tickets_reset()
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("T", [1, 3])
-def test_norm_by_the_first_program_equals_every_program(seed: int, T: int, with_residual: bool, config: str,
-                                                        monkeypatch) -> None:  # fmt: skip
-    """``first``: one program normalises the rows for all (the others wait on its flag): the same output and new
-    residual bit for bit as every program normalising its own K range; the counters back at 0 for the next call."""
-    dtype = torch.bfloat16
-    x, weight, bias = make_operands(T, 37, 100, dtype, with_bias=T == 3)
-    residual = (torch.randn(T, 100) * 2).to(dtype).to(DEVICE) if with_residual else None
-    norm_w = (1 + 0.3 * torch.randn(100)).to(dtype).to(DEVICE)
-    ref, ref_residual = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, bias, CONFIGS[config])
-    for call in range(2):
-        y, new_residual = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, bias, CONFIGS[config], first=True)
-        assert torch.equal(y, ref) and torch.equal(new_residual, ref_residual), f"seed={seed} call {call}"
-        assert not ticket_counters(DEVICE, 3, "gemv_norm_first").any(), "the flag and counts reset"
-    with pytest.raises(ValueError, match="first-program norm"):
-        gemv_module._launch(x, None, None, 0.0, weight, bias, CONFIGS[config], first=True)
-    monkeypatch.setenv("MOERUN_DENSE_NORM_GEMV", "first")  # the op reads the switch at each call
-    y, _ = rms_norm_linear(x, residual, norm_w, EPS, weight, bias, backend="triton")
-    assert_linear_close(y, rms_norm_reference(x, norm_w, EPS, residual)[0], weight, bias, seed, "the op")
-    monkeypatch.setenv("MOERUN_DENSE_NORM_GEMV", "all")
-    with pytest.raises(ValueError, match="MOERUN_DENSE_NORM_GEMV must be 0 or first"):
-        rms_norm_linear(x, residual, norm_w, EPS, weight, bias, backend="triton")
 
 
 @pytest.mark.parametrize("config", ["fma", "dot-split2"])

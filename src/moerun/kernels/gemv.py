@@ -14,8 +14,7 @@ writes y and resets the counter to 0 for the next launch (or CUDA-graph replay).
 
 With the norm prologue (``rms_norm_linear_triton``) every program recomputes 1/rms of its token rows from the
 whole row of x + residual (a few KB, from L2) and normalises its K range on the fly, rounding where
-``RMSNorm.forward_with_residual`` rounds; the programs of N-tile 0 also write x + residual (with ``first``,
-the first program to arrive does both once for all the others, which wait on its flag). Grids, buffers
+``RMSNorm.forward_with_residual`` rounds; the programs of N-tile 0 also write x + residual. Grids, buffers
 and configs depend only on shapes, so a decode step with these kernels can be captured in a CUDA graph.
 """
 
@@ -290,12 +289,6 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    # NORM_FIRST (with HAS_NORM): the first program to arrive adds the residual and normalises x's rows into h_ptr
-    # [T, K] (and writes x + residual) while the others wait on its flag; every program then reads the normed rows
-    # (flags_ptr: 3 int32 counters, the flag, the programs done and the programs arrived; reset by the last done)
-    h_ptr=None,
-    flags_ptr=None,
-    NORM_FIRST: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -317,11 +310,7 @@ def _gemv_kernel(
         # tiles are in flight per program; the last step re-reads its own tile instead of masking the load
         w_next = _weight_tile(w_rows, k_start, K, BLOCK_K, EVEN_K)
     wait_for_previous(PDL)  # x and the residual come from the previous kernel (weights did not)
-    if NORM_FIRST:
-        _norm_rows_first(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, h_ptr, flags_ptr, t, t_mask, stride_xt, stride_rt,
-                         eps, K, HAS_RESIDUAL, BLOCK_T, NORM_BLOCK_K, INTERPRET)  # fmt: skip
-        inv_rms = tl.zeros([BLOCK_T], dtype=tl.float32)
-    elif HAS_NORM:
+    if HAS_NORM:
         inv_rms = _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K, HAS_RESIDUAL, BLOCK_T,
                            NORM_BLOCK_K, INTERPRET)  # [BLOCK_T]
     else:
@@ -338,16 +327,13 @@ def _gemv_kernel(
             a_mask = t_mask[:, None]
         else:
             a_mask = t_mask[:, None] & (k < K)[None, :]
-        if NORM_FIRST:  # the rows the first program normalised (the same values as below)
-            a = tl.load(h_ptr + t.to(tl.int64)[:, None] * K + k[None, :], mask=a_mask, other=0.0)
-        else:
-            a = _residual_sum_tile(x_ptr, res_ptr, t, k, a_mask, stride_xt, stride_rt, HAS_RESIDUAL,
-                                   INTERPRET)  # [BLOCK_T, BLOCK_K]
-            if HAS_RESIDUAL:
-                if pid_n == 0:  # one program column writes the new residual stream [T, K]
-                    tl.store(res_out_ptr + t.to(tl.int64)[:, None] * K + k[None, :], a, mask=a_mask)
-            if HAS_NORM:
-                a = _normalise(a, norm_w_ptr, k, inv_rms, K, INTERPRET)
+        a = _residual_sum_tile(x_ptr, res_ptr, t, k, a_mask, stride_xt, stride_rt, HAS_RESIDUAL,
+                               INTERPRET)  # [BLOCK_T, BLOCK_K]
+        if HAS_RESIDUAL:
+            if pid_n == 0:  # one program column writes the new residual stream [T, K]
+                tl.store(res_out_ptr + t.to(tl.int64)[:, None] * K + k[None, :], a, mask=a_mask)
+        if HAS_NORM:
+            a = _normalise(a, norm_w_ptr, k, inv_rms, K, INTERPRET)
         if USE_DOT:
             if INTERPRET:  # the interpreter multiplies 16-bit dot operands wrongly
                 a = a.to(tl.float32)
@@ -373,37 +359,6 @@ def _gemv_kernel(
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + s * T * N + rows, mask=y_mask, other=0.0, cache_modifier=".cg")
             _store_y(total, b_ptr, y_ptr, t, n, t_mask, n_mask, stride_yt, HAS_BIAS, INTERPRET)
-    if NORM_FIRST:  # the last program done resets the three counters (every program is past its wait by then)
-        if tl.atomic_add(flags_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
-            tl.atomic_xchg(flags_ptr, 0)
-            tl.atomic_xchg(flags_ptr + 1, 0)
-            tl.atomic_xchg(flags_ptr + 2, 0)
-
-
-@triton.jit
-def _norm_rows_first(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, h_ptr, flags_ptr, t, t_mask, stride_xt, stride_rt, eps,
-                     K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
-                     INTERPRET: tl.constexpr):  # fmt: skip
-    """NORM_FIRST: the first program of the launch to arrive (an atomic count, so never one the GPU has not started)
-    writes x + residual and the normalised rows h [T, K], as every program would compute them, then releases the
-    flag; the others wait for it (an add of 0 with acquire compiles to an acquire load)."""
-    if tl.atomic_add(flags_ptr + 2, 1, sem="relaxed") == 0:
-        inv_rms = _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K, HAS_RESIDUAL, BLOCK_T,
-                           NORM_BLOCK_K, INTERPRET)  # [BLOCK_T]
-        rows = t.to(tl.int64)[:, None] * K
-        for k0 in range(0, K, NORM_BLOCK_K):
-            k = k0 + tl.arange(0, NORM_BLOCK_K)  # [NORM_BLOCK_K]
-            mask = t_mask[:, None] & (k < K)[None, :]
-            h = _residual_sum_tile(x_ptr, res_ptr, t, k, mask, stride_xt, stride_rt, HAS_RESIDUAL, INTERPRET)
-            if HAS_RESIDUAL:
-                tl.store(res_out_ptr + rows + k[None, :], h, mask=mask)
-            tl.store(h_ptr + rows + k[None, :], _normalise(h, norm_w_ptr, k, inv_rms, K, INTERPRET), mask=mask)
-        tl.debug_barrier()  # every thread's stores issued before the flag releases them
-        tl.atomic_xchg(flags_ptr, 1, sem="release")
-    else:
-        ready = tl.atomic_add(flags_ptr, 0, sem="acquire")
-        while ready == 0:
-            ready = tl.atomic_add(flags_ptr, 0, sem="acquire")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -427,13 +382,10 @@ def rms_norm_linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
-    first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ weight^T (+ bias) [T, N], x + residual [T, K]); the new residual is x itself
-    when residual is None, else a new tensor (never written in place: other programs still read residual).
-    ``first``: the first program to arrive normalises the rows once for all the others, which wait for it (the
-    same values; else every program normalises its own K range)."""
-    return _launch(x, residual, norm_weight, eps, weight, bias, config, first=first)
+    when residual is None, else a new tensor (never written in place: other programs still read residual)."""
+    return _launch(x, residual, norm_weight, eps, weight, bias, config)
 
 
 def _launch(
@@ -444,11 +396,8 @@ def _launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: GemvConfig | None,
-    first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, residual, norm_weight, weight, bias)
-    if first and norm_weight is None:
-        raise ValueError("gemv: the first-program norm needs a norm in front")
     T, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1:
@@ -468,10 +417,6 @@ def _launch(
     k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_split)
     n_tiles = triton.cdiv(N, block_n)
-    extra: dict = {}
-    if first:  # the normed rows [T, K] and the counters
-        extra.update(h_ptr=torch.empty(T, K, dtype=x.dtype, device=x.device), NORM_FIRST=True,
-                     flags_ptr=ticket_counters(x.device, 3, "gemv_norm_first"))  # fmt: skip
     block_t = max(MIN_DOT, triton.next_power_of_2(T)) if cfg.dot else triton.next_power_of_2(T)
     # the 1/rms pass holds at most 8192 floats (64 registers a thread at 4 warps)
     norm_block_k = max(block_k, min(triton.next_power_of_2(K), 8192 // block_t))
@@ -519,7 +464,6 @@ def _launch(
         num_stages=cfg.num_stages,
         enable_fp_fusion=True,  # explicit: Triton's default differs between releases
         **launch_options(pdl),
-        **extra,
     )
     return y, res_out
 

@@ -7,8 +7,6 @@ its weight, and the norm costs no launch of its own. Otherwise, and as the refer
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -67,17 +65,7 @@ def rms_norm_linear(
         return linear(normed, weight, bias, backend=backend), new_residual
     from moerun.kernels.gemv import rms_norm_linear_triton
 
-    return rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias, first=_norm_by_first())
-
-
-def _norm_by_first() -> bool:
-    """``MOERUN_DENSE_NORM_GEMV``: "0" (the default until timed on a GPU: every program of the Triton GEMV
-    normalises its own K range of x) or "first" (the first program to arrive normalises the rows once, the others
-    wait for it). Read at each call, so a recaptured graph follows it."""
-    mode = os.environ.get("MOERUN_DENSE_NORM_GEMV", "0")
-    if mode not in ("0", "first"):
-        raise ValueError(f"MOERUN_DENSE_NORM_GEMV must be 0 or first, got {mode!r}")
-    return mode == "first"
+    return rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:

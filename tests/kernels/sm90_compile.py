@@ -285,10 +285,9 @@ def _cases() -> dict[str, Callable[[], None]]:
                  "num_stages": 3, "BLOCK_N2": 256, "num_stages2": 4, "TAIL_M": 64, "tma": True})),
         "quant matmul, q|k and v in one launch, int8 x": lambda: quant_matmul_triton(
             x1, [qk, v], config={**v2, "x_q8": True}),
-        "quant matmul, q|k and v in one launch with the add + RMSNorm in front": lambda: [
-            matmul_v2_part(x1, torch.empty(1, 96, dtype=bf16), qk, None, 0, {**v2, "x_q8": True}, second=(v, 64),
-                           norm=NormInFront.empty(x1, x1, norm_w, 1e-6, H, first))
-            for first in (False, True)],
+        "quant matmul, q|k and v in one launch with the add + RMSNorm in front": lambda: matmul_v2_part(
+            x1, torch.empty(1, 96, dtype=bf16), qk, None, 0, {**v2, "x_q8": True}, second=(v, 64),
+            norm=NormInFront.empty(x1, x1, norm_w, 1e-6, H)),
         "quant matmul, float x": lambda: quant_matmul_triton(x1, [qk], config=v2),
         "quant decode to bf16 (prefill path 'dequant')": lambda: dequantize_triton(q4[0], bf16),
         "quant MoE, decode": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1),

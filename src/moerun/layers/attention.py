@@ -78,7 +78,7 @@ class Qwen3Attention(nn.Module):
         At decode with a dense q|k|v weight the residual add and the norm run inside the q|k|v GEMV
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
         blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``), or with
-        ``MOERUN_QUANT_NORM_GEMV=all|first`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``).
+        ``MOERUN_QUANT_NORM_GEMV=all`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``).
         """
         if self._fuse_norm(x, batch, backend):
             qkv, residual = ops.rms_norm_linear(

@@ -162,21 +162,20 @@ def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) 
     return pad_of(packed_parts(weight), x.numel() // x.shape[-1])
 
 
-def _norm_in_front_mode() -> str:
-    """``MOERUN_QUANT_NORM_GEMV``: "0" (the default until timed on a GPU: the norm's own launch), "all" (every
-    program of the q|k|v GEMV normalises its row) or "first" (the first program of a row to arrive does, the
-    others wait)."""
+def _norm_in_front_on() -> bool:
+    """``MOERUN_QUANT_NORM_GEMV``: "0" (the default until timed on a GPU: the norm's own launch) or "all" (every
+    program of the q|k|v GEMV normalises its row)."""
     mode = os.environ.get("MOERUN_QUANT_NORM_GEMV", "0")
-    if mode not in ("0", "all", "first"):
-        raise ValueError(f"MOERUN_QUANT_NORM_GEMV must be 0, all or first, got {mode!r}")
-    return mode
+    if mode not in ("0", "all"):
+        raise ValueError(f"MOERUN_QUANT_NORM_GEMV must be 0 or all, got {mode!r}")
+    return mode == "all"
 
 
 def norm_in_front(x: torch.Tensor, weight: Weight, backend: str | None = None) -> bool:
-    """Whether rms_norm_quant_linear takes x [T, K] and this weight: ``MOERUN_QUANT_NORM_GEMV`` not "0", the Triton
+    """Whether rms_norm_quant_linear takes x [T, K] and this weight: ``MOERUN_QUANT_NORM_GEMV=all``, the Triton
     path, and a weight whose GEMV at these rows is one launch that rounds x to int8. Read at each call, so a
     recaptured graph follows it."""
-    if _norm_in_front_mode() == "0" or x.dim() != 2:
+    if not _norm_in_front_on() or x.dim() != 2:
         return False
     if pick_backend(backend, x.device, "quantized matmul") == "torch" or not has_kernel_layout(weight):
         return False
@@ -198,8 +197,7 @@ def rms_norm_quant_linear(
     result up to the GEMV's float rounding)."""
     from moerun.kernels.quant.matmul_quant import rms_norm_quant_matmul_triton
 
-    return rms_norm_quant_matmul_triton(x, residual, norm_weight, eps, packed_parts(weight), bias,
-                                        first=_norm_in_front_mode() == "first")
+    return rms_norm_quant_matmul_triton(x, residual, norm_weight, eps, packed_parts(weight), bias)
 
 
 def fused_moe_quantized(

@@ -269,12 +269,10 @@ def rms_norm_quant_matmul_triton(
     eps: float,
     parts: Sequence[PackedWeight],
     bias: torch.Tensor | None = None,
-    first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ W^T (+ bias) [M, N], x + residual [M, K]) in one launch for parts that
-    norm_in_front_applies takes: every program normalises its row of x and rounds it to int8 itself (gemv_v2's
-    NORM), or with ``first`` the first program of each row to arrive does while the others wait for it; either
-    saves the norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None."""
+    norm_in_front_applies takes: every program normalises its row of x and rounds it to int8 itself (matmul_v2's
+    NORM), which saves the norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None."""
     M, K = x.shape
     if not norm_in_front_applies(parts, M):
         raise ValueError("the norm in front of a quantized GEMV needs one gemv_v2 launch of int8 x: "
@@ -287,7 +285,7 @@ def rms_norm_quant_matmul_triton(
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match {n_total} outputs")
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
-    norm = NormInFront.empty(x, residual, norm_weight.contiguous(), eps, parts[0].k_pad, first)
+    norm = NormInFront.empty(x, residual, norm_weight.contiguous(), eps, parts[0].k_pad)
     y = torch.empty(M, n_total, dtype=x.dtype, device=x.device)  # [M, N]
     if M == 0:
         return y, norm.residual_out

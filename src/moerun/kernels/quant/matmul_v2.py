@@ -2,10 +2,9 @@
 scales (gemv_v2.py) over the rows of one weight, or of two parts of the same K in one launch (q|k and v of a
 Q4_K_M file); x read as it is, prepared in the weights' layout, or rounded to int8 (int8_dot.py).
 
-As the q|k|v projection at decode it can also take its neighbours' work into its launch:
-  NormInFront  x arrives raw: the residual add and RMSNorm are done and the row rounded to int8 inside the launch,
-               by every program, or by the first program of each row to arrive while the others wait on its flag
-               (``MOERUN_QUANT_NORM_GEMV``, ops.quant.rms_norm_quant_linear)
+As the q|k|v projection at decode it can also take the norm in front into its launch (NormInFront): x arrives
+raw, and every program does the residual add and RMSNorm of its row and rounds it to int8 itself
+(``MOERUN_QUANT_NORM_GEMV=all``, ops.quant.rms_norm_quant_linear).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from moerun.kernels.quant.gemv_v2 import (
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.rmsnorm import add_rms_norm_row_int8, check_norm_operands
-from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config
 
 # --------------------------------------------------------------------------------------------- device code
@@ -106,14 +104,12 @@ def _matmul_v2_kernel(
     LOG_BG_B: tl.constexpr = 0,
     HAS_B: tl.constexpr = False,
     # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
-    # by every program (all write the same values, then each reads its own) or, with NORM_FIRST, by the program of
-    # the row that arrives first while the others wait on its flag (NormOperands.flags_ptr). That program (else
-    # program 0) also stores the normed row and x + residual.
+    # by every program (all write the same values, then each reads its own); program 0 also stores the normed row
+    # and x + residual.
     nf=None,  # NormOperands
     NS: tl.constexpr = None,  # NormShape
     INTERPRET: tl.constexpr = False,
     NORM: tl.constexpr = False,
-    NORM_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
@@ -121,7 +117,7 @@ def _matmul_v2_kernel(
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     if NORM:
-        _norm_in_front(x_ptr, nf, NS, xp_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET, NORM_FIRST)
+        _norm_in_front(x_ptr, nf, NS, xp_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET)
     x_row = x_ptr + m * stride_xm
     xp_row = xp_ptr + m * stride_pm
     xs_row = xs_ptr + m * stride_psm
@@ -132,50 +128,20 @@ def _matmul_v2_kernel(
             _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, vc, vh, vs, vd, pid_n - PROGS_A, N_B, K,
                             KQ_B, col_off_B, X_WORDS_B, QT_B, WPG_B, HAS_BIAS, BLOCK_N, BLOCK_G_B, FULL_B, REM_B,
                             LOG_BG_B, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
-            _norm_flag_done(nf, m, NORM_FIRST)
             return
     _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off, X_WORDS,
                     QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8, EMULATE_DP4A)
-    _norm_flag_done(nf, m, NORM_FIRST)
 
 
 @triton.jit
-def _norm_flag_done(nf, m, NORM_FIRST: tl.constexpr):
-    """With NORM_FIRST, the program counts itself done; the last of row m resets its counters to 0 for the next
-    launch (every program is past its wait by then)."""
-    if NORM_FIRST:
-        flag = nf.flags_ptr + 3 * m
-        if tl.atomic_add(flag + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(flag, 0)
-            tl.atomic_xchg(flag + 1, 0)
-            tl.atomic_xchg(flag + 2, 0)
-
-
-@triton.jit
-def _norm_in_front(x_ptr, nf, NS: tl.constexpr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET: tl.constexpr,
-                   NORM_FIRST: tl.constexpr):  # fmt: skip
+def _norm_in_front(x_ptr, nf, NS: tl.constexpr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET: tl.constexpr):
     """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it (nf:
     NormOperands, NS: NormShape)."""
-    if NORM_FIRST:
-        flag = nf.flags_ptr + 3 * m
-        # the first to arrive, not program 0: it is running, whatever order the GPU starts programs in, so the
-        # others never wait on a program that waits for a free SM
-        if tl.atomic_add(flag + 2, 1, sem="relaxed") == 0:
-            add_rms_norm_row_int8(x_ptr, nf.res_ptr, nf.norm_w_ptr, nf.h_ptr, nf.res_out_ptr, m, NS.K_NORM, nf.eps,
-                                  stride_xm, nf.stride_rm, xq_ptr, dx_ptr, xs_ptr, NS.K_NORM, NS.HAS_RESIDUAL,
-                                  NS.BLOCK_H, NS.K_PAD, INTERPRET)  # fmt: skip
-            tl.debug_barrier()  # every thread's stores issued before the flag releases them
-            tl.atomic_xchg(flag, 1, sem="release")
-        else:  # an add of 0 with acquire compiles to an acquire load (ld.acquire.gpu), not a queued atomic
-            ready = tl.atomic_add(flag, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(flag, 0, sem="acquire")
-    else:
-        n_store = tl.where(pid_n == 0, NS.K_NORM, 0)
-        add_rms_norm_row_int8(x_ptr, nf.res_ptr, nf.norm_w_ptr, nf.h_ptr, nf.res_out_ptr, m, n_store, nf.eps,
-                              stride_xm, nf.stride_rm, xq_ptr, dx_ptr, xs_ptr, NS.K_NORM, NS.HAS_RESIDUAL, NS.BLOCK_H,
-                              NS.K_PAD, INTERPRET)  # fmt: skip
-        tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
+    n_store = tl.where(pid_n == 0, NS.K_NORM, 0)
+    add_rms_norm_row_int8(x_ptr, nf.res_ptr, nf.norm_w_ptr, nf.h_ptr, nf.res_out_ptr, m, n_store, nf.eps, stride_xm,
+                          nf.stride_rm, xq_ptr, dx_ptr, xs_ptr, NS.K_NORM, NS.HAS_RESIDUAL, NS.BLOCK_H, NS.K_PAD,
+                          INTERPRET)  # fmt: skip
+    tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -188,7 +154,6 @@ class NormOperands(NamedTuple):
     norm_w_ptr: torch.Tensor  # [K]
     h_ptr: torch.Tensor  # [M, K] out: the normed rows
     res_out_ptr: torch.Tensor  # [M, K] out: x + residual
-    flags_ptr: torch.Tensor  # NORM_FIRST: [M, 3] int32 (the flag, the programs done, the programs arrived)
     eps: float
     stride_rm: int
 
@@ -212,28 +177,26 @@ class NormInFront(NamedTuple):
     out: torch.Tensor  # [M, K] contiguous: the normed rows
     residual_out: torch.Tensor  # [M, K] contiguous: x + residual (unused without a residual)
     rows: Int8Rows  # the normed rows rounded to int8, which the GEMV reads
-    first: bool  # the first program of a row to arrive normalises it while the others wait (else every one does)
 
     @classmethod
-    def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, k_pad: int,
-              first: bool = False) -> NormInFront:  # fmt: skip
+    def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              k_pad: int) -> NormInFront:  # fmt: skip
         """Outputs allocated for x [M, K] (the new residual is x itself without a residual), once the operands are
         checked."""
         check_norm_operands(x, weight, residual)
         M, K = x.shape
         out = torch.empty(M, K, dtype=x.dtype, device=x.device)
         res_out = torch.empty_like(out) if residual is not None else x
-        return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device), first)
+        return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device))
 
     def kernel_args(self, x: torch.Tensor) -> dict:
-        """The NORM keyword arguments of _matmul_v2_kernel: nf (NormOperands), NS (NormShape), NORM, NORM_FIRST."""
+        """The NORM keyword arguments of _matmul_v2_kernel: nf (NormOperands), NS (NormShape) and NORM."""
         K, k_pad = x.shape[1], self.rows.k_pad
         res = self.residual if self.residual is not None else x
-        flags = ticket_counters(x.device, 3 * x.shape[0], "quant_norm_gemv") if self.first else x
-        nf = NormOperands(res, self.weight, self.out, self.residual_out, flags, self.eps, res.stride(0))
+        nf = NormOperands(res, self.weight, self.out, self.residual_out, self.eps, res.stride(0))
         ns = NormShape(K, triton.next_power_of_2(k_pad), k_pad, self.residual is not None)
         # rounds as rms_norm_int8
-        return dict(nf=nf, NS=ns, NORM=True, NORM_FIRST=self.first, enable_fp_fusion=False)
+        return dict(nf=nf, NS=ns, NORM=True, enable_fp_fusion=False)
 
 
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,

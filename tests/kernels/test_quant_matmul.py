@@ -196,6 +196,17 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
         assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["BLOCK_N2"] == 8  # the bucket above 2
         assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 17, "FAKE") == \
             configs.default_moe_config(17, 8, interpret=False, qtype="Q4_K")
+        # a table of one's own in MOERUN_MOE_CONFIG_DIR comes first; without one there, the shipped table
+        own = tmp_path / "own"
+        own.mkdir()
+        (own / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(
+            {"8": {**tuned, "BLOCK_N2": 16, "BLOCK_K2": 256, "round2": True}}))
+        monkeypatch.setenv("MOERUN_MOE_CONFIG_DIR", str(own))
+        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["round2"]
+        assert configs.get_moe_config("Q6_K", 4, 256, 64, 8, 2, "FAKE") == \
+            configs.default_moe_config(2, 8, interpret=False, qtype="Q6_K")
+        monkeypatch.delenv("MOERUN_MOE_CONFIG_DIR")
+        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["BLOCK_N2"] == 8
     finally:
         configs.load_matmul_table.cache_clear()
         configs.get_matmul_config.cache_clear()

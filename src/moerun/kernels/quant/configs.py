@@ -7,7 +7,8 @@ tl.dot paths BLOCK_N is the number of weight rows per program (the decoded weigh
 BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per program (a multiple
 of 16), BLOCK_N2 output rows of down per program and token (all k slots at once), BLOCK_K / BLOCK_K2 inputs per
 unrolled chunk, `x_prep` / `x_q8` how GEMM 1 and the dense GEMV read x (prepared in the weights' layout / as
-int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2, `slots2` how many of a token's k
+int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2 (`round2`: rounded by GEMM 2's programs
+as they read it instead), `slots2` how many of a token's k
 slots GEMM 2 holds at once (a power of two; default all), and `reduce` does not apply (GEMM 2 sums the slots).
 On the tile paths `BLOCK_M2` (default BLOCK_M) gives GEMM 2 M-blocks a power-of-two multiple of GEMM 1's: each
 expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 from moerun.kernels.interpreter import interpreting
@@ -79,9 +81,14 @@ def moe_config_file_name(qtype: str, E: int, H: int, I: int, device: str) -> str
 
 
 @functools.cache
-def load_moe_table(qtype: str, E: int, H: int, I: int, device: str) -> dict[int, Config] | None:  # noqa: E741
-    """Tuned {M: config} table, or None when none was shipped."""
-    path = CONFIG_DIR / moe_config_file_name(qtype, E, H, I, device)
+def load_moe_table(qtype: str, E: int, H: int, I: int, device: str,  # noqa: E741
+                   user_dir: str | None = None) -> dict[int, Config] | None:  # fmt: skip
+    """Tuned {M: config} table from user_dir (MOERUN_MOE_CONFIG_DIR, as for the bf16 tables), else the shipped one;
+    None when neither has it."""
+    name = moe_config_file_name(qtype, E, H, I, device)
+    path = Path(user_dir) / name if user_dir else None
+    if path is None or not path.is_file():
+        path = CONFIG_DIR / name
     if not path.is_file():
         return None
     with path.open() as f:
@@ -160,7 +167,8 @@ def get_moe_config(
     the nearest, gives m tokens the config of the power-of-two CUDA-graph bucket that holds them whenever the
     tuned Ms are powers of two, so that eager and graphed steps round x to int8 alike."""
     if not interpreting():
-        table = load_moe_table(qtype, E, H, I, device or _current_device_name())
+        user_dir = os.environ.get("MOERUN_MOE_CONFIG_DIR")
+        table = load_moe_table(qtype, E, H, I, device or _current_device_name(), user_dir)
         if table and m <= 2 * max(table):
             return dict(table[min((b for b in table if b >= m), default=max(table))])
     return default_moe_config(m, k, qtype=qtype)

@@ -138,11 +138,6 @@ POOL: dict[str, Config] = {
     "v16k2qxt": {**_v2(16, 2048, 4, 8, 512, 4, x_q8=True), "x_tile2": True},
     "v32qqk1xt": {**_v2(32, 1024, 4, 8, 768, 4, x_q8=True, inter_q8=True), "x_tile2": True},
     "v32qqn16s2": _v2(32, 2048, 4, 16, 768, 4, x_q8=True, inter_q8=True, slots2=2),
-    # GEMM 1 in 16-row programs writing its output as it is, GEMM 2 rounding it to int8 as it reads it (round2): dp4a
-    # in GEMM 2 without inter_q8's 32-row GEMM 1 programs
-    "v16k2qr": {**_v2(16, 2048, 4, 8, 512, 4, x_q8=True), "round2": True},
-    "v16k1qr": {**_v2(16, 1024, 4, 8, 768, 4, x_q8=True), "round2": True},
-    "v16k2qrn16": {**_v2(16, 2048, 4, 16, 512, 4, x_q8=True), "round2": True},
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
     "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
@@ -190,8 +185,7 @@ POOL: dict[str, Config] = {
 
 
 X_Q8 = ["v8q", "v8k1q", "v16q", "v16k1q", "v16k2q", "v32q", "v32k2q", "v4q", "v32qq", "v32qqk1", "v32qqn4", "v32qqn16",
-        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2", "v16k2qxt", "v32qqk1xt",
-        "v16k2qr", "v16k1qr", "v16k2qrn16"]
+        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2", "v16k2qxt", "v32qqk1xt"]
 
 
 def tune_candidates(m: int, families: str = "all") -> list[str]:

@@ -200,9 +200,9 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
         own = tmp_path / "own"
         own.mkdir()
         (own / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(
-            {"8": {**tuned, "BLOCK_N2": 16, "BLOCK_K2": 256, "round2": True}}))
+            {"8": {**tuned, "BLOCK_N2": 16, "BLOCK_K2": 256, "slots2": 4}}))
         monkeypatch.setenv("MOERUN_MOE_CONFIG_DIR", str(own))
-        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["round2"]
+        assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["slots2"] == 4
         assert configs.get_moe_config("Q6_K", 4, 256, 64, 8, 2, "FAKE") == \
             configs.default_moe_config(2, 8, interpret=False, qtype="Q6_K")
         monkeypatch.delenv("MOERUN_MOE_CONFIG_DIR")

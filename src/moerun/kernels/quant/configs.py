@@ -7,8 +7,7 @@ tl.dot paths BLOCK_N is the number of weight rows per program (the decoded weigh
 BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per program (a multiple
 of 16), BLOCK_N2 output rows of down per program and token (all k slots at once), BLOCK_K / BLOCK_K2 inputs per
 unrolled chunk, `x_prep` / `x_q8` how GEMM 1 and the dense GEMV read x (prepared in the weights' layout / as
-int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2 (`round2`: rounded by GEMM 2's programs
-as they read it instead), `slots2` how many of a token's k
+int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2, `slots2` how many of a token's k
 slots GEMM 2 holds at once (a power of two; default all), and `reduce` does not apply (GEMM 2 sums the slots).
 On the tile paths `BLOCK_M2` (default BLOCK_M) gives GEMM 2 M-blocks a power-of-two multiple of GEMM 1's: each
 expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens.

@@ -649,4 +649,4 @@ def int8_roundings(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight,
     cfg = _kernel_config(None, gate[0], up[0], w2, w2.shape[0], k, T, indirect=False)
     if cfg["path"] != "gemv_v2":
         return (False, False)
-    return (bool(cfg.get("x_q8")), bool(cfg.get("inter_q8") or cfg.get("round2")) or w2.qtype not in FLOAT_X_TYPES)
+    return (bool(cfg.get("x_q8")), bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES)

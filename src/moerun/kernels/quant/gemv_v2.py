@@ -30,11 +30,7 @@ config key "x_prep", one small launch first writes x in the position-major, pre-
 (prepare_x, plus the sums of 16), and the kernels read it with vector loads instead. With the key "x_q8", x is
 quantized to int8 instead (int8_dot.quantize_x) and GEMM 1 and the dense GEMV take four codes times four x values
 per dp4a (int8_dot.q8_dot); with "inter_q8" too, GEMM 1 (programs of a multiple of 32 rows) writes its output as
-int8 words, scales and sums, and GEMM 2 takes dp4a as well. With "round2" instead, GEMM 1 (programs of any multiple
-of 16 rows) writes its output in element order in the activation dtype and GEMM 2's programs round each chunk of
-it to int8 as they read it (int8_dot.rounded_tiles; the same values as inter_q8's), so GEMM 2 takes dp4a while
-GEMM 1 keeps its 16-row programs: each GEMM 2 program rounds the token's k rows again, about a third of the
-instructions the float intermediate's products cost it.
+int8 words, scales and sums, and GEMM 2 takes dp4a as well.
 """
 
 from __future__ import annotations
@@ -47,9 +43,7 @@ from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import _silu_mul
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
-from moerun.kernels.quant.int8_dot import (
-    Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, rounded_tiles, xq_tiles,
-)
+from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -351,7 +345,6 @@ def _gemm1_v2_kernel(
     EMULATE_DP4A: tl.constexpr = False,
     OUT_Q8: tl.constexpr = False,  # write the intermediate as int8 (words, scales, sums); BLOCK_N a multiple of 32
     PDL: tl.constexpr = 0,  # kernels/pdl.py (the expert ids come from the previous kernel: nothing before the wait)
-    OUT_PLAIN: tl.constexpr = False,  # write the intermediate in element order, x's dtype (GEMM 2 rounds it: ROUND)
 ):  # fmt: skip
     launch_dependents(PDL)
     wait_for_previous(PDL)
@@ -392,9 +385,7 @@ def _gemm1_v2_kernel(
     act = tl.where(ok, _silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
     i_row = inter_ptr + slot.to(tl.int64) * stride_it
     s_row = sums_ptr + slot.to(tl.int64) * stride_st
-    if OUT_PLAIN:
-        tl.store(i_row + offs_n, act.to(inter_ptr.dtype.element_ty), mask=ok)
-    elif OUT_Q8:  # int8 words in element order, a scale per 32 and the sums of 16 of the rounded values
+    if OUT_Q8:  # int8 words in element order, a scale per 32 and the sums of 16 of the rounded values
         quantize_store(act, BLOCK_N, pid_n * BLOCK_N, i_row, dxi_ptr + slot.to(tl.int64) * stride_dit, s_row,
                        I_WORDS * 4)  # fmt: skip
     else:  # position-major for GEMM 2: element e -> (position, word) of the down type's layout, times 2^-s
@@ -410,13 +401,11 @@ def _gemm1_v2_kernel(
 @triton.jit
 def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                  g0: tl.constexpr, G: tl.constexpr, KQ, I_WORDS, stride_it, stride_st, stride_dit,
-                 XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr, X_TILE: tl.constexpr,
-                 ROUND: tl.constexpr):  # fmt: skip
+                 XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr, X_TILE: tl.constexpr):  # fmt: skip
     """Partial sums [BLOCK_N, SLOTS] over groups [g0, g0 + G) of the rows [BLOCK_N, SLOTS]; slot [SLOTS] picks
-    each column's intermediate, which all BLOCK_N rows share (XQ8: as int8 words, scales and sums; ROUND: as
-    values in element order, rounded to int8 here). X_TILE: the intermediate is loaded in the rows' [BLOCK_N,
-    SLOTS, G, ..] shape, each row's copy from L1, rather than as [1, SLOTS, G, ..] tiles that the compiler moves to
-    the rows' layout through shared memory (barriers a tile)."""
+    each column's intermediate, which all BLOCK_N rows share (XQ8: as int8 words, scales and sums). X_TILE: the
+    intermediate is loaded in the rows' [BLOCK_N, SLOTS, G, ..] shape, each row's copy from L1, rather than as [1,
+    SLOTS, G, ..] tiles that the compiler moves to the rows' layout through shared memory (barriers a tile)."""
     gi = g0 + tl.arange(0, G)
     g4 = gi[None, None, :, None]  # [1, 1, G, 1]
     g3 = gi[None, None, :]  # [1, 1, G]
@@ -428,12 +417,9 @@ def _gemm2_chunk(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
     ok3 = ok[None, :, None]
     s_row = sums_ptr + slot[None, :, None] * stride_st  # [1, SLOTS, 1]; one sum per 16 elements
     if XQ8:
-        if ROUND:  # [1, SLOTS, G, WPG] / [1, SLOTS, G] tiles of the rounded values
-            xa, xb, da, db, X0, X1 = rounded_tiles(QT, inter_ptr + slot * stride_it, g0, G, slot.shape[0])
-        else:
-            q_row = inter_ptr + slot[None, :, None, None] * stride_it  # [1, SLOTS, 1, 1]
-            d_row = dxi_ptr + slot[None, :, None] * stride_dit
-            xa, xb, da, db, X0, X1 = xq_tiles(QT, q_row, d_row, s_row, g4, j4, g3)
+        q_row = inter_ptr + slot[None, :, None, None] * stride_it  # [1, SLOTS, 1, 1]
+        d_row = dxi_ptr + slot[None, :, None] * stride_dit
+        xa, xb, da, db, X0, X1 = xq_tiles(QT, q_row, d_row, s_row, g4, j4, g3)
         part = q8_dot(QT, wc, wh, ws, wd, rows[:, :, None, None], rows[:, :, None], g4, g3, j4, KQ, ok4, ok3,
                       xa, xb, da, db, X0, X1, EMULATE_DP4A)  # fmt: skip
     else:
@@ -476,7 +462,6 @@ def _gemm2_v2_kernel(
     EMULATE_DP4A: tl.constexpr = False,
     PDL: tl.constexpr = 0,  # kernels/pdl.py (everything it reads comes from earlier kernels of the step)
     X_TILE: tl.constexpr = False,  # the intermediate loaded in the rows' shape (config key x_tile2, _gemm2_chunk)
-    ROUND: tl.constexpr = False,  # XQ8 from GEMM 1's values in element order, rounded here (config key round2)
 ):  # fmt: skip
     launch_dependents(PDL)
     wait_for_previous(PDL)
@@ -486,7 +471,7 @@ def _gemm2_v2_kernel(
     for g in tl.static_range(SLOTS // SLOT_STEP):
         y += _gemm2_slots(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws, wd, wt, token,
                           g * SLOT_STEP, SLOT_STEP, top_k, H, offs_n, KQ, I_WORDS, stride_it, stride_st, stride_dit,
-                          BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, INDIRECT, XQ8, EMULATE_DP4A, X_TILE, ROUND)  # fmt: skip
+                          BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, INDIRECT, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
     tl.store(out_ptr + token * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
@@ -495,7 +480,7 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
                  wd, wt, token, s0: tl.constexpr, STEP: tl.constexpr, top_k, H, offs_n, KQ, I_WORDS, stride_it,
                  stride_st, stride_dit, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, FULL: tl.constexpr,
                  REM: tl.constexpr, LOG_BG: tl.constexpr, INDIRECT: tl.constexpr, XQ8: tl.constexpr,
-                 EMULATE_DP4A: tl.constexpr, X_TILE: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
+                 EMULATE_DP4A: tl.constexpr, X_TILE: tl.constexpr):  # fmt: skip
     """sum over slots s0 + [0, STEP) of the token of routing weight x (rows offs_n of the slot's expert) . (the
     slot's intermediate) -> [BLOCK_N] float32; the slots as the columns of [BLOCK_N, STEP] tiles."""
     s = s0 + tl.arange(0, STEP)  # [STEP]
@@ -512,13 +497,13 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
     acc = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
     for c in tl.static_range(FULL):
         acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows, c * BLOCK_G,
-                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, EMULATE_DP4A, X_TILE,
-                            ROUND)  # fmt: skip
+                            BLOCK_G, KQ, I_WORDS, stride_it, stride_st, stride_dit, XQ8, EMULATE_DP4A,
+                            X_TILE)  # fmt: skip
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             acc += _gemm2_chunk(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, slot, ok, wc, wh, ws, wd, rows,
                                 FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
-                                stride_st, stride_dit, XQ8, EMULATE_DP4A, X_TILE, ROUND)  # fmt: skip
+                                stride_st, stride_dit, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
     return tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the step's slots
 
 
@@ -614,16 +599,8 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     flat_ids = ids.reshape(-1)  # [T*k]
     new = torch.empty if i_pad == I else torch.zeros  # padding must read as zeros
     check_int8_x(cfg, gw.qtype)
-    round2 = bool(cfg.get("round2"))
-    inter_q8 = not round2 and (bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES)
-    if round2:  # x's dtype in element order; GEMM 2's programs round it to int8 as they read it
-        if cfg.get("x_tile2"):
-            raise ValueError("config keys round2 and x_tile2 exclude each other")
-        inter = new(slots, i_pad, dtype=x.dtype, device=x.device)  # [T*k, I_pad]
-        sums = dxi = inter
-        i_words = i_pad // 4
-        bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
-    elif inter_q8:  # int8 words in element order, a scale per 32 and sums, written by GEMM 1 programs of 32k rows
+    inter_q8 = bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES
+    if inter_q8:  # int8 words in element order, a scale per 32 and sums, written by GEMM 1 programs of 32k rows
         inter, dxi, sums = Int8Rows.empty(slots, i_pad, x.device, zeros=i_pad != I)  # [T*k, I_pad / 4], ...
         i_words = i_pad // 4
         bn1 = max(32, cfg["BLOCK_N"] // 32 * 32)
@@ -645,10 +622,10 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         inter.stride(0), sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
         WPG=words_per_group(gw.qtype), BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
-        OUT_PLAIN=round2, PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags},
+        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags},
     )  # fmt: skip
-    return _gemm2(inter, sums, dxi, inter_q8 or round2, i_words, flat_ids, weights, w2, T, k, H, cfg, out_dtype,
-                  tables[2] if tables else None, pdl, round2)  # fmt: skip
+    return _gemm2(inter, sums, dxi, inter_q8, i_words, flat_ids, weights, w2, T, k, H, cfg, out_dtype,
+                  tables[2] if tables else None, pdl)  # fmt: skip
 
 
 def moe_down_v2(inter: Int8Rows, ids: torch.Tensor, weights: torch.Tensor, w2: PackedWeight, cfg: Config,
@@ -669,10 +646,8 @@ def moe_down_v2(inter: Int8Rows, ids: torch.Tensor, weights: torch.Tensor, w2: P
 
 def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8: bool, i_words: int,
            flat_ids: torch.Tensor, weights: torch.Tensor, w2: PackedWeight, T: int, k: int, H: int, cfg: Config,
-           out_dtype: torch.dtype, table: torch.Tensor | None, pdl: int,
-           round2: bool = False) -> torch.Tensor:  # fmt: skip
-    """Launches _gemm2_v2_kernel over the intermediate's arrays -> [T, H] in out_dtype (round2: inter holds values
-    in element order, which the kernel rounds to int8)."""
+           out_dtype: torch.dtype, table: torch.Tensor | None, pdl: int) -> torch.Tensor:  # fmt: skip
+    """Launches _gemm2_v2_kernel over the intermediate's arrays -> [T, H] in out_dtype."""
     out = torch.empty(T, H, dtype=out_dtype, device=inter.device)  # [T, H]
     bn2 = cfg["BLOCK_N2"]
     slots_p2 = triton.next_power_of_2(k)
@@ -686,6 +661,6 @@ def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8:
         WPG=words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
         **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None, num_warps=cfg["num_warps2"],
         num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl,
-        X_TILE=bool(cfg.get("x_tile2", False)), ROUND=round2, **launch_options(pdl),
+        X_TILE=bool(cfg.get("x_tile2", False)), **launch_options(pdl),
     )  # fmt: skip
     return out

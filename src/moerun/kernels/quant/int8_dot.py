@@ -83,25 +83,16 @@ def dp4a(a, b, EMULATE_DP4A: tl.constexpr):
 
 
 @triton.jit
-def round_blocks(blocks):
-    """blocks [A, B, 32] float32 -> (q [A, B, 32] int32, d [A, B] float32): each block of 32 values over its scale
-    d = max |x| / 127, rounded half away from zero (|q| <= 127, x ~ d q)."""
-    amax = tl.max(tl.abs(blocks), axis=2)  # [A, B]
-    d = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    scaled = blocks * inv[:, :, None]
-    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)
-    return q, d
-
-
-@triton.jit
 def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     """Quantize v [BLOCK] float32, the values of elements start + [0, BLOCK) of a row (start a multiple of 32), and
     store their int8 words at xq_row, block scales at dx_row and the sums of 16 of x^ at xs_row, for the elements
     before ``end`` (the row's K_PAD, or less where another program writes the rest; a multiple of 32)."""
-    q3, d3 = round_blocks(tl.reshape(v, [1, BLOCK // 32, 32]))
-    q = tl.reshape(q3, [BLOCK // 32, 32])  # [B, 32]
-    d = tl.reshape(d3, [BLOCK // 32])  # [B]
+    blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
+    amax = tl.max(tl.abs(blocks), axis=1)  # [B]
+    d = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    scaled = blocks * inv[:, None]
+    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
     quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
     word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
     offs_w = start // 4 + tl.arange(0, BLOCK // 4)
@@ -173,45 +164,6 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
         X0 = tl.load(xs_row + first3)
         X1 = tl.load(xs_row + first3 + 2)
     return xa, xb, da, db, X0, X1
-
-
-@triton.jit
-def rounded_tiles(QT: tl.constexpr, rows, g0: tl.constexpr, G: tl.constexpr, SLOTS: tl.constexpr):
-    """xq_tiles' (xa, xb, da, db, X0, X1) for groups [g0, g0 + G) of type QT from rows [SLOTS] (pointers to rows of
-    values in element order, 16-bit or float32), rounded to int8 here as quantize_store rounds them: the same
-    words, scales and sums as xq_tiles would read from quantize_store's arrays."""
-    HALF: tl.constexpr = (QT == 14 or QT == 10) or QT == 11  # Q6_K, Q3_K, Q2_K: groups of 32 across two planes
-    if QT == 8 or HALF:
-        N: tl.constexpr = G * 32  # the groups' elements
-    else:
-        N: tl.constexpr = G * 64
-    v = tl.load(rows[:, None] + g0 * (N // G) + tl.arange(0, N)[None, :]).to(tl.float32)  # [SLOTS, N]
-    q, d = round_blocks(tl.reshape(v, [SLOTS, N // 32, 32]))  # [SLOTS, N / 32, 32], [SLOTS, N / 32]
-    quads = tl.reshape(q & 0xFF, [SLOTS, N // 4, 4])  # bytes
-    words = tl.sum(quads << (8 * tl.arange(0, 4))[None, None, :], axis=2)  # [SLOTS, N / 4]: disjoint bits
-    halves = tl.sum(tl.reshape(q, [SLOTS, N // 32, 2, 16]), axis=3).to(tl.float32) * d[:, :, None]  # sums of 16
-    if QT == 8:  # block g: word 8g + j
-        xa = tl.reshape(words, [SLOTS, G, 8])
-        xb = xa
-        da = d
-        db = d
-        X0 = d
-        X1 = d
-    elif not HALF:  # pair g: plane p in words 16g + 8p + j, its scale d[2g + p], its sums halves[2g + p]
-        xa, xb = tl.split(tl.permute(tl.reshape(words, [SLOTS, G, 2, 8]), (0, 1, 3, 2)))  # [SLOTS, G, 8] each
-        da, db = tl.split(tl.reshape(d, [SLOTS, G, 2]))  # [SLOTS, G] each
-        X0, X1 = tl.split(tl.sum(tl.reshape(halves, [SLOTS, G, 2, 2]), axis=3))
-    else:  # group (r, h) = (g // 2, g % 2): plane p in words 16r + 8p + 4h + j, scale d[2r + p], sum halves[2r + p, h]
-        tl.static_assert(G % 2 == 0, "rounded_tiles: Q6_K / Q3_K / Q2_K chunks start and end on whole pairs")
-        R: tl.constexpr = G // 2
-        pa, pb = tl.split(tl.permute(tl.reshape(words, [SLOTS, R, 2, 8]), (0, 1, 3, 2)))  # [SLOTS, R, 8]: (h, j)
-        xa = tl.reshape(pa, [SLOTS, G, 4])
-        xb = tl.reshape(pb, [SLOTS, G, 4])
-        ra, rb = tl.split(tl.reshape(d, [SLOTS, R, 2]))  # [SLOTS, R] each, shared by h = 0, 1
-        da = tl.reshape(tl.broadcast_to(ra[:, :, None], [SLOTS, R, 2]), [SLOTS, G])
-        db = tl.reshape(tl.broadcast_to(rb[:, :, None], [SLOTS, R, 2]), [SLOTS, G])
-        X0, X1 = tl.split(tl.reshape(tl.permute(tl.reshape(halves, [SLOTS, R, 2, 2]), (0, 1, 3, 2)), [SLOTS, G, 2]))
-    return xa[None], xb[None], da[None], db[None], X0[None], X1[None]
 
 
 @triton.jit

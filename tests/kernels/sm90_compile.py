@@ -91,7 +91,6 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.ops.quant import _pair_products, fused_moe_quantized
     from moerun.kernels.quant.decode import dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
-    from moerun.kernels.quant.matmul_v2 import NormInFront, matmul_v2_part
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
     from moerun.kernels.quant.repack import expert_addresses, pack
     from moerun.kernels.quant.synthetic import random_quantized
@@ -288,9 +287,6 @@ def _cases() -> dict[str, Callable[[], None]]:
                  "num_stages": 3, "BLOCK_N2": 256, "num_stages2": 4, "TAIL_M": 64, "tma": True})),
         "quant matmul, q|k and v in one launch, int8 x": lambda: quant_matmul_triton(
             x1, [qk, v], config={**v2, "x_q8": True}),
-        "quant matmul, q|k and v in one launch with the add + RMSNorm in front": lambda: matmul_v2_part(
-            x1, torch.empty(1, 96, dtype=bf16), qk, None, 0, {**v2, "x_q8": True}, second=(v, 64),
-            norm=NormInFront.empty(x1, x1, norm_w, 1e-6, H)),
         "quant matmul, float x": lambda: quant_matmul_triton(x1, [qk], config=v2),
         "quant decode to bf16 (prefill path 'dequant')": lambda: dequantize_triton(q4[0], bf16),
         "quant MoE, decode": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1),

@@ -333,13 +333,13 @@ def test_attention_forward_fused_norm_falls_back(seed: int) -> None:
     assert_equal_but_int8_rounding(out, ref, res, ref_res, seed)
 
 
-def gguf_qkv_attention(monkeypatch):
-    """A tiny attention whose q|k|v are Q8_0 blocks read on the Triton path (the interpreter on the CPU) by an
-    int8-x GEMV config: (run, calls), run() -> forward_fused_norm's (output, new residual) on a fresh cache copy,
-    calls noting each ops.rms_norm_int8 launch."""
+def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch) -> None:
+    """GGUF q|k|v whose kernels round x to int8: the norm's kernel hands x over rounded (ops.rms_norm_int8), and
+    the result is bit for bit that of the q|k|v kernels rounding it themselves."""
     from moerun import ops
     from moerun.formats.quants import QuantizedTensor
     from moerun.kernels.quant import matmul_quant
+    from moerun.layers.linear import Linear
     from moerun.layers.quantized import QuantizedWeight, set_quantized
 
     attn, norm, config = tiny_attention(torch.float32)
@@ -361,43 +361,12 @@ def gguf_qkv_attention(monkeypatch):
         with torch.no_grad():
             return attn.forward_fused_norm(x, residual, norm, batch, clone_cache(cache), backend="triton")
 
-    return run, calls
-
-
-def test_attention_gguf_qkv_takes_int8_rows_from_the_norm(seed: int, monkeypatch) -> None:
-    """GGUF q|k|v whose kernels round x to int8: the norm's kernel hands x over rounded (ops.rms_norm_int8), and
-    the result is bit for bit that of the q|k|v kernels rounding it themselves."""
-    from moerun.layers.linear import Linear
-
-    run, calls = gguf_qkv_attention(monkeypatch)
     out, new_residual = run()
     assert calls == [1], "the norm did not hand over int8 rows"
     monkeypatch.setattr(Linear, "int8_input_pad", lambda self, x, backend=None: None)  # q|k|v rounds x itself
     ref, ref_residual = run()
     assert calls == [1]
     assert_equal_but_int8_rounding(out, ref, new_residual, ref_residual, seed)
-
-
-def test_attention_runs_the_norm_inside_gguf_qkv(seed: int, monkeypatch) -> None:
-    """GGUF q|k|v with MOERUN_QUANT_NORM_GEMV=all: the norm runs inside the q|k|v GEMV's launch instead of
-    ops.rms_norm_int8's, with the same output and residual (bit for bit in the interpreter; on a GPU the GEMV's
-    scales are applied without FMA there)."""
-    run, calls = gguf_qkv_attention(monkeypatch)
-    ref, ref_residual = run()
-    assert calls == [1]
-    monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", "all")
-    out, new_residual = run()
-    assert calls == [1], "the norm ran in its own launch"
-    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
-    if DEVICE.type == "cpu":
-        assert torch.equal(out, ref), f"seed={seed}"
-    else:
-        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
-                                   msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
-    for bad in ("1", "first"):
-        monkeypatch.setenv("MOERUN_QUANT_NORM_GEMV", bad)
-        with pytest.raises(ValueError, match="MOERUN_QUANT_NORM_GEMV must be 0 or all"):
-            run()
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="decode attention runs its Triton kernel on CUDA only")

@@ -107,18 +107,6 @@ def _scaled_row(x, inv_rms, w_ptr, cols, H: tl.constexpr, INTERPRET: tl.constexp
 
 
 @triton.jit
-def add_rms_norm_row_int8(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, n_store, eps, stride_x, stride_r, xq_ptr, dx_ptr, xs_ptr,
-    H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """add_rms_norm_row, its output also rounded to int8 into row ``row`` of Int8Rows arrays of K_PAD values a row
-    (BLOCK_H >= K_PAD: the padding columns are zeros)."""
-    out, _ = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, n_store, eps, stride_x, stride_r, H,
-                              HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
-    quantize_store_row(out.to(tl.float32), BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, row, K_PAD, K_PAD)
-
-
-@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [T, H]
     res_ptr,  # [T, H] or a dummy when HAS_RESIDUAL is false
@@ -142,12 +130,10 @@ def _rms_norm_kernel(
     launch_dependents(PDL)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    if Q8:
-        add_rms_norm_row_int8(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, xq_ptr,
-                              dx_ptr, xs_ptr, H, HAS_RESIDUAL, BLOCK_H, K_PAD, INTERPRET)  # fmt: skip
-    else:
-        add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
-                         HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
+    out, _ = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
+                              HAS_RESIDUAL, BLOCK_H, INTERPRET)  # fmt: skip
+    if Q8:  # BLOCK_H >= K_PAD: the padding columns are zeros
+        quantize_store_row(out.to(tl.float32), BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, row, K_PAD, K_PAD)
 
 
 def check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

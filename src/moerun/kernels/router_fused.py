@@ -30,7 +30,6 @@ from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Tokens covered by the per-device ticket buffer; larger calls allocate zeroed counters of their own.
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,7 @@ class Qwen3Attention(nn.Module):
 
         At decode with a dense q|k|v weight the residual add and the norm run inside the q|k|v GEMV
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
-        blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``), or with
-        ``MOERUN_QUANT_NORM_GEMV=all`` the q|k|v GEMV's programs do (``ops.quant.rms_norm_quant_linear``).
+        blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``).
         """
         if self._fuse_norm(x, batch, backend):
             qkv, residual = ops.rms_norm_linear(
@@ -86,9 +85,6 @@ class Qwen3Attention(nn.Module):
             )  # [T, (n_q + 2 n_kv) D], [T, H]
             return self._attend(qkv, batch, cache), residual
         pad = None if batch.is_prefill else self.qkv_proj.int8_input_pad(x, backend)
-        if pad is not None and self.qkv_proj.norm_in_front(x, backend):  # the norm inside the q|k|v GEMV
-            qkv, residual = self.qkv_proj.forward_norm_in_front(x, residual, norm.weight, norm.eps)
-            return self._attend(qkv, batch, cache), residual
         if pad is not None:  # GGUF q|k|v whose decode kernels round x to int8: the norm hands it over rounded
             h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad)
             return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache), residual

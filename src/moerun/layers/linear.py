@@ -67,22 +67,6 @@ class Linear(nn.Module):
 
         return int8_input_pad(x, q, backend)
 
-    def norm_in_front(self, x: torch.Tensor, backend: str | None = None) -> bool:
-        """Whether forward_norm_in_front runs for x (GGUF blocks: ops.quant.norm_in_front)."""
-        q = self.__dict__.get("q_weight")
-        if q is None:
-            return False
-        from moerun.ops.quant import norm_in_front
-
-        return norm_in_front(x, q, backend)
-
-    def forward_norm_in_front(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(forward(RMSNorm(x + residual)), x + residual) in one launch, where norm_in_front holds."""
-        from moerun.ops.quant import rms_norm_quant_linear
-
-        return rms_norm_quant_linear(x, residual, norm_weight, eps, self.__dict__["q_weight"], self.bias)
-
 
 class MergedLinear(Linear):
     """Several projections of the same input stored as one weight (q|k|v, gate|up): one GEMM instead of many."""

@@ -162,44 +162,6 @@ def int8_input_pad(x: torch.Tensor, weight: Weight, backend: str | None = None) 
     return pad_of(packed_parts(weight), x.numel() // x.shape[-1])
 
 
-def _norm_in_front_on() -> bool:
-    """``MOERUN_QUANT_NORM_GEMV``: "0" (the default until timed on a GPU: the norm's own launch) or "all" (every
-    program of the q|k|v GEMV normalises its row)."""
-    mode = os.environ.get("MOERUN_QUANT_NORM_GEMV", "0")
-    if mode not in ("0", "all"):
-        raise ValueError(f"MOERUN_QUANT_NORM_GEMV must be 0 or all, got {mode!r}")
-    return mode == "all"
-
-
-def norm_in_front(x: torch.Tensor, weight: Weight, backend: str | None = None) -> bool:
-    """Whether rms_norm_quant_linear takes x [T, K] and this weight: ``MOERUN_QUANT_NORM_GEMV=all``, the Triton
-    path, and a weight whose GEMV at these rows is one launch that rounds x to int8. Read at each call, so a
-    recaptured graph follows it."""
-    if not _norm_in_front_on() or x.dim() != 2:
-        return False
-    if pick_backend(backend, x.device, "quantized matmul") == "torch" or not has_kernel_layout(weight):
-        return False
-    from moerun.kernels.quant.matmul_quant import norm_in_front_applies
-
-    return norm_in_front_applies(packed_parts(weight), x.shape[0])
-
-
-def rms_norm_quant_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: Weight,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) @ W^T (+ bias) [T, N], x + residual [T, K]) for x [T, K] in one launch, where
-    norm_in_front holds: ops.rms_norm_int8 and quant_matmul's launches in one (the same int8 rows, so the same
-    result up to the GEMV's float rounding)."""
-    from moerun.kernels.quant.matmul_quant import rms_norm_quant_matmul_triton
-
-    return rms_norm_quant_matmul_triton(x, residual, norm_weight, eps, packed_parts(weight), bias)
-
-
 def fused_moe_quantized(
     hidden: torch.Tensor,
     w13: Weight,

@@ -34,7 +34,7 @@ from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_
 from moerun.kernels.quant.fused_moe_quant import dot_operand_dtype
 from moerun.kernels.quant.gemv_v2 import V2_TYPES
 from moerun.kernels.quant.int8_dot import Int8Rows
-from moerun.kernels.quant.matmul_v2 import NormInFront, matmul_v2_part
+from moerun.kernels.quant.matmul_v2 import matmul_v2_part
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
 from moerun.kernels.interpreter import interpreting
@@ -249,50 +249,6 @@ def _joins(a: PackedWeight, b: PackedWeight, cfg: Config) -> bool:
     as it is or as int8 (x_prep's layout depends on the type)."""
     return (os.environ.get("MOERUN_QUANT_JOINT", "1") != "0" and not b.is_dense and a.qtype in V2_TYPES
             and b.qtype in V2_TYPES and cfg["path"] == "gemv_v2" and not cfg.get("x_prep"))  # fmt: skip
-
-
-def norm_in_front_applies(parts: Sequence[PackedWeight], M: int) -> bool:
-    """Whether rms_norm_quant_matmul_triton takes these parts for M rows: one gemv_v2 launch reading int8 x (one
-    part, or two that join) under the first part's default config."""
-    if not parts or any(p.is_dense or p.qtype not in V2_TYPES for p in parts) or len(parts) > 2:
-        return False
-    cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, parts[0].k, M)
-    if cfg["path"] != "gemv_v2" or not cfg.get("x_q8"):
-        return False
-    return len(parts) == 1 or (_joins(parts[0], parts[1], cfg) and parts[1].k_pad == parts[0].k_pad)
-
-
-def rms_norm_quant_matmul_triton(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    parts: Sequence[PackedWeight],
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) @ W^T (+ bias) [M, N], x + residual [M, K]) in one launch for parts that
-    norm_in_front_applies takes: every program normalises its row of x and rounds it to int8 itself (matmul_v2's
-    NORM), which saves the norm's own launch (ops.rms_norm_int8). The new residual is x when residual is None."""
-    M, K = x.shape
-    if not norm_in_front_applies(parts, M):
-        raise ValueError("the norm in front of a quantized GEMV needs one gemv_v2 launch of int8 x: "
-                         f"{[p.qtype.name for p in parts]} at {M} rows")
-    for p in parts:
-        if p.k != K:
-            raise ValueError(f"weight part of shape {p.shape} does not take inputs of length {K}")
-    n_total = sum(p.n for p in parts)
-    if bias is not None and tuple(bias.shape) != (n_total,):
-        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match {n_total} outputs")
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    norm = NormInFront.empty(x, residual, norm_weight.contiguous(), eps, parts[0].k_pad)
-    y = torch.empty(M, n_total, dtype=x.dtype, device=x.device)  # [M, N]
-    if M == 0:
-        return y, norm.residual_out
-    cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, K, M)
-    second = (parts[1], parts[0].n) if len(parts) == 2 else None
-    matmul_v2_part(x, y, parts[0], bias, 0, cfg, second=second, norm=norm)
-    return y, norm.residual_out
 
 
 def int8_input_pad(parts: Sequence[PackedWeight], M: int) -> int | None:

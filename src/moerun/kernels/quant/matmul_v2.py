@@ -1,29 +1,21 @@
 """Decode path of the quantized dense GEMV (attention projections, lm_head): gemv_v2's word loads and per-group
 scales (gemv_v2.py) over the rows of one weight, or of two parts of the same K in one launch (q|k and v of a
 Q4_K_M file); x read as it is, prepared in the weights' layout, or rounded to int8 (int8_dot.py).
-
-As the q|k|v projection at decode it can also take the norm in front into its launch (NormInFront): x arrives
-raw, and every program does the residual add and RMSNorm of its row and rounds it to int8 itself
-(``MOERUN_QUANT_NORM_GEMV=all``, ops.quant.rms_norm_quant_linear).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.gemv_v2 import (
     V2_TYPES, check_int8_x, chunking, group_elems, part_arrays, positions_per_word, rows_chunk, words_per_group,
     x_chunk, x_operands,
 )
-from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a
+from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.rmsnorm import add_rms_norm_row_int8, check_norm_operands
 from moerun.kernels.tile_configs import Config
 
 # --------------------------------------------------------------------------------------------- device code
@@ -103,21 +95,12 @@ def _matmul_v2_kernel(
     REM_B: tl.constexpr = 0,
     LOG_BG_B: tl.constexpr = 0,
     HAS_B: tl.constexpr = False,
-    # NORM (with XQ8): x is the raw row, and RMSNorm(x + residual) of it is rounded to int8 into xp / dx / xs first,
-    # by every program (all write the same values, then each reads its own); program 0 also stores the normed row
-    # and x + residual.
-    nf=None,  # NormOperands
-    NS: tl.constexpr = None,  # NormShape
-    INTERPRET: tl.constexpr = False,
-    NORM: tl.constexpr = False,
 ):  # fmt: skip
     """y = x @ W^T for a few rows of x: one program per (BLOCK_N rows of W, row of x), chunks as in GEMM 1."""
     launch_dependents(PDL)
     wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    if NORM:
-        _norm_in_front(x_ptr, nf, NS, xp_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET)
     x_row = x_ptr + m * stride_xm
     xp_row = xp_ptr + m * stride_pm
     xs_row = xs_ptr + m * stride_psm
@@ -133,91 +116,20 @@ def _matmul_v2_kernel(
                     QT, WPG, HAS_BIAS, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, XP, XQ8, EMULATE_DP4A)
 
 
-@triton.jit
-def _norm_in_front(x_ptr, nf, NS: tl.constexpr, xq_ptr, dx_ptr, xs_ptr, m, pid_n, stride_xm, INTERPRET: tl.constexpr):
-    """_matmul_v2_kernel's NORM: row m of x normalised and rounded to int8 before the program reads it (nf:
-    NormOperands, NS: NormShape)."""
-    n_store = tl.where(pid_n == 0, NS.K_NORM, 0)
-    add_rms_norm_row_int8(x_ptr, nf.res_ptr, nf.norm_w_ptr, nf.h_ptr, nf.res_out_ptr, m, n_store, nf.eps, stride_xm,
-                          nf.stride_rm, xq_ptr, dx_ptr, xs_ptr, NS.K_NORM, NS.HAS_RESIDUAL, NS.BLOCK_H, NS.K_PAD,
-                          INTERPRET)  # fmt: skip
-    tl.debug_barrier()  # the program's own int8 row written before any of its threads reads it
-
-
 # ------------------------------------------------------------------------------------------------ host side
 
 
-class NormOperands(NamedTuple):
-    """The run-time operands of the norm in front (_norm_in_front), passed to the kernel as one argument."""
-
-    res_ptr: torch.Tensor  # [M, K] residual, or x without one
-    norm_w_ptr: torch.Tensor  # [K]
-    h_ptr: torch.Tensor  # [M, K] out: the normed rows
-    res_out_ptr: torch.Tensor  # [M, K] out: x + residual
-    eps: float
-    stride_rm: int
-
-
-class NormShape(NamedTuple):
-    """Its compile-time arguments, passed as one constexpr."""
-
-    K_NORM: int  # x's row length
-    BLOCK_H: int
-    K_PAD: int  # the int8 rows' padded length
-    HAS_RESIDUAL: bool
-
-
-class NormInFront(NamedTuple):
-    """The residual add + RMSNorm that matmul_v2_part runs in front of its GEMV (every program, for its row of x),
-    and where it leaves its results."""
-
-    residual: torch.Tensor | None  # [M, K], added to x first
-    weight: torch.Tensor  # [K] the RMSNorm weight, x's dtype
-    eps: float
-    out: torch.Tensor  # [M, K] contiguous: the normed rows
-    residual_out: torch.Tensor  # [M, K] contiguous: x + residual (unused without a residual)
-    rows: Int8Rows  # the normed rows rounded to int8, which the GEMV reads
-
-    @classmethod
-    def empty(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-              k_pad: int) -> NormInFront:  # fmt: skip
-        """Outputs allocated for x [M, K] (the new residual is x itself without a residual), once the operands are
-        checked."""
-        check_norm_operands(x, weight, residual)
-        M, K = x.shape
-        out = torch.empty(M, K, dtype=x.dtype, device=x.device)
-        res_out = torch.empty_like(out) if residual is not None else x
-        return cls(residual, weight, eps, out, res_out, Int8Rows.empty(M, k_pad, x.device))
-
-    def kernel_args(self, x: torch.Tensor) -> dict:
-        """The NORM keyword arguments of _matmul_v2_kernel: nf (NormOperands), NS (NormShape) and NORM."""
-        K, k_pad = x.shape[1], self.rows.k_pad
-        res = self.residual if self.residual is not None else x
-        nf = NormOperands(res, self.weight, self.out, self.residual_out, self.eps, res.stride(0))
-        ns = NormShape(K, triton.next_power_of_2(k_pad), k_pad, self.residual is not None)
-        # rounds as rms_norm_int8
-        return dict(nf=nf, NS=ns, NORM=True, enable_fp_fusion=False)
-
-
 def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, col_off: int,
-                   cfg: Config, x_int8: Int8Rows | None = None, second: tuple[PackedWeight, int] | None = None,
-                   norm: NormInFront | None = None) -> None:  # fmt: skip
+                   cfg: Config, x_int8: Int8Rows | None = None,
+                   second: tuple[PackedWeight, int] | None = None) -> None:  # fmt: skip
     """Columns [col_off, col_off + w.n) of y [M, N_total] = x [M, K] @ w^T (+ bias) for a w of V2_TYPES;
     with cfg["x_q8"] x is quantized to int8 first (int8_dot; x_int8 if given), with cfg["x_prep"] read through
     prepare_x. ``second`` = (w_b, col_off_b): another V2_TYPES part of the same K in the same launch, with
-    the same config (not x_prep, whose layout depends on the type). ``norm``: x is the raw row and the launch
-    first takes the residual add + RMSNorm and rounds the result to int8 (a config with x_q8 only)."""
+    the same config (not x_prep, whose layout depends on the type)."""
     M, K = x.shape
     groups = w.k_pad // group_elems(w.qtype)
     check_int8_x(cfg, w.qtype, *([second[0].qtype] if second is not None else []))
-    if norm is not None:
-        if not cfg.get("x_q8") or x_int8 is not None or norm.rows.k_pad != w.k_pad:
-            raise ValueError("a norm in front of the GEMV needs a config with x_q8, no int8 rows handed over, and "
-                             "int8 rows of the weight's padded K")
-        xp, dx, xs = norm.rows
-        flags = {"XQ8": True, "XP": False, "EMULATE_DP4A": emulate_dp4a(), **norm.kernel_args(x)}
-    else:
-        xp, xs, dx, flags = x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
+    xp, xs, dx, flags = x_operands(x, w.qtype, w.k_pad, cfg, x_int8)
     pdl = quant_pdl_mode(x.device, M)
     progs = triton.cdiv(w.n, cfg["BLOCK_N"])
     extra: dict = {}
@@ -237,5 +149,5 @@ def matmul_v2_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torc
         w.k_pad // positions_per_word(w.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0), y.stride(0),
         QT=int(w.qtype), WPG=words_per_group(w.qtype), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
         EVEN_K=w.k_pad == K, **chunking(groups, cfg["BLOCK_K"], w.qtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], PDL=pdl, INTERPRET=interpreting(), **launch_options(pdl), **flags, **extra,
+        num_stages=cfg["num_stages"], PDL=pdl, **launch_options(pdl), **flags, **extra,
     )  # fmt: skip

@@ -217,9 +217,6 @@ def _cases() -> dict[str, Callable[[], None]]:
                                         "num_stages": 2, "BLOCK_N2": 32, "BLOCK_K2": 768, "reduce": "sum"}),
         "quant MoE, decode, int8 x and intermediate": lambda: fused_moe_quant(
             x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": True}),
-        "quant MoE, decode, the intermediate rounded to int8 by GEMM 2 (round2; Q6_K, Q4_K, Q8_0 down)": lambda: [
-            fused_moe_quant(x1, q4, down, w1, ids1, {**v2_moe, "x_q8": True, "round2": True})
-            for down in (q6_down, q4[0], q8_down)],  # q4[0] is [E, I, H] with H = I: a Q4_K down too
         "quant MoE, decode, x prepared": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_prep": True}),
         "quant MoE, decode, GEMM 2's intermediate in its rows' shape (x_tile2)": lambda: [fused_moe_quant(
             x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": q8, "x_tile2": True}) for q8 in (0, 1)],

@@ -62,15 +62,20 @@ def load_table(
     E: int, H: int, I: int, dtype: torch.dtype, device: str, user_dir: str | None = None  # noqa: E741
 ) -> dict[int, Config] | None:
     """Tuned {M: config} table for the shape from user_dir, else the shipped one; None when neither has it."""
-    name = config_file_name(E, H, I, dtype, device)
+    raw = read_table(config_file_name(E, H, I, dtype, device), CONFIG_DIR, user_dir)
+    return None if raw is None else {m: normalize(cfg) for m, cfg in raw.items()}
+
+
+def read_table(name: str, shipped: Path, user_dir: str | None = None) -> dict[int, Config] | None:
+    """The {M: config} table in file ``name`` of user_dir (a folder of one's own tuning), else of the shipped
+    folder, configs as written; None when neither has it."""
     path = Path(user_dir) / name if user_dir else None
     if path is None or not path.is_file():
-        path = CONFIG_DIR / name
+        path = shipped / name
     if not path.is_file():
         return None
     with path.open() as f:
-        raw = json.load(f)
-    return {int(m): normalize(cfg) for m, cfg in raw.items()}
+        return {int(m): cfg for m, cfg in json.load(f).items()}
 
 
 def normalize(cfg: Config) -> Config:

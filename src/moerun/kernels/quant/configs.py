@@ -30,6 +30,7 @@ from moerun.kernels.tile_configs import (
     Config,
     _current_device_name,
     normalize,
+    read_table,
 )
 
 
@@ -84,15 +85,8 @@ def load_moe_table(qtype: str, E: int, H: int, I: int, device: str,  # noqa: E74
                    user_dir: str | None = None) -> dict[int, Config] | None:  # fmt: skip
     """Tuned {M: config} table from user_dir (MOERUN_MOE_CONFIG_DIR, as for the bf16 tables), else the shipped one;
     None when neither has it."""
-    name = moe_config_file_name(qtype, E, H, I, device)
-    path = Path(user_dir) / name if user_dir else None
-    if path is None or not path.is_file():
-        path = CONFIG_DIR / name
-    if not path.is_file():
-        return None
-    with path.open() as f:
-        raw = json.load(f)
-    return {int(m): normalize_config(cfg) for m, cfg in raw.items()}
+    raw = read_table(moe_config_file_name(qtype, E, H, I, device), CONFIG_DIR, user_dir)
+    return None if raw is None else {m: normalize_config(cfg) for m, cfg in raw.items()}
 
 
 def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str | None = None) -> Config:

@@ -34,7 +34,7 @@ from moerun.kernels.tile_configs import (
 )
 
 
-PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "onepass", "tile", "tile64")
+PATHS = ("dequant", "gemv", "gemv_dot", "gemv_v2", "tile", "tile64")
 # Gate types whose decode default is gemv_v2 with int8 x and whose prefill default is tile64: every packed type.
 PACKED_TYPE_NAMES = tuple(t.name for t in PACKED_TYPES)
 # Grid types, which fused_moe_quant multiplies at prefill sizes only, on the tile64 path (from_groups.py).
@@ -64,7 +64,7 @@ def normalize_config(cfg: Config) -> Config:
         out = normalize({"reduce": "sum", **cfg, "path": "tile"})
         out["path"] = path
         return out
-    if path in ("gemv_v2", "onepass"):
+    if path == "gemv_v2":
         out = normalize({**cfg, "path": "gemv", "reduce": "sum"})
         out["path"] = path
         return out

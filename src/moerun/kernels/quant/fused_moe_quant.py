@@ -37,7 +37,6 @@ from moerun.kernels.quant.from_blocks import GroupBlocks
 from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_words64
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
-from moerun.kernels.quant.onepass import fused_moe_onepass, onepass_supported
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
 from moerun.kernels.interpreter import interpreting
@@ -604,9 +603,6 @@ def fused_moe_quant(
         return _dequant(x, parts13, w2, weights, ids)
     if cfg["path"] == "gemv_v2":
         return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
-    if cfg["path"] == "onepass":
-        out = fused_moe_onepass(x, gate, up, w2, weights, ids, cfg, part_tables, x_int8)  # [T, H] float32
-        return out if out_dtype == torch.float32 else out.to(out_dtype)
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
     return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile, tile64, gemv_dot: tl.dot
@@ -629,8 +625,6 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
     chosen = config is None or (indirect and cfg["path"] == "gemv")  # a gemv_v2 config not given as such
     if indirect and cfg["path"] == "gemv":
         cfg = normalize_config({**cfg, "path": "gemv_v2"})
-    if cfg["path"] == "onepass" and not onepass_supported(gw, uw, w2):
-        cfg = normalize_config({**cfg, "path": "gemv_v2", "x_q8": True, "inter_q8": True})
     if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):
         cfg = normalize_config({**cfg, "path": "gemv_dot" if indirect else "gemv"})
     if cfg["path"] == "tile64" and (indirect or not tile64_supported(gw.qtype, uw.qtype, w2.qtype)):
@@ -653,8 +647,6 @@ def int8_roundings(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight,
     output to int8 for GEMM 2."""
     gate, up = split_gate_up(w13)
     cfg = _kernel_config(None, gate[0], up[0], w2, w2.shape[0], k, T, indirect=False)
-    if cfg["path"] == "onepass":
-        return (True, True)
     if cfg["path"] != "gemv_v2":
         return (False, False)
     return (bool(cfg.get("x_q8")), bool(cfg.get("inter_q8")) or w2.qtype not in FLOAT_X_TYPES)

@@ -100,6 +100,9 @@ def test_next_input_ids_mixes_pending_and_known_tokens():
     out = next_input_ids([7, 0, 9, 0], [-1, 3, -1, 0], pending, torch.device("cpu"))
     assert out.tolist() == [7, picks[3].item(), 9, picks[0].item()]
     assert next_input_ids([4, 5], [-1, -1], None, torch.device("cpu")).tolist() == [4, 5]
+    # every row the pending row of the same index: the picks themselves, no copy
+    assert next_input_ids([0] * 5, [0, 1, 2, 3, 4], pending, torch.device("cpu")) is picks
+    assert next_input_ids([0] * 4, [0, 1, 2, 3], pending, torch.device("cpu")).tolist() == picks[:4].tolist()
 
 
 def test_default_is_off_only_behind_an_expert_cache_the_host_fills() -> None:

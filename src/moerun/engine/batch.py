@@ -28,6 +28,9 @@ class ForwardBatch:
     query_lens: list[int]
     start_positions: list[int]
     max_seq_len: int
+    # build()'s one device tensor [positions | token_slots | slot_ids | seq_lens | last_rows] that the fields above
+    # view (None where they were made otherwise): a decode step's inputs copied in one launch (StaticInputs.fill)
+    packed: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -62,5 +65,6 @@ class ForwardBatch:
             query_lens=list(query_lens),
             start_positions=list(start_positions),
             max_seq_len=max(seq_lens),
+            packed=dev,
         )
 

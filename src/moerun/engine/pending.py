@@ -50,9 +50,12 @@ class PendingTokens:
 def next_input_ids(host_ids: list[int], source_rows: list[int], pending: PendingTokens | None,
                    device: torch.device) -> torch.Tensor:
     """Input ids [B] int64 on device of the next decode launch: row i is pending.device_ids[source_rows[i]] where
-    source_rows[i] >= 0 (a token the host has not read yet), else host_ids[i]. One host-to-device copy."""
+    source_rows[i] >= 0 (a token the host has not read yet), else host_ids[i]. One host-to-device copy; none when
+    every row is the pending step's row of the same index (the steady state: the picks themselves)."""
     if pending is None or all(r < 0 for r in source_rows):
         return to_device(host_ids, device, torch.int64)
+    if source_rows == list(range(pending.device_ids.shape[0])):
+        return pending.device_ids
     meta = to_device([host_ids, source_rows], device, torch.int64)  # [2, B]
     known, rows = meta[0], meta[1]
     from_device = pending.device_ids.index_select(0, rows.clamp(min=0))  # [B]

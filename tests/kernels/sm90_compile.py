@@ -221,6 +221,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, decode, GEMM 2's intermediate in its rows' shape (x_tile2)": lambda: [fused_moe_quant(
             x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": q8, "x_tile2": True}) for q8 in (0, 1)],
         "quant MoE through address tables": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, tables=tables),
+        "quant MoE, decode, GEMM 2 per pair with atomic sums (sum2), float and int8 intermediate": lambda: [
+            fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": q8, "sum2": "atomic"},
+                            keep_float32=True) for q8 in (0, 1)],
         "quant MoE, prefill, Q5_K / Q8_0 tiles": lambda: fused_moe_quant(x64, q5, q8_down, w64, ids64),
         "quant MoE, prefill, tile64 (Q4_K / Q6_K, then Q5_K / Q8_0)": lambda: [fused_moe_quant(
             x64, gu, down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,

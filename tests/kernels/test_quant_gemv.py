@@ -17,7 +17,7 @@ from moerun.kernels.quant.configs import default_moe_config, normalize_config  #
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant  # noqa: E402
 from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, chunking  # noqa: E402
 from moerun.kernels.quant.matmul_quant import quant_matmul_triton  # noqa: E402
-from moerun.kernels.quant.repack import pack  # noqa: E402
+from moerun.kernels.quant.repack import expert_addresses, pack  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.kernels.router import route_triton  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
@@ -108,24 +108,62 @@ def test_gemm2_slots_in_steps(seed, slots2, inter_q8) -> None:
         fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "slots2": 3})
 
 
+def int8_layer(T: int, E: int, H: int, I: int, k: int, down: QuantType, inter_q8: bool):  # noqa: E741
+    """A random layer (Q4_K gate / up, `down` down) as packed parts, a routing of T random rows, and the V2 config
+    with x (and, inter_q8, the intermediate) rounded to int8: (p13, p2, weights, ids, hidden, cfg)."""
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, down)
+    weights, ids = route_reference(torch.randn(T, E), k, True)
+    hidden = torch.randn(T, H, device=DEVICE)
+    cfg = {**V2, "x_q8": inter_q8, "inter_q8": inter_q8}
+    return packed_parts(w13), packed_parts(w2)[0], weights.to(DEVICE), ids.to(DEVICE), hidden, cfg
+
+
 @pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("inter_q8", [False, True], ids=["float_inter", "int8_inter"])
 def test_gemm2_intermediate_in_the_rows_shape(seed, down, inter_q8) -> None:
     # Config key x_tile2: GEMM 2 loads the intermediate in its rows' tile shape instead of as one row tile shared by
     # the rows; the same products in the same order.
     T, E, H, I, k = 2, 5, 256, 256, 4  # noqa: E741
-    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, down)
-    weights, ids = route_reference(torch.randn(T, E), k, True)
-    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
-    hidden = torch.randn(T, H, device=DEVICE)
-    cfg = {**V2, "x_q8": inter_q8, "inter_q8": inter_q8}
-    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    p13, p2, weights, ids, hidden, cfg = int8_layer(T, E, H, I, k, down, inter_q8)
     ref = fused_moe_quant(hidden, p13, p2, weights, ids, cfg)
     out = fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "x_tile2": True})
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(),
                                msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
     if not inter_q8:
         check(seed, T, E, H, I, k, QuantType.Q4_K, down, torch.float32, {**cfg, "x_tile2": True})
+
+
+@pytest.mark.parametrize("down", [QuantType.Q6_K, QuantType.Q4_K, QuantType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("inter_q8", [False, True], ids=["float_inter", "int8_inter"])
+def test_gemm2_per_pair_with_atomic_sums(seed, down, inter_q8) -> None:
+    # Config key sum2 = "atomic": GEMM 1 zeroes a float32 output that GEMM 2's programs, one per (token, slot) pair,
+    # add their weighted rows into: the slot sum of the default up to its float32 order, and in float32 or (cast)
+    # bf16 as asked; through address tables too. T = 3 with k = 3: padding of the zeroing's last program.
+    T, E, H, I, k = 3, 6, 256, 256, 3  # noqa: E741
+    p13, p2, weights, ids, hidden, cfg = int8_layer(T, E, H, I, k, down, inter_q8)
+    ref = fused_moe_quant(hidden, p13, p2, weights, ids, cfg, out_dtype=torch.float32)
+    pairs = {**cfg, "sum2": "atomic"}
+    out = fused_moe_quant(hidden, p13, p2, weights, ids, pairs, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item(),
+                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    # on a GPU the atomics add a value's k terms in any order: runs agree to float32 rounding, not bit for bit
+    same = {"rtol": 1e-5, "atol": 1e-6 * ref.abs().max().item()} if ON_CUDA else {"rtol": 0, "atol": 0}
+    again = fused_moe_quant(hidden, p13, p2, weights, ids, pairs, out_dtype=torch.float32)  # zeroed again
+    torch.testing.assert_close(again, out, **same)
+    tables = ([expert_addresses(p).to(DEVICE) for p in p13], expert_addresses(p2).to(DEVICE))
+    through = fused_moe_quant(hidden, p13, p2, weights, ids, pairs, out_dtype=torch.float32, tables=tables)
+    torch.testing.assert_close(through, out, **same)
+    bf16 = fused_moe_quant(hidden.to(torch.bfloat16), p13, p2, weights, ids, pairs)
+    assert bf16.dtype == torch.bfloat16
+    kept = fused_moe_quant(hidden.to(torch.bfloat16), p13, p2, weights, ids, pairs, keep_float32=True)
+    assert kept.dtype == torch.float32
+    torch.testing.assert_close(kept.to(torch.bfloat16), bf16, **({"rtol": 8e-3, "atol": 1e-5} if ON_CUDA else same))
+    # without sum2 the output stays in the asked dtype
+    assert fused_moe_quant(hidden.to(torch.bfloat16), p13, p2, weights, ids, cfg, keep_float32=True).dtype == \
+        torch.bfloat16
+    with pytest.raises(ValueError, match="sum2"):
+        fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "sum2": "tree"})
 
 
 def test_q8_0_padded_rows(seed) -> None:

@@ -136,3 +136,25 @@ def test_int8_output_needs_a_whole_padded_row() -> None:
     x = torch.randn(2, 300, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 256"):
         rms_norm_int8(x, torch.ones(300, device=DEVICE), EPS, None, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_sums_beside_a_16_bit_residual(seed, dtype) -> None:
+    # An MoE's unrounded float32 slot sums (ops.fused_moe keep_float32) go to the next norm as they are: the norm,
+    # its int8 rows and the torch reference round them to the residual's dtype first, so every output equals the
+    # norm of the rounded sums, bit for bit
+    from moerun.ops.norm import rms_norm_int8
+
+    x32, residual, weight = make_inputs(3, 2048, torch.float32)
+    residual, weight = residual.to(dtype), weight.to(dtype)
+    rounded = x32.to(dtype)
+    for got, want in zip(rms_norm_triton(x32, weight, EPS, residual), rms_norm_triton(rounded, weight, EPS, residual)):
+        assert got.dtype == dtype and torch.equal(got, want), f"seed={seed}"
+    got8, want8 = rms_norm_int8(x32, weight, EPS, residual, 2048), rms_norm_int8(rounded, weight, EPS, residual, 2048)
+    for got, want in zip((*got8[:2], *got8[2]), (*want8[:2], *want8[2])):
+        assert torch.equal(got, want), f"seed={seed}"
+    for got, want in zip(rms_norm_reference(x32, weight, EPS, residual),
+                         rms_norm_reference(rounded, weight, EPS, residual)):  # fmt: skip
+        assert torch.equal(got, want), f"seed={seed}"
+    with pytest.raises(ValueError, match="weight"):  # without a residual there is no dtype to round to
+        rms_norm_triton(x32, weight, EPS)

@@ -228,6 +228,47 @@ def test_forward_fused_norm_with_replaced_experts(seed) -> None:
     torch.testing.assert_close(out, ref, msg=lambda m: f"seed={seed}: {m}")
 
 
+def test_quantized_experts_hand_float32_sums_to_the_next_norm(seed, monkeypatch) -> None:
+    # Quantized experts whose GEMM 2 adds into a float32 buffer (config key sum2 = "atomic") return it unrounded
+    # from forward_fused_norm; the next norm rounds it as the cast of the other configs does, so the next layer's
+    # input is the same but for the slot sums' float32 order.
+    from moerun.formats.quants import QuantType
+    from moerun.kernels.quant import fused_moe_quant as quant_module
+    from moerun.kernels.quant.configs import normalize_config
+    from moerun.kernels.quant.synthetic import random_quantized
+    from moerun.layers.quantized import QuantizedWeight
+
+    H, I, E, k = 256, 256, 6, 2  # noqa: E741
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1,
+        head_dim=8, intermediate_size=64, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
+        norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64, dtype=torch.bfloat16,
+    )  # fmt: skip
+    block = SparseMoeBlock(cfg, 0, backend="triton").to(DEVICE, torch.bfloat16)
+    norm = RMSNorm(H, EPS).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(E, H) / H**0.5)
+    block.experts.q_w13 = QuantizedWeight([random_quantized(QuantType.Q4_K, (E, I, H), DEVICE) for _ in range(2)])
+    block.experts.q_w2 = QuantizedWeight([random_quantized(QuantType.Q6_K, (E, H, I), DEVICE)])
+    plain = {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 256, "BLOCK_K": 256, "num_warps": 4,
+             "BLOCK_N2": 8 if DEVICE.type == "cuda" else 256, "BLOCK_K2": 256, "num_warps2": 4, "x_q8": True}
+    x, residual = (torch.randn(1, H, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    outs = {}
+    for name, config in (("plain", plain), ("pairs", {**plain, "sum2": "atomic"})):
+        monkeypatch.setattr(quant_module, "get_moe_config", lambda *a, c=config, **kw: normalize_config(c))
+        outs[name] = block.forward_fused_norm(x, residual, norm)
+    (plain_out, plain_res), (pairs_out, pairs_res) = outs["plain"], outs["pairs"]
+    assert plain_out.dtype == torch.bfloat16 and pairs_out.dtype == torch.float32
+    assert torch.equal(plain_res, pairs_res), f"seed={seed}"
+    torch.testing.assert_close(pairs_out.to(torch.bfloat16), plain_out, rtol=1e-2, atol=1e-2 * plain_out.abs().max(),
+                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    # the next layer's norm: the float32 sums give what their bf16 rounding gives
+    nxt = RMSNorm(H, EPS).to(DEVICE, torch.bfloat16)
+    got = nxt.forward_with_residual(pairs_out, pairs_res)
+    want = nxt.forward_with_residual(pairs_out.to(torch.bfloat16), pairs_res)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed}"
+
+
 @pytest.mark.parametrize("case", ["many-tokens", "torch-backend"])
 def test_forward_fused_norm_falls_back(seed, monkeypatch, case) -> None:
     block, norm = small_block(torch.float32, backend="torch" if case == "torch-backend" else "triton")

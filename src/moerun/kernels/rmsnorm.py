@@ -87,11 +87,14 @@ def rms_norm_slice(
 @triton.jit
 def _added_row(x_ptr, res_ptr, row, cols, stride_x, stride_r, H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                INTERPRET: tl.constexpr):  # fmt: skip
-    """x + residual at columns cols of one row, in x's dtype (zero past H)."""
+    """x + residual at columns cols of one row, in the residual's dtype (zero past H); x float32 with a 16-bit residual
+    (an MoE's unrounded slot sums) is first rounded to that dtype, as the unfused path's cast rounds it."""
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # in x's dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        if x.dtype != r.dtype:
+            x = round_to(x.to(tl.float32), r.dtype, INTERPRET)
         # torch adds in float32 and rounds once to x's dtype
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, INTERPRET)
     return x
@@ -138,15 +141,17 @@ def _rms_norm_kernel(
 
 def check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Raises unless x [T, H], weight [H] and residual [T, H] (or None) are what a kernel normalising whole rows in
-    registers takes: one dtype, H at most MAX_HIDDEN. Shapes and dtypes only."""
+    registers takes: one dtype (x may also be float32 beside a residual: an MoE's unrounded sums), H at most
+    MAX_HIDDEN. Shapes and dtypes only."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     H = x.shape[1]
-    if weight.shape != (H,) or weight.dtype != x.dtype:
-        raise ValueError(f"norm weight must be [{H}] of {x.dtype}, got {tuple(weight.shape)} of {weight.dtype}")
+    dtype = residual.dtype if residual is not None and x.dtype == torch.float32 else x.dtype
+    if weight.shape != (H,) or weight.dtype != dtype:
+        raise ValueError(f"norm weight must be [{H}] of {dtype}, got {tuple(weight.shape)} of {weight.dtype}")
     if H > MAX_HIDDEN:
         raise ValueError(f"hidden size {H} exceeds the one-row-in-registers limit {MAX_HIDDEN}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    if residual is not None and (residual.shape != x.shape or residual.dtype != dtype):
         raise ValueError(
             f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
         )
@@ -182,7 +187,7 @@ def _rms_norm(
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     weight = weight.contiguous()
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # [T, H]
+    out = torch.empty(T, H, dtype=weight.dtype, device=x.device)  # [T, H] (x's dtype, or float32 x's residual's)
     new_residual = torch.empty_like(out) if residual is not None else x  # [T, H]
     rows = Int8Rows.empty(T, k_pad, x.device) if k_pad is not None else None
     if T == 0:

@@ -54,7 +54,9 @@ class SparseMoeBlock(nn.Module):
                 x_normed, residual, topk_weights, topk_ids, x_int8 = route_fused_int8(
                     x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize, pad,
                 )  # fmt: skip
-                return self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8), residual
+                # the output goes to the next RMSNorm, which rounds float32 slot sums as a cast would
+                keep = {"keep_float32": True} if isinstance(self.experts, Experts) else {}
+                return self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, **keep), residual
             x_normed, residual, topk_weights, topk_ids = route_fused(
                 x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                 backend=self.experts.backend,

@@ -60,6 +60,8 @@ def rms_norm_linear(
     otherwise a new tensor. x, residual [T, K]; norm_weight [K]; weight [N, K]; bias [N] or None.
     """
     T = x.shape[0]
+    if residual is not None and x.dtype != residual.dtype:  # an MoE's float32 sums: rounded as the norm rounds them
+        x = x.to(residual.dtype)
     if _pick(backend, x, weight, T) == "torch":
         normed, new_residual = rms_norm(x, norm_weight, eps, residual, backend=backend)
         return linear(normed, weight, bias, backend=backend), new_residual

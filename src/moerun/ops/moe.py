@@ -71,6 +71,7 @@ def fused_moe(
     backend: str | None = None,
     x_int8: Int8Rows | None = None,
     num_experts: int | None = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
 
@@ -78,14 +79,17 @@ def fused_moe(
     the Triton path runs kernels that read the repacked GGUF blocks and dequantise in registers (ops/quant.py).
     x_int8: hidden already rounded to int8 (route_fused_int8), for quantized kernels that round it.
     num_experts: the layer's expert count where w13 / w2 stack a slot pool (offloading), which picks the Triton
-    kernels' tuned tables.
+    kernels' tuned tables. keep_float32: quantized kernels that sum the k slots in a float32 buffer may return it
+    as it is (float32 [T, H]) rather than rounded to hidden's dtype by one more launch; the caller's consumer then
+    rounds it (the RMSNorm ops do, as the cast would).
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
 
-        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8, num_experts=num_experts)
+        return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8, num_experts=num_experts,
+                                   keep_float32=keep_float32)  # fmt: skip
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, num_experts=num_experts)

@@ -16,9 +16,10 @@ if TYPE_CHECKING:
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm.forward_with_residual as plain torch: (weight * normalise(x + residual), x + residual)."""
+    """RMSNorm.forward_with_residual as plain torch: (weight * normalise(x + residual), x + residual); float32 x beside
+    a 16-bit residual (an MoE's unrounded slot sums) is rounded to the residual's dtype first."""
     if residual is not None:
-        x = x + residual
+        x = x.to(residual.dtype) + residual
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [T, H] float32
     return weight * xf.to(x.dtype), x

@@ -8,7 +8,9 @@ BLOCK_M the number of token rows. In gemv_v2, BLOCK_N is rows of gate/up per pro
 of 16), BLOCK_N2 output rows of down per program and token (all k slots at once), BLOCK_K / BLOCK_K2 inputs per
 unrolled chunk, `x_prep` / `x_q8` how GEMM 1 and the dense GEMV read x (prepared in the weights' layout / as
 int8, int8_dot.py), `inter_q8` GEMM 1's output written as int8 for GEMM 2, `slots2` how many of a token's k
-slots GEMM 2 holds at once (a power of two; default all), and `reduce` does not apply (GEMM 2 sums the slots).
+slots GEMM 2 holds at once (a power of two; default all), `sum2` = "atomic" GEMM 2 as one program per (token,
+slot) pair and BLOCK_N2 rows instead, its rows added by float32 atomics into an output GEMM 1 zeroes (float32 sums
+in no fixed order), and `reduce` does not apply (GEMM 2 sums the slots).
 On the tile paths `BLOCK_M2` (default BLOCK_M) gives GEMM 2 M-blocks a power-of-two multiple of GEMM 1's: each
 expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens.
 Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type of
@@ -53,6 +55,8 @@ def normalize_config(cfg: Config) -> Config:
         m1 = cfg.get("BLOCK_M", 16)
         if path not in ("tile", "tile64") or m2 < m1 or m2 % m1 or (m2 // m1) & (m2 // m1 - 1):
             raise ValueError(f"BLOCK_M2 must be a power-of-two multiple of BLOCK_M on the tile paths, got {cfg}")
+    if cfg.get("sum2") not in (None, "atomic") or (cfg.get("sum2") and path != "gemv_v2"):
+        raise ValueError(f"sum2 takes 'atomic' on the gemv_v2 path, got {cfg.get('sum2')!r} on path {path!r}")
     for key in ("maxnreg", "maxnreg2"):
         cap = cfg.get(key)
         if cap is not None and (path not in ("tile", "tile64") or not isinstance(cap, int) or not 32 <= cap <= 255):
@@ -114,8 +118,13 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
         # GEMM 2 256 programs of (token, 8 rows x 8 slots), the slot sum inside. Every H200 table tuned so far
         # (Q4_K_M, Q6_K, Q8_0 at the 30B shape, Q4_K_M at the 235B shape) picked int8 x at M = 1, 1.3-1.6x
         # faster than float x with these tiles.
+        # GEMM 2 one program per (token, slot) pair and 8 rows, one warp each (2,048 programs at one token), its rows
+        # added by float32 atomics into an output GEMM 1 zeroes ("sum2"): on an H100 a Q4_K_M layer 17.6 -> 14.9 us
+        # (Q4_K down), 19.0 -> 18.2 (Q6_K down) against 256 programs of 8 rows x 8 slots (benchmarks/RESULTS.md,
+        # thirty-first sitting).
         cfg: Config = {"path": "gemv_v2", "BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1,
-                       "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1, "x_q8": True}  # fmt: skip
+                       "BLOCK_N2": 8, "BLOCK_K2": 768, "num_warps2": 1, "num_stages2": 1, "x_q8": True,
+                       "sum2": "atomic"}  # fmt: skip
     elif pairs <= 64 and qtype in PACKED_TYPE_NAMES:
         # A few tokens: three of those four tables picked this tile at M = 4 and 8 (GEMM 1 writing its output as
         # int8 for GEMM 2), the fourth (Q6_K) int8 x with a float intermediate; at M = 8 they ran 1.5-2.1x faster

@@ -546,6 +546,7 @@ def fused_moe_quant(
     tables: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None,
     x_int8: Int8Rows | None = None,
     num_experts: int | None = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
     w2 [E, H, I] packed -> [T, H] in out_dtype (default: hidden's dtype); the expert GEMMs run in hidden's dtype as
@@ -556,7 +557,9 @@ def fused_moe_quant(
     PCIe); w13 and w2 then only give the types, shapes and pointer types (any number of experts). The decode
     paths run gemv_v2 or gemv_dot, prefill the tile path. ``x_int8``: hidden already
     rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x. ``num_experts``: the layer's expert
-    count, which picks the tuned tables, where w13 and w2 stack another number of experts (a slot pool)."""
+    count, which picks the tuned tables, where w13 and w2 stack another number of experts (a slot pool).
+    ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer (gemv_v2 with sum2 = "atomic") returns that
+    buffer as it is, whatever out_dtype says."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
@@ -602,6 +605,8 @@ def fused_moe_quant(
     if cfg["path"] == "dequant":
         return _dequant(x, parts13, w2, weights, ids)
     if cfg["path"] == "gemv_v2":
+        if keep_float32 and cfg.get("sum2") == "atomic":
+            out_dtype = torch.float32
         return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)

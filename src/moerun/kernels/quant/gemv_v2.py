@@ -345,9 +345,14 @@ def _gemm1_v2_kernel(
     EMULATE_DP4A: tl.constexpr = False,
     OUT_Q8: tl.constexpr = False,  # write the intermediate as int8 (words, scales, sums); BLOCK_N a multiple of 32
     PDL: tl.constexpr = 0,  # kernels/pdl.py (the expert ids come from the previous kernel: nothing before the wait)
+    zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
+    zero_n=0,
+    ZERO_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     launch_dependents(PDL)
-    wait_for_previous(PDL)
+    wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
+    if ZERO_BLOCK > 0:
+        zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -486,6 +491,19 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
     s = s0 + tl.arange(0, STEP)  # [STEP]
     ok = s < top_k
     slot = token * top_k + tl.where(ok, s, 0)  # [STEP] int64
+    return _weighted_rows(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws, wd, wt, slot, ok,
+                          STEP, H, offs_n, KQ, I_WORDS, stride_it, stride_st, stride_dit, BLOCK_N, BLOCK_G, FULL, REM,
+                          LOG_BG, INDIRECT, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
+
+
+@triton.jit
+def _weighted_rows(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws,
+                   wd, wt, slot, ok, STEP: tl.constexpr, H, offs_n, KQ, I_WORDS, stride_it, stride_st, stride_dit,
+                   BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, FULL: tl.constexpr, REM: tl.constexpr,
+                   LOG_BG: tl.constexpr, INDIRECT: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr,
+                   X_TILE: tl.constexpr):  # fmt: skip
+    """sum over the (token, slot) pairs slot [STEP] (where ok) of routing weight x (rows offs_n of the pair's expert)
+    . (the pair's intermediate) -> [BLOCK_N] float32."""
     expert = tl.load(ids_ptr + slot, mask=ok, other=0).to(tl.int64)
     weight = tl.load(topk_w_ptr + slot, mask=ok, other=0.0).to(tl.float32)
     if INDIRECT:  # each slot's arrays through the table, shaped to broadcast against [rows, slots, groups, words]
@@ -505,6 +523,46 @@ def _gemm2_slots(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi_p
                                 FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, I_WORDS, stride_it,
                                 stride_st, stride_dit, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
     return tl.sum(acc * weight[None, :], axis=1)  # [BLOCK_N] summed over the step's slots
+
+
+@triton.jit
+def _gemm2_pair_kernel(
+    inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr,  # as _gemm2_v2_kernel's
+    out_ptr,  # [T, H] float32, zeroed by GEMM 1 (ZERO_OUT)
+    wc, wh, ws, wd, wt, top_k, H, KQ, I_WORDS, stride_it, stride_st, stride_dit, stride_ot,
+    QT: tl.constexpr,
+    WPG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FULL: tl.constexpr,
+    REM: tl.constexpr,
+    LOG_BG: tl.constexpr,
+    INDIRECT: tl.constexpr = False,
+    XQ8: tl.constexpr = False,
+    EMULATE_DP4A: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
+    X_TILE: tl.constexpr = False,
+):  # fmt: skip
+    """GEMM 2 with config key sum2 = "atomic": one program per (token, slot) pair and BLOCK_N output rows (k times
+    _gemm2_v2_kernel's programs, each a k-th of the work), its weighted rows added into out by float32 atomics."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
+    slot = tl.program_id(0).to(tl.int64) + tl.zeros([1], dtype=tl.int64)  # [1]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    y = _weighted_rows(QT, WPG, inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr, wc, wh, ws, wd, wt, slot, slot >= 0,
+                       1, H, offs_n, KQ, I_WORDS, stride_it, stride_st, stride_dit, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG,
+                       INDIRECT, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
+    token = tl.program_id(0).to(tl.int64) // top_k
+    tl.atomic_add(out_ptr + token * stride_ot + offs_n, y, mask=offs_n < H, sem="relaxed")
+
+
+@triton.jit
+def zero_slice(ptr, n, BLOCK: tl.constexpr):
+    """Zeroes this program's BLOCK elements of ptr [n] (program p of a launch takes [p BLOCK, (p + 1) BLOCK)), the
+    linear program id counted over a 2-D grid."""
+    p = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    offs = p * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=offs < n)
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -615,17 +673,22 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     groups1 = gw.k_pad // group_elems(gw.qtype)
     xp, xs, dx, flags = x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
     pdl = quant_pdl_mode(x.device, T)
-    _gemm1_v2_kernel[(slots, triton.cdiv(I, bn1))](
+    grid1 = (slots, triton.cdiv(I, bn1))
+    pairs2 = cfg.get("sum2") == "atomic"
+    out = torch.empty(T, H, dtype=torch.float32, device=x.device) if pairs2 else None  # [T, H], zeroed by GEMM 1
+    zero = {"zero_ptr": out, "zero_n": T * H,
+            "ZERO_BLOCK": triton.next_power_of_2(triton.cdiv(T * H, grid1[0] * grid1[1]))} if pairs2 else {}
+    _gemm1_v2_kernel[grid1](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
         gw.k_pad // positions_per_word(gw.qtype), x.stride(0), xp.stride(0), xs.stride(0), dx.stride(0),
         inter.stride(0), sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
         WPG=words_per_group(gw.qtype), BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
-        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags},
+        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags}, **zero,
     )  # fmt: skip
     return _gemm2(inter, sums, dxi, inter_q8, i_words, flat_ids, weights, w2, T, k, H, cfg, out_dtype,
-                  tables[2] if tables else None, pdl)  # fmt: skip
+                  tables[2] if tables else None, pdl, out)  # fmt: skip
 
 
 def moe_down_v2(inter: Int8Rows, ids: torch.Tensor, weights: torch.Tensor, w2: PackedWeight, cfg: Config,
@@ -646,10 +709,22 @@ def moe_down_v2(inter: Int8Rows, ids: torch.Tensor, weights: torch.Tensor, w2: P
 
 def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8: bool, i_words: int,
            flat_ids: torch.Tensor, weights: torch.Tensor, w2: PackedWeight, T: int, k: int, H: int, cfg: Config,
-           out_dtype: torch.dtype, table: torch.Tensor | None, pdl: int) -> torch.Tensor:  # fmt: skip
-    """Launches _gemm2_v2_kernel over the intermediate's arrays -> [T, H] in out_dtype."""
-    out = torch.empty(T, H, dtype=out_dtype, device=inter.device)  # [T, H]
+           out_dtype: torch.dtype, table: torch.Tensor | None, pdl: int,
+           zeroed: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Launches _gemm2_v2_kernel over the intermediate's arrays -> [T, H] in out_dtype; with ``zeroed`` (a float32
+    [T, H] that GEMM 1 zeroed: config key sum2 = "atomic") _gemm2_pair_kernel adds into it instead."""
     bn2 = cfg["BLOCK_N2"]
+    if zeroed is not None:
+        _gemm2_pair_kernel[(T * k, triton.cdiv(H, bn2))](
+            inter, sums, dxi, flat_ids, weights.reshape(-1), zeroed, *part_arrays(w2),
+            flat_ids if table is None else table, k, H, w2.kq, i_words, inter.stride(0), sums.stride(0),
+            dxi.stride(0), zeroed.stride(0), QT=int(w2.qtype), WPG=words_per_group(w2.qtype), BLOCK_N=bn2,
+            **chunking(w2.k_pad // group_elems(w2.qtype), cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None,
+            num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(),
+            PDL=pdl, X_TILE=bool(cfg.get("x_tile2", False)), **launch_options(pdl),
+        )  # fmt: skip
+        return zeroed if out_dtype == torch.float32 else zeroed.to(out_dtype)
+    out = torch.empty(T, H, dtype=out_dtype, device=inter.device)  # [T, H]
     slots_p2 = triton.next_power_of_2(k)
     slot_step = min(cfg.get("slots2") or slots_p2, slots_p2)
     if slot_step & (slot_step - 1):

@@ -138,6 +138,11 @@ POOL: dict[str, Config] = {
     "v16k2qxt": {**_v2(16, 2048, 4, 8, 512, 4, x_q8=True), "x_tile2": True},
     "v32qqk1xt": {**_v2(32, 1024, 4, 8, 768, 4, x_q8=True, inter_q8=True), "x_tile2": True},
     "v32qqn16s2": _v2(32, 2048, 4, 16, 768, 4, x_q8=True, inter_q8=True, slots2=2),
+    # GEMM 2 one program per (token, slot) pair, its rows added into a float32 output by atomics (sum2): the M = 1
+    # and M = 4 tiles the 30B table took from an H100 (thirty-first sitting), and 16 rows at 2 warps
+    "v16k2qp": {**_v2(16, 2048, 4, 8, 768, 1, x_q8=True), "sum2": "atomic"},
+    "v32qqk1p": {**_v2(32, 1024, 4, 8, 768, 1, x_q8=True, inter_q8=True), "sum2": "atomic"},
+    "v16k2qp16": {**_v2(16, 2048, 4, 16, 768, 2, x_q8=True), "sum2": "atomic"},
     "t16x64": _dot("tile", 16, 64, 128, 1, 4, 3),
     "t16x128": _dot("tile", 16, 128, 128, 1, 4, 3),
     "t32x128": _dot("tile", 32, 128, 128, 8, 4, 3),
@@ -185,7 +190,8 @@ POOL: dict[str, Config] = {
 
 
 X_Q8 = ["v8q", "v8k1q", "v16q", "v16k1q", "v16k2q", "v32q", "v32k2q", "v4q", "v32qq", "v32qqk1", "v32qqn4", "v32qqn16",
-        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2", "v16k2qxt", "v32qqk1xt"]
+        "v32qqw2", "v64qq", "v16k2qs4", "v16k2qs2", "v16k2qn16s2", "v32qqs4", "v32qqn16s2", "v16k2qxt", "v32qqk1xt",
+        "v16k2qp", "v32qqk1p", "v16k2qp16"]
 
 
 def tune_candidates(m: int, families: str = "all") -> list[str]:
@@ -238,7 +244,9 @@ def time_quant(layers, sets, cfg: Config | None, args) -> tuple[float, str]:
     calls = []
     for i in range(per_graph):
         (p13, p2), (x, w, ids) = layers[i % len(layers)], sets[i % len(sets)]
-        calls.append(lambda p13=p13, p2=p2, x=x, w=w, ids=ids: fused_moe_quant(x, p13, p2, w, ids, cfg))
+        # keep_float32: configs summing the slots in float32 (sum2) hand them on as the model takes them, uncast
+        calls.append(lambda p13=p13, p2=p2, x=x, w=w, ids=ids: fused_moe_quant(x, p13, p2, w, ids, cfg,
+                                                                                keep_float32=True))  # fmt: skip
     return timed_median(calls, args.budget_s, args.max_runs)
 
 

@@ -164,6 +164,9 @@ def test_gemm2_per_pair_with_atomic_sums(seed, down, inter_q8) -> None:
         torch.bfloat16
     with pytest.raises(ValueError, match="sum2"):
         fused_moe_quant(hidden, p13, p2, weights, ids, {**cfg, "sum2": "tree"})
+    # parts gemv_v2 does not read together (gate and up of two types) fall back to the gemv path, sum2 dropped
+    mixed = [pack(random_quantized(t, (E, I, H), DEVICE)) for t in (QuantType.Q4_K, QuantType.Q5_K)]
+    assert fused_moe_quant(hidden, mixed, p2, weights, ids, pairs).shape == (T, H)
 
 
 def test_q8_0_padded_rows(seed) -> None:

@@ -355,7 +355,7 @@ def _packed_down(act: torch.Tensor, w2: Weight, topk_ids: torch.Tensor, topk_wei
     """-> [T, H]: the pairs' down projections weighted and summed by the gemv_v2 path's GEMM 2 (act [T*k, I]
     rounded to int8 first), when down is one repacked part of a type it reads (the Q2_K / Q3_K / Q4_K down beside
     grid-type gate and up in IQ1, IQ2_XXS and IQ3_XXS files); else None."""
-    from moerun.kernels.quant.configs import default_moe_config
+    from moerun.kernels.quant.configs import SLOT_SUM_TILES
     from moerun.kernels.quant.gemv_v2 import V2_TYPES, moe_down_v2
     from moerun.kernels.quant.int8_dot import quantize_x
 
@@ -365,8 +365,7 @@ def _packed_down(act: torch.Tensor, w2: Weight, topk_ids: torch.Tensor, topk_wei
     if len(parts) != 1 or parts[0].is_dense or parts[0].qtype not in V2_TYPES:
         return None
     down = parts[0]
-    cfg = default_moe_config(1, topk_ids.shape[1], interpret=False, qtype=down.qtype.name)  # decode's GEMM 2 tiles
-    return moe_down_v2(quantize_x(act, down.k_pad), topk_ids, topk_weights, down, cfg, out_dtype)
+    return moe_down_v2(quantize_x(act, down.k_pad), topk_ids, topk_weights, down, SLOT_SUM_TILES, out_dtype)
 
 
 def _grid_rounds(weight: Weight) -> bool:

@@ -93,6 +93,12 @@ def load_moe_table(qtype: str, E: int, H: int, I: int, device: str,  # noqa: E74
     return None if raw is None else {m: normalize_config(cfg) for m, cfg in raw.items()}
 
 
+# GEMM 2 tiles of gemv_v2 with the k slots summed in registers (256 programs of 8 rows at one token, 30B shape): what
+# a down projection run through that GEMM 2 alone takes (ops/quant.py's _packed_down, beside grid-type gate and up),
+# where no GEMM 1 of the same path zeroes a float32 output for the per-pair form of the decode default.
+SLOT_SUM_TILES: Config = {"BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1}
+
+
 def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str | None = None) -> Config:
     """Hand-reasoned config for m tokens with k slots each whose gate projection has type qtype (the decode path
     depends on it: gemv_v2 for the types it reads, gemv otherwise or when the type is not given)."""

@@ -630,8 +630,9 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
     chosen = config is None or (indirect and cfg["path"] == "gemv")  # a gemv_v2 config not given as such
     if indirect and cfg["path"] == "gemv":
         cfg = normalize_config({**cfg, "path": "gemv_v2"})
-    if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):
-        cfg = normalize_config({**cfg, "path": "gemv_dot" if indirect else "gemv"})
+    if cfg["path"] == "gemv_v2" and not v2_supported(gw, uw, w2):  # (sum2 is gemv_v2's alone)
+        cfg = normalize_config({**{key: v for key, v in cfg.items() if key != "sum2"},
+                                "path": "gemv_dot" if indirect else "gemv"})  # fmt: skip
     if cfg["path"] == "tile64" and (indirect or not tile64_supported(gw.qtype, uw.qtype, w2.qtype)):
         # the tile kernels decode every type and take address tables; two pairs a step, as their defaults
         cfg = {**cfg, "path": "tile", "BLOCK_K": 128, "BLOCK_K2": 128}

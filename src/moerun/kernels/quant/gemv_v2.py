@@ -528,7 +528,7 @@ def _weighted_rows(QT: tl.constexpr, WPG: tl.constexpr, inter_ptr, sums_ptr, dxi
 @triton.jit
 def _gemm2_pair_kernel(
     inter_ptr, sums_ptr, dxi_ptr, ids_ptr, topk_w_ptr,  # as _gemm2_v2_kernel's
-    out_ptr,  # [T, H] float32, zeroed by GEMM 1 (ZERO_OUT)
+    out_ptr,  # [T, H] float32, zeroed by GEMM 1 (its ZERO_BLOCK)
     wc, wh, ws, wd, wt, top_k, H, KQ, I_WORDS, stride_it, stride_st, stride_dit, stride_ot,
     QT: tl.constexpr,
     WPG: tl.constexpr,

@@ -119,6 +119,17 @@ def check_graphed_moe(step, hidden, logits, w13, w2, k: int, tol: float, seed: i
                                    msg=lambda m: f"seed={seed}: {m}")
 
 
+def reference_rounding(ref: torch.Tensor, hidden: torch.Tensor, w13, w2, weights, ids) -> float:
+    """How far fused_moe_reference's result ref on 16-bit hidden lies from the same MoE in float32: the reference
+    rounds its intermediate too, and where cancellation leaves a small output that rounding alone can exceed a
+    tolerance taken relative to the output. 0 for float32 hidden."""
+    from moerun.ops.moe_reference import fused_moe_reference
+
+    if hidden.dtype == torch.float32:
+        return 0.0
+    return (ref.float() - fused_moe_reference(hidden.float(), w13, w2, weights, ids)).abs().max().item()
+
+
 def on_int8_grid(T: int, K: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """x [T, K] that int8 quantization per 32 values represents exactly (the quantized decode kernels' x_q8): integer
     codes in [-127, 127] with +-127 in every block, times a power of two per block; exact in bf16 too."""

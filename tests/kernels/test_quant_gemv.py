@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_graphed_moe
+from helpers import check_graphed_moe, reference_rounding
 
 pytest.importorskip("triton")
 
@@ -57,7 +57,8 @@ def check(seed, T, E, H, I, k, gate_t, down_t, dtype, config) -> None:  # noqa: 
     assert out.dtype == dtype and out.shape == (T, H)
     tol = TOLERANCE[dtype]
     scale = ref.float().abs().max().item() + 1e-6
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale,
+    own = reference_rounding(ref, hidden, w13, w2, weights, ids)  # the 16-bit reference's own error, allowed on top
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale + own,
                                msg=lambda m: f"seed={seed} {gate_t}/{down_t} T={T} k={k} {dtype}: {m}")  # fmt: skip
 
 

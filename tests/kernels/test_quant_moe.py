@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import check_graphed_moe, on_int8_grid
+from helpers import check_graphed_moe, on_int8_grid, reference_rounding
 
 pytest.importorskip("triton")
 
@@ -76,8 +76,9 @@ def check(seed, hidden, w13, w2, weights, ids, config) -> None:
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     tol = TOLERANCE[hidden.dtype]
     scale = ref.float().abs().max().item() + 1e-6
+    own = reference_rounding(ref, hidden, w13, w2, weights, ids)  # the 16-bit reference's own error, allowed on top
     torch.testing.assert_close(
-        out.float(), ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed} config={config}: {m}"
+        out.float(), ref.float(), rtol=tol, atol=tol * scale + own, msg=lambda m: f"seed={seed} config={config}: {m}"
     )
 
 

@@ -714,28 +714,22 @@ def _gemm2(inter: torch.Tensor, sums: torch.Tensor, dxi: torch.Tensor, inter_q8:
     """Launches _gemm2_v2_kernel over the intermediate's arrays -> [T, H] in out_dtype; with ``zeroed`` (a float32
     [T, H] that GEMM 1 zeroed: config key sum2 = "atomic") _gemm2_pair_kernel adds into it instead."""
     bn2 = cfg["BLOCK_N2"]
-    if zeroed is not None:
-        _gemm2_pair_kernel[(T * k, triton.cdiv(H, bn2))](
-            inter, sums, dxi, flat_ids, weights.reshape(-1), zeroed, *part_arrays(w2),
+    out = zeroed if zeroed is not None else torch.empty(T, H, dtype=out_dtype, device=inter.device)  # [T, H]
+    # both kernels take the same operands and tiles; they differ in their grid and in the slot constexprs
+    args = (inter, sums, dxi, flat_ids, weights.reshape(-1), out, *part_arrays(w2),
             flat_ids if table is None else table, k, H, w2.kq, i_words, inter.stride(0), sums.stride(0),
-            dxi.stride(0), zeroed.stride(0), QT=int(w2.qtype), WPG=words_per_group(w2.qtype), BLOCK_N=bn2,
-            **chunking(w2.k_pad // group_elems(w2.qtype), cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None,
-            num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(),
-            PDL=pdl, X_TILE=bool(cfg.get("x_tile2", False)), **launch_options(pdl),
-        )  # fmt: skip
+            dxi.stride(0), out.stride(0))  # fmt: skip
+    tiles = dict(QT=int(w2.qtype), WPG=words_per_group(w2.qtype), BLOCK_N=bn2,
+                 **chunking(w2.k_pad // group_elems(w2.qtype), cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None,
+                 num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], XQ8=inter_q8,
+                 EMULATE_DP4A=emulate_dp4a(), PDL=pdl, X_TILE=bool(cfg.get("x_tile2", False)),
+                 **launch_options(pdl))  # fmt: skip
+    if zeroed is not None:
+        _gemm2_pair_kernel[(T * k, triton.cdiv(H, bn2))](*args, **tiles)
         return zeroed if out_dtype == torch.float32 else zeroed.to(out_dtype)
-    out = torch.empty(T, H, dtype=out_dtype, device=inter.device)  # [T, H]
     slots_p2 = triton.next_power_of_2(k)
     slot_step = min(cfg.get("slots2") or slots_p2, slots_p2)
     if slot_step & (slot_step - 1):
         raise ValueError(f"slots2 must be a power of two, got {cfg.get('slots2')}")
-    groups2 = w2.k_pad // group_elems(w2.qtype)
-    _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](
-        inter, sums, dxi, flat_ids, weights.reshape(-1), out, *part_arrays(w2), flat_ids if table is None else table, k,
-        H, w2.kq, i_words, inter.stride(0), sums.stride(0), dxi.stride(0), out.stride(0), QT=int(w2.qtype),
-        WPG=words_per_group(w2.qtype), SLOTS=slots_p2, SLOT_STEP=slot_step, BLOCK_N=bn2,
-        **chunking(groups2, cfg["BLOCK_K2"], w2.qtype), INDIRECT=table is not None, num_warps=cfg["num_warps2"],
-        num_stages=cfg["num_stages2"], XQ8=inter_q8, EMULATE_DP4A=emulate_dp4a(), PDL=pdl,
-        X_TILE=bool(cfg.get("x_tile2", False)), **launch_options(pdl),
-    )  # fmt: skip
+    _gemm2_v2_kernel[(T, triton.cdiv(H, bn2))](*args, SLOTS=slots_p2, SLOT_STEP=slot_step, **tiles)
     return out

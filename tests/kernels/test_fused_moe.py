@@ -106,6 +106,35 @@ def test_other_slot_reduction(seed, config, dtype) -> None:
     check(seed, torch.randn(T, H).to(dtype).to(DEVICE), w13, w2, weights, ids, CONFIGS[config])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("T,H,k", [(1, 48, 8), (3, 33, 3), (5, 200, 2)], ids=["T1-k8", "T3-oddH", "T5-k2-zeroed4"])
+def test_gemv_atomic_keeps_float32_sums(seed, T, H, k, dtype) -> None:
+    # The gemv path's atomic reduce: GEMM 1 zeroes the float32 [T, H] that GEMM 2 adds into (no memset launch);
+    # keep_float32 hands it on unrounded, else it is rounded to the output dtype. T5-k2: 1,000 outputs zeroed by
+    # 60 GEMM 1 programs, several elements each; T3-oddH: the last program's slice is partly past the end.
+    E, I = 9, 80  # noqa: E741
+    w13, w2 = make_weights(E, H, I, dtype)
+    weights, ids = random_routing(T, E, k)
+    hidden = torch.randn(T, H).to(dtype).to(DEVICE)
+    cfg = {**GEMV_ATOMIC, "BLOCK_N": 4, "BLOCK_N2": 32}
+    kept = fused_moe_triton(hidden, w13, w2, weights, ids, cfg, keep_float32=True)
+    assert kept.dtype == torch.float32 and kept.shape == (T, H)
+    ref = fused_moe_reference(hidden, w13, w2, weights, ids)
+    scale = ref.float().abs().max().item() + 1e-6
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(kept, ref.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"seed={seed}: {m}")
+    # the buffer is zeroed again on every call; on a GPU the atomics add in any order (float32 rounding apart)
+    same = {"rtol": 1e-5, "atol": 1e-6 * scale} if ON_CUDA else {"rtol": 0, "atol": 0}
+    for _ in range(2):
+        again = fused_moe_triton(hidden, w13, w2, weights, ids, cfg, keep_float32=True)
+        torch.testing.assert_close(again, kept, **same, msg=lambda m: f"seed={seed}: {m}")
+    rounded = fused_moe_triton(hidden, w13, w2, weights, ids, cfg)
+    assert rounded.dtype == dtype
+    torch.testing.assert_close(rounded, kept.to(dtype), **({"rtol": 8e-3, "atol": 1e-5} if ON_CUDA else same))
+    # other reductions ignore keep_float32: their sums are rounded in the launch that makes them
+    assert fused_moe_triton(hidden, w13, w2, weights, ids, GEMV_SUM, keep_float32=True).dtype == dtype
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "T,E,H,I,k",
@@ -208,8 +237,11 @@ def test_dispatch_with_default_config(seed, T) -> None:
 def test_default_config_paths() -> None:
     assert default_config(1, 8, torch.bfloat16, interpret=False)["path"] == "gemv"
     assert default_config(4096, 8, torch.bfloat16, interpret=False)["path"] == "tile"
-    # untuned shapes on a GPU sum the slots in a fixed order (no atomics): the same inputs give the same bits
+    # untuned shapes on a GPU sum the slots in a fixed order (no atomics): the same inputs give the same bits;
+    # but for one token, whose float32 atomic sums go to the next norm unrounded
     assert default_config(64, 8, torch.bfloat16, interpret=False)["reduce"] == "sum_out"
+    assert default_config(2, 8, torch.bfloat16, interpret=False)["reduce"] == "sum"
+    assert default_config(1, 8, torch.bfloat16, interpret=False)["reduce"] == "atomic"
     assert default_config(1, 2, torch.float32, interpret=True)["path"] == "gemv"
 
 

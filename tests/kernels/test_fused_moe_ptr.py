@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from moerun.ops.moe import fused_moe_indirect  # noqa: E402
+from moerun.kernels.fused_moe import fused_moe_triton  # noqa: E402
 from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton  # noqa: E402
 from moerun.moe.offload.pointers import ExpertPointers, address_alignment, tensor_at  # noqa: E402
 from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
@@ -115,6 +116,27 @@ def test_other_slot_reductions(seed, config) -> None:
     check_close(seed, out, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.float32, config)
 
 
+def test_atomic_sums_kept_in_float32(seed) -> None:
+    # the gemv path's atomic reduce through address tables: GEMM 1 zeroes the float32 sums, which keep_float32
+    # hands on unrounded; they equal the stacked weights' (bit for bit where programs run in order: the CPU)
+    g = torch.Generator().manual_seed(seed)
+    T, E, H, I, k = 2, 7, 48, 40, 3  # noqa: E741
+    layer = Layer(E, H, I, torch.bfloat16, g)
+    weights, ids = routing(T, E, k, g)
+    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    ptrs = layer.tables()
+    out = fused_moe_indirect(hidden, ptrs, weights, ids, backend="triton", keep_float32=True)
+    assert out.dtype == torch.bfloat16  # the default config (slots summed in a fixed order) rounds in its launch
+    out = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.bfloat16, weights, ids, ptrs.align,
+                                    GEMV_ATOMIC, keep_float32=True)
+    want = fused_moe_triton(hidden, *layer.stacked(), weights, ids, GEMV_ATOMIC, keep_float32=True)
+    assert out.dtype == want.dtype == torch.float32
+    scale = want.abs().max().item()
+    same = {"rtol": 1e-5, "atol": 1e-6 * scale} if DEVICE.type == "cuda" else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(out, want, **same, msg=lambda m: f"seed={seed}: {m}")
+    check_close(seed, out, fused_moe_reference(hidden, *layer.stacked(), weights, ids), torch.bfloat16, "kept")
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_op_dispatch_and_hidden_in_another_dtype(seed, backend) -> None:
     g = torch.Generator().manual_seed(seed)
@@ -155,7 +177,7 @@ def test_address_resolution_errors() -> None:
     assert address_alignment(64, 4096) == 16 and address_alignment(64, 2244) == 4 and address_alignment(6) == 2
 
 
-@pytest.mark.parametrize("config", ["gemv", "gemv-fused", "tile"])
+@pytest.mark.parametrize("config", ["gemv", "gemv-atomic", "gemv-fused", "tile"])
 def test_staged_pairs_computed_after_the_wait(seed, config) -> None:
     # the pairs flagged as staged point at poisoned weights until wait() (standing in for the copy landing) points
     # them at the real ones, and the other pairs' w13 at poison from then on: the gemv path computes the other pairs
@@ -188,7 +210,7 @@ def test_staged_pairs_computed_after_the_wait(seed, config) -> None:
     got = fused_moe_indirect_triton(hidden, ptrs.w13, ptrs.w2, I, torch.float32, weights, ids, ptrs.align,
                                     CONFIGS[config], staged=StagedPairs(flags, wait))
     assert len(waits) == 1
-    if config == "tile":  # fp32 atomics: the order of the slot sum may differ from run to run on a GPU
+    if config in ("tile", "gemv-atomic"):  # fp32 atomics: the slot sum's order may differ from run to run on a GPU
         check_close(seed, got, want, torch.float32, config)
     else:
         assert torch.equal(got, want), f"seed={seed}"

@@ -107,6 +107,27 @@ def test_rms_norm_linear_matches_unfused(seed: int, dtype: torch.dtype, T: int, 
 
 @pytest.mark.parametrize("config", ["fma", "dot-split2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_sums_beside_a_16_bit_residual(seed: int, dtype: torch.dtype, config: str) -> None:
+    # An MoE's unrounded float32 slot sums go into the norm in front of q|k|v as they are: the kernel rounds them to
+    # the residual's dtype first, so both outputs equal those of the rounded sums, bit for bit; the op agrees
+    T, N, K = 3, 37, 100
+    x32 = torch.randn(T, K, device=DEVICE) * 2
+    _, weight, bias = make_operands(T, N, K, dtype, with_bias=True)
+    residual = (torch.randn(T, K) * 2).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.3 * torch.randn(K)).to(dtype).to(DEVICE)
+    got = rms_norm_linear_triton(x32, residual, norm_w, EPS, weight, bias, CONFIGS[config])
+    want = rms_norm_linear_triton(x32.to(dtype), residual, norm_w, EPS, weight, bias, CONFIGS[config])
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g, w), f"seed={seed}"
+    for backend in ("triton", "torch"):
+        y, new_residual = rms_norm_linear(x32, residual, norm_w, EPS, weight, bias, backend=backend)
+        assert y.dtype == new_residual.dtype == dtype and torch.equal(new_residual, want[1]), f"seed={seed}"
+    with pytest.raises(ValueError, match="share a dtype"):  # a float32 residual beside a 16-bit weight
+        rms_norm_linear_triton(x32, residual.float(), norm_w, EPS, weight, bias)
+
+
+@pytest.mark.parametrize("config", ["fma", "dot-split2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_norm_rounds_like_rms_norm(seed: int, dtype: torch.dtype, config: str) -> None:
     """With one-hot weight rows y picks single normalised elements, so it shows the norm's roundings unblurred."""
     T, N, K = 3, 40, 96

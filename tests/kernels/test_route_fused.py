@@ -20,6 +20,7 @@ from moerun.kernels.router_fused import (  # noqa: E402
     default_config,
     route_fused_triton,
 )
+from moerun.kernels import tile_configs  # noqa: E402
 from moerun.kernels.interpreter import interpreting  # noqa: E402
 from moerun.kernels.tickets import ticket_counters  # noqa: E402
 from moerun.layers.norm import RMSNorm  # noqa: E402
@@ -228,6 +229,28 @@ def test_forward_fused_norm_with_replaced_experts(seed) -> None:
     torch.testing.assert_close(out, ref, msg=lambda m: f"seed={seed}: {m}")
 
 
+def check_float32_sums_handed_on(block: SparseMoeBlock, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor,
+                                 monkeypatch, module, getter: str, rounding: dict, summing: dict,
+                                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """forward_fused_norm with ``module.getter`` returning a config whose output is rounded to bf16, then one whose
+    output is float32 sums: the same residual, outputs equal but for the sums' order, and the next layer's norm on
+    the float32 sums giving what it gives on their bf16 rounding, bit for bit. -> (the sums, the residual)."""
+    outs = []
+    for config in (rounding, summing):
+        monkeypatch.setattr(module, getter, lambda *a, c=config, **kw: c)
+        outs.append(block.forward_fused_norm(x, residual, norm))
+    (out, res), (sums, sums_res) = outs
+    assert out.dtype == torch.bfloat16 and sums.dtype == torch.float32
+    assert torch.equal(res, sums_res), f"seed={seed}"
+    torch.testing.assert_close(sums.to(torch.bfloat16), out, rtol=1e-2, atol=1e-2 * out.abs().max(),
+                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+    nxt = RMSNorm(sums.shape[1], EPS).to(DEVICE, torch.bfloat16)
+    got = nxt.forward_with_residual(sums, sums_res)
+    want = nxt.forward_with_residual(sums.to(torch.bfloat16), sums_res)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed}"
+    return sums, sums_res
+
+
 def test_quantized_experts_hand_float32_sums_to_the_next_norm(seed, monkeypatch) -> None:
     # Quantized experts whose GEMM 2 adds into a float32 buffer (config key sum2 = "atomic") return it unrounded
     # from forward_fused_norm; the next norm rounds it as the cast of the other configs does, so the next layer's
@@ -253,19 +276,26 @@ def test_quantized_experts_hand_float32_sums_to_the_next_norm(seed, monkeypatch)
     plain = {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 256, "BLOCK_K": 256, "num_warps": 4,
              "BLOCK_N2": 8 if DEVICE.type == "cuda" else 256, "BLOCK_K2": 256, "num_warps2": 4, "x_q8": True}
     x, residual = (torch.randn(1, H, device=DEVICE).to(torch.bfloat16) for _ in range(2))
-    outs = {}
-    for name, config in (("plain", plain), ("pairs", {**plain, "sum2": "atomic"})):
-        monkeypatch.setattr(quant_module, "get_moe_config", lambda *a, c=config, **kw: normalize_config(c))
-        outs[name] = block.forward_fused_norm(x, residual, norm)
-    (plain_out, plain_res), (pairs_out, pairs_res) = outs["plain"], outs["pairs"]
-    assert plain_out.dtype == torch.bfloat16 and pairs_out.dtype == torch.float32
-    assert torch.equal(plain_res, pairs_res), f"seed={seed}"
-    torch.testing.assert_close(pairs_out.to(torch.bfloat16), plain_out, rtol=1e-2, atol=1e-2 * plain_out.abs().max(),
-                               msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
-    # the next layer's norm: the float32 sums give what their bf16 rounding gives
-    nxt = RMSNorm(H, EPS).to(DEVICE, torch.bfloat16)
-    got = nxt.forward_with_residual(pairs_out, pairs_res)
-    want = nxt.forward_with_residual(pairs_out.to(torch.bfloat16), pairs_res)
+    check_float32_sums_handed_on(block, norm, x, residual, monkeypatch, quant_module, "get_moe_config",
+                                 normalize_config(plain), normalize_config({**plain, "sum2": "atomic"}), seed)
+
+
+def test_dense_experts_hand_float32_sums_to_the_next_norm(seed, monkeypatch) -> None:
+    # bf16 experts on the gemv path's atomic reduce return GEMM 2's float32 sums unrounded from forward_fused_norm;
+    # the next norm, alone or in front of q|k|v (rms_norm_linear), rounds them as the cast would.
+    from moerun.kernels import fused_moe as dense_module
+    from moerun.ops.linear import rms_norm_linear
+
+    block, norm = small_block(torch.bfloat16)
+    x, residual = (torch.randn(1, 40, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    atomic = {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_N2": 16, "BLOCK_K2": 32, "reduce": "atomic"}
+    atomic_out, atomic_res = check_float32_sums_handed_on(
+        block, norm, x, residual, monkeypatch, dense_module, "get_config",
+        tile_configs.normalize({**atomic, "reduce": "sum"}), tile_configs.normalize(atomic), seed)
+    qkv = (torch.randn(24, 40) / 40**0.5).to(torch.bfloat16).to(DEVICE)
+    norm_w = (1.0 + 0.2 * torch.randn(40)).to(torch.bfloat16).to(DEVICE)
+    got = rms_norm_linear(atomic_out, atomic_res, norm_w, EPS, qkv, backend="triton")
+    want = rms_norm_linear(atomic_out.to(torch.bfloat16), atomic_res, norm_w, EPS, qkv, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed}"
 
 

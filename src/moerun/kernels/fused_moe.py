@@ -49,6 +49,15 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
+def zero_slice(ptr, n, BLOCK: tl.constexpr):
+    """Zeroes this program's BLOCK elements of ptr [n] (program p of a launch takes [p BLOCK, (p + 1) BLOCK)), the
+    linear program id counted over a 2-D grid."""
+    p = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    offs = p * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
 def _tile_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Consecutive programs walk GROUP_M M-blocks (usually one expert) before moving to the next N band,
     # so an expert's weight tile is read from HBM once and reused from L2.
@@ -352,9 +361,14 @@ def _gemm1_gemv_kernel(
     ALIGN: tl.constexpr,
     PDL: tl.constexpr = 0,
     PART: tl.constexpr = 0,  # 0 every pair; 1 the pairs whose flag is 0; 2 those whose flag is 1
+    zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
+    zero_n=0,
+    ZERO_BLOCK: tl.constexpr = 0,
 ):
     launch_dependents(PDL)
-    wait_for_previous(PDL)
+    wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
+    if ZERO_BLOCK > 0:
+        zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     if PART == 0:
         _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,
@@ -614,9 +628,11 @@ def _fused_moe_gemv(
     cfg: Config,
     out_dtype: torch.dtype,
     staged: StagedPairs | None = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """gemv path: one program per (token-slot, N-tile), no sorting; GEMM2 per (token, N-tile) when reduce is fused.
-    With ``staged``, GEMM 1 runs in two launches around ``staged.wait()``."""
+    With ``staged``, GEMM 1 runs in two launches around ``staged.wait()``. With reduce "atomic", GEMM 1 zeroes the
+    float32 [T, H] that GEMM 2 adds into, returned as it is with ``keep_float32`` (else rounded to out_dtype)."""
     T, H = hidden.shape
     k = topk_ids.shape[1]
     pairs = T * k
@@ -625,16 +641,20 @@ def _fused_moe_gemv(
     inter = torch.empty(pairs, I, dtype=hidden.dtype, device=hidden.device)  # [T*k, I] in the weights' dtype
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
     pdl = pdl_mode(hidden.device, T)
+    grid1 = (pairs, triton.cdiv(I, bn1))
+    acc = torch.empty(T, H, dtype=torch.float32, device=hidden.device) if atomic else None  # [T, H], see zero
+    zero = {"zero_ptr": acc, "zero_n": T * H,
+            "ZERO_BLOCK": triton.next_power_of_2(triton.cdiv(T * H, grid1[0] * grid1[1]))} if atomic else {}
     # with staged pairs: those on the device first, then (once their copy is done) the staged ones
     for part in (0,) if staged is None else (1, 2):
         if part == 2:
             staged.wait()
-        _gemm1_gemv_kernel[(pairs, triton.cdiv(I, bn1))](
+        _gemm1_gemv_kernel[grid1](
             hidden, *w13.args(hidden), ids, inter, staged.flags if staged is not None else ids, k, H, I,
             hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
             BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=pdl, PART=part,
-            **launch_options(pdl),
+            **launch_options(pdl), **(zero if part < 2 else {}),
         )  # fmt: skip
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     if cfg["reduce"] == "fused":
@@ -647,11 +667,11 @@ def _fused_moe_gemv(
             **launch_options(pdl),
         )  # fmt: skip
         return out
-    acc = _new_acc(T, k, H, cfg["reduce"], hidden.device, out_dtype)
     n_tiles = triton.cdiv(H, bn2)
     if atomic:
         out = tickets = acc  # dummies, never touched
     else:
+        acc = _new_acc(T, k, H, cfg["reduce"], hidden.device, out_dtype)
         out = torch.empty(T, H, dtype=out_dtype, device=hidden.device)  # [T, H]
         tickets = ticket_counters(hidden.device, T * n_tiles, "moe_slot_sum")  # [T, N-tiles]
     _gemm2_gemv_kernel[(pairs, n_tiles)](
@@ -662,7 +682,9 @@ def _fused_moe_gemv(
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], PDL=pdl,
         **launch_options(pdl),
     )  # fmt: skip
-    return _finish(acc, T, k, H, True, out_dtype) if atomic else out
+    if atomic:
+        return acc if keep_float32 else _finish(acc, T, k, H, True, out_dtype)
+    return out
 
 
 def _tma_fits(w: ExpertWeights) -> bool:
@@ -736,11 +758,13 @@ def run_fused_moe(
     cfg: Config,
     out_dtype: torch.dtype,
     staged: StagedPairs | None = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """Runs the path the config names; x [T, H] already in the weights' dtype, ids int32 and contiguous. With
-    ``staged`` (the gemv path only overlaps it; the tile path waits first), see StagedPairs."""
+    ``staged`` (the gemv path only overlaps it; the tile path waits first), see StagedPairs. ``keep_float32``: the
+    gemv path's atomic reduce returns its float32 sums unrounded (fused_moe_triton's)."""
     if cfg["path"] == "gemv":
-        return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged)
+        return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged, keep_float32)
     if staged is not None:
         staged.wait()
     return _fused_moe_tile(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype)
@@ -754,10 +778,12 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     config: Config | None = None,
     num_experts: int | None = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
     ``num_experts``: the layer's expert count, which picks the tuned tables, where w13 and w2 stack another number
-    of experts (a slot pool)."""
+    of experts (a slot pool). ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer zeroed by GEMM 1
+    (the gemv path's "atomic" reduce) returns that buffer as it is, float32 [T, H], for a consumer that rounds it."""
     T, H = hidden.shape
     E, two_i, h_w = w13.shape
     I = two_i // 2  # noqa: E741
@@ -776,4 +802,5 @@ def fused_moe_triton(
     ids = ids.contiguous()
     weights = topk_weights.contiguous()
     cfg = normalize(config) if config is not None else get_config(num_experts or E, H, I, k, w13.dtype, T)
-    return run_fused_moe(x, ExpertWeights.stacked(w13), ExpertWeights.stacked(w2), I, weights, ids, cfg, hidden.dtype)
+    return run_fused_moe(x, ExpertWeights.stacked(w13), ExpertWeights.stacked(w2), I, weights, ids, cfg, hidden.dtype,
+                         keep_float32=keep_float32)  # fmt: skip

@@ -30,6 +30,7 @@ def fused_moe_indirect_triton(
     align: int,
     config: Config | None = None,
     staged: StagedPairs | None = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """Experts of one MoE layer through address tables: hidden [T, H], w13_table / w2_table [E] int64 (expert e's
     w13 [2I, H] / w2 [H, I], contiguous, of ``dtype``), routing [T, k] -> [T, H] in hidden's dtype.
@@ -37,6 +38,7 @@ def fused_moe_indirect_triton(
     ``align``: bytes (a power of two <= 16) that every address is a multiple of. Nothing is read back to the
     host, so the call can be captured in a CUDA graph; the tables may change between replays. ``staged``: pairs
     whose experts another stream is still copying (fused_moe.StagedPairs), computed after the others.
+    ``keep_float32``: fused_moe_triton's.
     """
     T, H = hidden.shape
     E = w13_table.shape[0]
@@ -63,4 +65,4 @@ def fused_moe_indirect_triton(
     cfg = normalize(config) if config is not None else get_config(E, H, I, k, dtype, T)
     w13 = ExpertWeights.addresses(w13_table.contiguous(), H, align)
     w2 = ExpertWeights.addresses(w2_table.contiguous(), I, align)
-    return run_fused_moe(x, w13, w2, I, weights, ids, cfg, hidden.dtype, staged)
+    return run_fused_moe(x, w13, w2, I, weights, ids, cfg, hidden.dtype, staged, keep_float32)

@@ -206,12 +206,16 @@ def _weight_tile(w_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.
 @triton.jit
 def _residual_sum_tile(x_ptr, res_ptr, t, k, mask, stride_xt, stride_rt, HAS_RESIDUAL: tl.constexpr,
                        INTERPRET: tl.constexpr):
-    """x (+ residual) at rows t [BLOCK_T], columns k [BLOCK_K], in x's dtype (the sum rounded once, as torch)."""
+    """x (+ residual) at rows t [BLOCK_T], columns k [BLOCK_K], in the residual's dtype (the sum rounded once, as
+    torch); float32 x beside a 16-bit residual (an MoE's unrounded slot sums) is first rounded to that dtype, as the
+    unfused path's cast rounds it."""
     t64 = t.to(tl.int64)
     h = tl.load(x_ptr + t64[:, None] * stride_xt + k[None, :], mask=mask, other=0.0)  # [BLOCK_T, BLOCK_K]
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + t64[:, None] * stride_rt + k[None, :], mask=mask, other=0.0)
-        h = round_to(h.to(tl.float32) + r.to(tl.float32), h.dtype, INTERPRET)
+        if h.dtype != r.dtype:
+            h = round_to(h.to(tl.float32), r.dtype, INTERPRET)
+        h = round_to(h.to(tl.float32) + r.to(tl.float32), r.dtype, INTERPRET)
     return h
 
 
@@ -406,9 +410,10 @@ def _launch(
         residual = residual.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    cfg = config or get_config(N, K, T, x.dtype, x.device)
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
-    res_out = torch.empty(T, K, dtype=x.dtype, device=x.device) if residual is not None else x  # [T, K]
+    dtype = weight.dtype  # the model's: x may be float32 sums beside a 16-bit residual (_check)
+    cfg = config or get_config(N, K, T, dtype, x.device)
+    y = torch.empty(T, N, dtype=dtype, device=x.device)  # [T, N]
+    res_out = torch.empty(T, K, dtype=dtype, device=x.device) if residual is not None else x  # [T, K]
     if T == 0:
         return y, res_out
     block_k = min(cfg.block_k, max(MIN_DOT if cfg.dot else 1, triton.next_power_of_2(K)))
@@ -457,7 +462,7 @@ def _launch(
         USE_DOT=cfg.dot,
         EVEN_K=K % block_k == 0,
         # float32 weights: full-precision products, not TF32; the interpreter's dots run in float32 anyway
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpret else "tf32",
+        DOT_PRECISION="ieee" if dtype == torch.float32 or interpret else "tf32",
         INTERPRET=interpret,
         PDL=pdl,
         num_warps=cfg.num_warps,
@@ -475,23 +480,26 @@ def _check(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> None:
-    """Shape and dtype checks only: nothing here reads device memory."""
+    """Shape and dtype checks only: nothing here reads device memory. x shares the weight's dtype, or is float32
+    beside a residual of the weight's dtype (an MoE's float32 slot sums, rounded by the kernel first)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x must be [T, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     T, K = x.shape
     N = weight.shape[0]
     if T > MAX_TOKENS:
         raise ValueError(f"gemv: at most {MAX_TOKENS} tokens (the token tile is one block), got T={T}")
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+    sums = residual is not None and x.dtype == torch.float32 and residual.dtype != torch.float32
+    dtype = residual.dtype if sums else x.dtype  # the model's dtype
+    if dtype not in SUPPORTED_DTYPES or weight.dtype != dtype:
         raise ValueError(f"gemv: x and weight must share a dtype of {SUPPORTED_DTYPES}, got {x.dtype}, {weight.dtype}")
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"gemv: bias must be a contiguous [{N}], got {tuple(bias.shape)}")
-    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != dtype
                                     or norm_weight.stride(0) != 1):
-        raise ValueError(f"gemv: norm weight must be a contiguous [{K}] of {x.dtype}, got "
+        raise ValueError(f"gemv: norm weight must be a contiguous [{K}] of {dtype}, got "
                          f"{tuple(norm_weight.shape)} of {norm_weight.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"gemv: residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
+    if residual is not None and (residual.shape != x.shape or residual.dtype != dtype):
+        raise ValueError(f"gemv: residual must match x {tuple(x.shape)} {dtype}, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
     if residual is not None and norm_weight is None:
         raise ValueError("gemv: a residual is only added in front of the RMSNorm")

@@ -10,7 +10,8 @@ A config is a dict with keys:
               (the last, partly filled block of an expert's run) runs as a TAIL_M-row tile in both GEMMs
   tma         tile path: the weight tiles of both GEMMs come by the tensor memory accelerator (tensor descriptors;
               stacked weights on a Hopper-class GPU or in the interpreter, else ignored)
-  reduce      "atomic" (fp32 atomic adds into [T, H]), "sum" (write [T*k, H] fp32, then sum the k slots), on the
+  reduce      "atomic" (fp32 atomic adds into [T, H]; on the gemv path GEMM 1 zeroes it, and fused_moe_triton's
+              keep_float32 returns it unrounded), "sum" (write [T*k, H] fp32, then sum the k slots), on the
               tile path "sum_out" (as "sum", the rows rounded to the output dtype: half the bytes to write and to
               read back in 16-bit models) or, on the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and
               sums the k slots in registers)
@@ -129,6 +130,10 @@ def default_config(m: int, k: int, dtype: torch.dtype, interpret: bool | None = 
             "path": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2,
             "BLOCK_N2": 32, "BLOCK_K2": 256, "reduce": "sum",
         }  # fmt: skip
+        if m == 1:
+            # One token (batch-1 decode): GEMM 2 adds into float32 sums that GEMM 1 zeroes, which the model hands
+            # to the next norm unrounded; no ticket round trip, no memset or cast launch (measured in whole steps).
+            cfg.update({"BLOCK_K2": 128, "reduce": "atomic"})
     elif m <= 32:
         cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                "num_warps": 4, "num_stages": 4}  # fmt: skip

@@ -79,7 +79,7 @@ class Qwen3Attention(nn.Module):
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
         blocks whose decode kernels round x to int8, the norm's kernel rounds it (``ops.rms_norm_int8``).
         """
-        if self._fuse_norm(x, batch, backend):
+        if self._fuse_norm(x, residual, batch, backend):
             qkv, residual = ops.rms_norm_linear(
                 x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend
             )  # [T, (n_q + 2 n_kv) D], [T, H]
@@ -91,13 +91,15 @@ class Qwen3Attention(nn.Module):
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h, batch, cache), residual
 
-    def _fuse_norm(self, x: torch.Tensor, batch: ForwardBatch, backend: str | None) -> bool:
+    def _fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                   backend: str | None) -> bool:  # fmt: skip
         """Whether forward_fused_norm runs the fused norm + q|k|v GEMV (never for GGUF-block weights)."""
         if batch.is_prefill or "q_weight" in self.qkv_proj.__dict__ or backend == "torch":
             return False
         if backend == "triton":
             return True
-        return gemv_applies(x, self.qkv_proj.weight, x.shape[0])
+        # the residual has the model's dtype where x may be an MoE's float32 sums
+        return gemv_applies(x if residual is None else residual, self.qkv_proj.weight, x.shape[0])
 
     def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H]."""

@@ -15,6 +15,7 @@ from moerun.config import ModelConfig
 from moerun.layers.linear import Linear
 from moerun.layers.norm import RMSNorm
 from moerun.moe.experts import Experts
+from moerun.moe.offload.offloaded_experts import OffloadedExperts
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8
 
@@ -50,18 +51,19 @@ class SparseMoeBlock(nn.Module):
             # quantized experts whose kernels round x to int8 get it rounded by the router's kernel
             pad_of = getattr(self.experts, "int8_input_pad", None)
             pad = pad_of(x, self.top_k) if pad_of is not None else None
+            # the output goes to the next RMSNorm (alone or in front of q|k|v), which rounds float32 slot sums as a
+            # cast would
+            keep = {"keep_float32": True} if isinstance(self.experts, (Experts, OffloadedExperts)) else {}
             if pad is not None:
                 x_normed, residual, topk_weights, topk_ids, x_int8 = route_fused_int8(
                     x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize, pad,
                 )  # fmt: skip
-                # the output goes to the next RMSNorm, which rounds float32 slot sums as a cast would
-                keep = {"keep_float32": True} if isinstance(self.experts, Experts) else {}
                 return self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, **keep), residual
             x_normed, residual, topk_weights, topk_ids = route_fused(
                 x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                 backend=self.experts.backend,
             )  # fmt: skip
-            return self.experts(x_normed, topk_weights, topk_ids), residual
+            return self.experts(x_normed, topk_weights, topk_ids, **keep), residual
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h), residual
 

@@ -57,13 +57,15 @@ def rms_norm_linear(
     """h = x + residual (or x); returns (RMSNorm(h) @ weight^T (+ bias) [T, N], h [T, K]).
 
     Rounds as ``RMSNorm.forward_with_residual`` followed by ``linear`` do. h is x itself when residual is None,
-    otherwise a new tensor. x, residual [T, K]; norm_weight [K]; weight [N, K]; bias [N] or None.
+    otherwise a new tensor. x, residual [T, K]; norm_weight [K]; weight [N, K]; bias [N] or None. x may be float32
+    beside a 16-bit residual (an MoE's unrounded slot sums), rounded to the residual's dtype first.
     """
     T = x.shape[0]
-    if residual is not None and x.dtype != residual.dtype:  # an MoE's float32 sums: rounded as the norm rounds them
-        x = x.to(residual.dtype)
-    if _pick(backend, x, weight, T) == "torch":
-        normed, new_residual = rms_norm(x, norm_weight, eps, residual, backend=backend)
+    # x may be an MoE's float32 sums beside a 16-bit residual: the GEMV's kernel rounds them as the norm does
+    sums = residual is not None and x.dtype != residual.dtype
+    if _pick(backend, residual if sums else x, weight, T) == "torch":
+        normed, new_residual = rms_norm(x.to(residual.dtype) if sums else x, norm_weight, eps, residual,
+                                        backend=backend)  # fmt: skip
         return linear(normed, weight, bias, backend=backend), new_residual
     from moerun.kernels.gemv import rms_norm_linear_triton
 

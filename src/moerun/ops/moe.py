@@ -79,9 +79,10 @@ def fused_moe(
     the Triton path runs kernels that read the repacked GGUF blocks and dequantise in registers (ops/quant.py).
     x_int8: hidden already rounded to int8 (route_fused_int8), for quantized kernels that round it.
     num_experts: the layer's expert count where w13 / w2 stack a slot pool (offloading), which picks the Triton
-    kernels' tuned tables. keep_float32: quantized kernels that sum the k slots in a float32 buffer may return it
-    as it is (float32 [T, H]) rather than rounded to hidden's dtype by one more launch; the caller's consumer then
-    rounds it (the RMSNorm ops do, as the cast would).
+    kernels' tuned tables. keep_float32: kernels that sum the k slots in a float32 buffer (quantized ones, or the
+    dense gemv path's atomic reduce) may return it as it is (float32 [T, H]) rather than rounded to hidden's dtype
+    by one more launch; the caller's consumer then rounds it (the RMSNorm ops and rms_norm_linear do, as the cast
+    would).
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
@@ -92,7 +93,8 @@ def fused_moe(
                                    keep_float32=keep_float32)  # fmt: skip
     from moerun.kernels.fused_moe import fused_moe_triton
 
-    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, num_experts=num_experts)
+    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, num_experts=num_experts,
+                            keep_float32=keep_float32)  # fmt: skip
 
 
 from typing import TYPE_CHECKING  # noqa: E402
@@ -110,6 +112,7 @@ def fused_moe_indirect(
     topk_ids: torch.Tensor,
     backend: str | None = None,
     staged: "StagedPairs | None" = None,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
     """Experts of one MoE layer found through address tables (moe/offload/pointers.py): hidden [T, H],
     routing [T, k] -> [T, H] in hidden's dtype.
@@ -117,7 +120,8 @@ def fused_moe_indirect(
     Expert e's w13 [2I, H] and w2 [H, I] start at ``pointers.w13[e]`` / ``pointers.w2[e]``: a device slot or a
     pinned host copy that the Triton kernels read in place (zero-copy); the torch reference resolves the addresses
     within ``pointers.regions``. Dense weights only. ``staged`` (Triton): pairs whose experts another stream is
-    still copying onto the device, computed once it is done (kernels/fused_moe.StagedPairs).
+    still copying onto the device, computed once it is done (kernels/fused_moe.StagedPairs). ``keep_float32``:
+    fused_moe's.
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         from moerun.moe.offload.pointers import fused_moe_indirect_reference
@@ -128,4 +132,5 @@ def fused_moe_indirect(
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
 
     return fused_moe_indirect_triton(hidden, pointers.w13, pointers.w2, pointers.intermediate_size, pointers.dtype,
-                                     topk_weights, topk_ids, pointers.align, staged=staged)
+                                     topk_weights, topk_ids, pointers.align, staged=staged,
+                                     keep_float32=keep_float32)  # fmt: skip

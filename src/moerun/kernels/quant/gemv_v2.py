@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import _silu_mul
+from moerun.kernels.fused_moe import _silu_mul, zero_slice
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
@@ -554,15 +554,6 @@ def _gemm2_pair_kernel(
                        INDIRECT, XQ8, EMULATE_DP4A, X_TILE)  # fmt: skip
     token = tl.program_id(0).to(tl.int64) // top_k
     tl.atomic_add(out_ptr + token * stride_ot + offs_n, y, mask=offs_n < H, sem="relaxed")
-
-
-@triton.jit
-def zero_slice(ptr, n, BLOCK: tl.constexpr):
-    """Zeroes this program's BLOCK elements of ptr [n] (program p of a launch takes [p BLOCK, (p + 1) BLOCK)), the
-    linear program id counted over a 2-D grid."""
-    p = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    offs = p * BLOCK + tl.arange(0, BLOCK)
-    tl.store(ptr + offs, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=offs < n)
 
 
 # ------------------------------------------------------------------------------------------------ host side

@@ -121,8 +121,9 @@ class ExpertOffload(OffloadManagerBase):
 
     # ---- per-layer forward ----
     def forward_layer(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
+                      topk_ids: torch.Tensor, keep_float32: bool = False) -> torch.Tensor:  # fmt: skip
         """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype.
+        ``keep_float32`` (ops.fused_moe's: float32 sums are allowed, not asked for) changes nothing here.
 
         While a layer graph is captured (``capturing``), only the device part runs and its partial sum (float32,
         the cached experts) is returned; ``finish_replayed`` serves the rest after each replay.

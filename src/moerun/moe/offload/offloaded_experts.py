@@ -22,8 +22,10 @@ class OffloadedExperts(nn.Module):
         self.backend = backend
         self.__dict__["manager"] = manager  # not a submodule: the manager is shared by every layer
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.__dict__["manager"].forward_layer(self.layer, x, topk_weights, topk_ids)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                keep_float32: bool = False) -> torch.Tensor:  # fmt: skip
+        """keep_float32: ops.fused_moe's (the result may be float32 slot sums, for a consumer that rounds them)."""
+        return self.__dict__["manager"].forward_layer(self.layer, x, topk_weights, topk_ids, keep_float32)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, offloaded"

@@ -307,8 +307,9 @@ class ZeroCopyOffload(OffloadManagerBase):
 
     # ---- inside a forward pass (device work only; captured in CUDA graphs) ----
     def forward_layer(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype."""
+                      topk_ids: torch.Tensor, keep_float32: bool = False) -> torch.Tensor:  # fmt: skip
+        """The experts of MoE layer ``layer`` on x [T, H] with routing [T, k] -> [T, H] in x's dtype (or, with
+        ``keep_float32``, the kernels' float32 slot sums where they make them: ops.fused_moe's)."""
         if layer == 0:  # a new forward pass: the pair counts it starts from
             self.pass_start.copy_(self.counts)
         step, staged = None, None  # [P, E, W], pairs still being copied
@@ -321,14 +322,15 @@ class ZeroCopyOffload(OffloadManagerBase):
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
             tables = self.quant_tables[layer] if step is None else ([step[p] for p in range(step.shape[0] - 1)],
                                                                      step[-1])
-            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=tables)
+            out = fused_moe_quantized(x, w13, w2, topk_weights, topk_ids, tables=tables, keep_float32=keep_float32)
         else:
             pointers = self.pointers[layer]
             if step is not None:
                 # staged arrays start 256-byte aligned: the layer's alignment holds for them too
                 pointers = replace(pointers, w13=step[0, :, 0], w2=step[1, :, 0],
                                    regions=(*pointers.regions, self.staging))
-            out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend, staged=staged)
+            out = fused_moe_indirect(x, pointers, topk_weights, topk_ids, backend=self.backend, staged=staged,
+                                     keep_float32=keep_float32)  # fmt: skip
         if layer == self.num_layers - 1:
             self.steps.add_(self.counts > self.pass_start)  # the experts this pass routed any pair to
             if self.host_record is not None:

@@ -514,6 +514,10 @@ def _decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty(B, n_q, D, dtype=q.dtype, device=q.device)  # [B, n_q, D]
     single = SINGLE_LAUNCH if single_launch is None else single_launch
+    if single and min_chunk is None:
+        # the module's rule: splits from MAX_LIVE on never hold a position (_chunk_bounds), so they get no programs
+        # (and the chunks stay the same)
+        num_splits = min(num_splits, MAX_LIVE)
     rows = None
     if k_pad is not None and single and k_pad == n_q * D and D % 32 == 0:
         rows = Int8Rows.empty(B, k_pad, q.device)

@@ -8,12 +8,25 @@ decode graph and times whole engine steps and graph replay.
 A variant is NAME or NAME:VAR=VALUE[,VAR=VALUE...]; every variant starts from the environment the script was
 started with, the variables named by any variant unset. Repeat one (as above) to see the run's drift. Without
 CUDA it runs eagerly on the CPU (``--preset tiny``: a smoke test of the script, not a measurement).
+
+An assignment moe.M.KEY=VALUE changes the fused-MoE tables' entry for M tokens (every MoE table, bf16 and
+quantized, that has one) for that variant: the device's shipped tables, or with ``--tables-from DEVICE`` another
+device's (e.g. NVIDIA_H200 on a GPU that has none of its own, which would otherwise run the defaults), are copied
+into a folder of the variant's own under this device's name and given to it as MOERUN_MOE_CONFIG_DIR (and the
+dense GEMV table of DEVICE as MOERUN_GEMV_CONFIG_DIR):
+
+    python benchmarks/bench_decode_variants.py --tables-from NVIDIA_H200 --variant base \
+        --variant n16:moe.1.BLOCK_N2=16,moe.1.reduce=atomic --variant base
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +35,8 @@ from moerun.bench.engine_bench import measure_decode
 from moerun.bench.profile import replay_ms
 from moerun.bench.run import _preset_model
 from moerun.config import ModelConfig
+from moerun.kernels.gemv import table_path as gemv_table_path
+from moerun.kernels.tile_configs import CONFIG_DIR, device_name
 from moerun.models.presets import preset_config
 from moerun.models.tiny import qwen3_tokenizer_dir
 from moerun.tokenizer import Tokenizer
@@ -39,6 +54,59 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
+def table_overrides(env: dict[str, str]) -> tuple[dict[str, str], dict[int, dict[str, Any]]]:
+    """A variant's assignments split into environment variables and MoE table entries ({M: {KEY: value}}, from
+    moe.M.KEY=VALUE; values as JSON where they parse, e.g. 16 or true, else strings)."""
+    plain: dict[str, str] = {}
+    entries: dict[int, dict[str, Any]] = {}
+    for key, text in env.items():
+        if not key.startswith("moe."):
+            plain[key] = text
+            continue
+        _, m, field = (key.split(".", 2) + ["", ""])[:3]
+        if not m.isdigit() or not field:
+            raise ValueError(f"{key!r}: expected moe.M.KEY, M a token count")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        entries.setdefault(int(m), {})[field] = value
+    return plain, entries
+
+
+def write_tables(folder: Path, source: str, device: str, entries: dict[int, dict[str, Any]]) -> Path:
+    """The MoE tables shipped for device ``source``, copied into folder under ``device``'s name with each entry M of
+    ``entries`` updated (in every table that has one), and source's dense GEMV table beside them. Raises where an
+    updated M is in none of them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    updated = set()
+    for path in sorted(CONFIG_DIR.glob(f"*device={source}.json")):
+        table = json.loads(path.read_text())
+        for m, fields in entries.items():
+            if str(m) in table:
+                table[str(m)].update(fields)
+                updated.add(m)
+        (folder / path.name.replace(f"device={source}", f"device={device}")).write_text(json.dumps(table, indent=1))
+    if set(entries) - updated:
+        raise ValueError(f"no MoE table of {source} has an entry for M = {sorted(set(entries) - updated)}")
+    if gemv_table_path(source).is_file():
+        (folder / gemv_table_path(device).name).write_text(gemv_table_path(source).read_text())
+    return folder
+
+
+def variant_env(name: str, env: dict[str, str], tables_from: str | None, device: str, folder: Path) -> dict[str, str]:
+    """The environment of one variant: its variables, and where it changes MoE table entries or takes another
+    device's tables, ``folder`` with its own tables."""
+    plain, entries = table_overrides(env)
+    if not entries and tables_from is None:
+        return plain
+    if {"MOERUN_MOE_CONFIG_DIR", "MOERUN_GEMV_CONFIG_DIR"} & set(plain):
+        raise ValueError(f"variant {name!r}: moe.M.KEY assignments and --tables-from set the config folders "
+                         "themselves")  # fmt: skip
+    write_tables(folder, tables_from or device, device, entries)
+    return {**plain, "MOERUN_MOE_CONFIG_DIR": str(folder), "MOERUN_GEMV_CONFIG_DIR": str(folder)}
+
+
 def _replay_ms(graph: torch.cuda.CUDAGraph | None) -> float:
     """Back-to-back replay time of the batch-1 graph; NaN without one (CPU)."""
     return float("nan") if graph is None else replay_ms(graph)
@@ -49,12 +117,18 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, help="use only this many layers of the preset")
     p.add_argument("--quant", help="a GGUF file type's quant mix (random valid blocks); default bf16")
-    p.add_argument("--variant", action="append", required=True, help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]")
+    p.add_argument("--variant", action="append", required=True,
+                   help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]; VAR may be moe.M.KEY (a MoE table entry's key)")
+    p.add_argument("--tables-from", metavar="DEVICE",
+                   help="every variant runs on the tables shipped for DEVICE (e.g. NVIDIA_H200), renamed for this one")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="timed runs of --steps steps per variant (median kept)")
     args = p.parse_args(argv)
-    variants = [parse_variant(v) for v in args.variant]
+    device_tag = device_name()
+    folders = tempfile.TemporaryDirectory(prefix="moerun-variants-")
+    variants = [(name, variant_env(name, env, args.tables_from, device_tag, Path(folders.name) / str(i)))
+                for i, (name, env) in enumerate(map(parse_variant, args.variant))]  # fmt: skip
     named = {key for _, env in variants for key in env}
     base_env = {k: v for k, v in os.environ.items() if k not in named}
 
@@ -80,6 +154,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
     finally:
         os.environ.clear()
         os.environ.update(started_with)
+        folders.cleanup()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n{args.preset} {args.quant or 'bf16'} batch-1 decode, {gpu}")
     print(f"{'variant':28s} {'step ms':>8s} {'best':>8s} {'replay ms':>10s} {'tok/s':>8s}")

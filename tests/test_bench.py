@@ -168,3 +168,50 @@ def test_decode_variants_script_on_cpu(monkeypatch):
     assert os.environ.get("MOERUN_PDL_TRIGGER") == "start" and "MOERUN_PDL" not in os.environ
     with pytest.raises(ValueError, match="NAME:VAR=VALUE"):
         script["parse_variant"]("bad:novalue")
+
+
+def test_decode_variants_table_entries(tmp_path, monkeypatch):
+    # moe.M.KEY=VALUE: the variant runs on a copy of the tables (another device's with --tables-from, renamed for
+    # this one) whose entries for M tokens carry the change, in every MoE table that has one
+    import json
+    import os
+    import runpy
+    from pathlib import Path
+
+    from moerun.kernels.tile_configs import CONFIG_DIR
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_decode_variants.py"))
+    plain, entries = script["table_overrides"]({"MOERUN_PDL": "0", "moe.1.BLOCK_N2": "16", "moe.1.reduce": "atomic",
+                                                "moe.4.x_q8": "true"})  # fmt: skip
+    assert plain == {"MOERUN_PDL": "0"} and entries == {1: {"BLOCK_N2": 16, "reduce": "atomic"}, 4: {"x_q8": True}}
+    with pytest.raises(ValueError, match="moe.M.KEY"):
+        script["table_overrides"]({"moe.one.BLOCK_N2": "16"})
+    env = script["variant_env"]("n16", {"moe.1.BLOCK_N2": "16"}, "NVIDIA_H200", "MY_GPU", tmp_path / "n16")
+    assert env == {"MOERUN_MOE_CONFIG_DIR": str(tmp_path / "n16"), "MOERUN_GEMV_CONFIG_DIR": str(tmp_path / "n16")}
+    shipped = sorted(CONFIG_DIR.glob("*device=NVIDIA_H200.json"))
+    assert shipped
+    for path in shipped:
+        table = json.loads(path.read_text())
+        copy = json.loads((tmp_path / "n16" / path.name.replace("NVIDIA_H200", "MY_GPU")).read_text())
+        assert copy == {m: ({**cfg, "BLOCK_N2": 16} if m == "1" else cfg) for m, cfg in table.items()}
+    assert (tmp_path / "n16" / "gemv_MY_GPU.json").is_file()
+    assert script["variant_env"]("plain", {"MOERUN_PDL": "0"}, None, "MY_GPU", tmp_path / "p") == {"MOERUN_PDL": "0"}
+    with pytest.raises(ValueError, match="M = \\[3\\]"):
+        script["variant_env"]("m3", {"moe.3.BLOCK_N2": "16"}, "NVIDIA_H200", "MY_GPU", tmp_path / "m3")
+    with pytest.raises(ValueError, match="config folders"):
+        script["variant_env"]("both", {"moe.1.BLOCK_N2": "16", "MOERUN_MOE_CONFIG_DIR": "x"}, None, "MY_GPU",
+                              tmp_path / "b")  # fmt: skip
+    # through main on the CPU: the variant sees its folder while it runs, and the folders go afterwards
+    seen = []
+    real = script["measure_decode"]
+
+    def spy(llm, *args):
+        seen.append(os.environ.get("MOERUN_MOE_CONFIG_DIR"))
+        return real(llm, *args)
+
+    script["main"].__globals__["measure_decode"] = spy
+    monkeypatch.delenv("MOERUN_MOE_CONFIG_DIR", raising=False)
+    script["main"](["--preset", "tiny", "--tables-from", "NVIDIA_H200", "--variant", "base", "--variant",
+                    "n16:moe.1.BLOCK_N2=16", "--steps", "2", "--prompt-len", "8", "--repeat", "1"])  # fmt: skip
+    assert len(seen) == 2 and seen[0] != seen[1] and not any(Path(d).exists() for d in seen)
+    assert "MOERUN_MOE_CONFIG_DIR" not in os.environ

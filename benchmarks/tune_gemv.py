@@ -101,8 +101,9 @@ def torch_op(case: Case) -> Callable[[int], torch.Tensor]:
     return lambda i: F.linear(case.x, case.weights[i])
 
 
-def candidates(N: int, K: int, T: int, dtype: torch.dtype, quick: bool) -> list[GemvConfig]:
-    """Configs to try for T tokens, the default first; fma only while its [T, BLOCK_N, BLOCK_K] partial fits."""
+def candidates(N: int, K: int, T: int, dtype: torch.dtype, quick: bool, norm: bool = False) -> list[GemvConfig]:
+    """Configs to try for T tokens, the default first; fma only while its [T, BLOCK_N, BLOCK_K] partial fits. With
+    ``norm`` (the add + RMSNorm in front), each config of one K step over the whole row also with row_once."""
     if quick:
         fma = [(8, 256, 4, 2), (16, 256, 4, 2), (32, 256, 4, 2), (16, 256, 8, 3)]
         # few rows, long steps (up to the whole row in one): every program's weight loads issued at once
@@ -127,6 +128,8 @@ def candidates(N: int, K: int, T: int, dtype: torch.dtype, quick: bool) -> list[
         for (bn, bk, w, s), split in itertools.product(dot, splits):
             if K >= 2 * split * bk and bn >= MIN_DOT:
                 out.append(GemvConfig(block_n=bn, block_k=bk, split_k=split, dot=True, num_warps=w, num_stages=s))
+    if norm:
+        out += [replace(cfg, row_once=True) for cfg in out if cfg.split_k == 1 and cfg.block_k >= K]
     unique: list[GemvConfig] = []
     for cfg in out:
         if cfg not in unique:
@@ -150,7 +153,7 @@ def tune_case(name: str, N: int, K: int, norm: bool, T: int, dtype: torch.dtype,
     copies = case.weights.shape[0]
     cublas_us = per_op_us(torch_op(case), copies, args)
     timed = []
-    for cfg in candidates(N, K, T, dtype, args.quick):
+    for cfg in candidates(N, K, T, dtype, args.quick, norm):
         row: dict[str, Any] = {"shape": name, "N": N, "K": K, "T": T, "norm": norm, "config": cfg.to_dict()}
         try:
             err = (triton_op(case, cfg)(0).float() - ref).abs().max().item()

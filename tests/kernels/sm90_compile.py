@@ -265,6 +265,9 @@ def _cases() -> dict[str, Callable[[], None]]:
                                                 gemv.GemvConfig(block_n=16, block_k=64, dot=True, num_stages=3)),
         "gemv with add + RMSNorm": lambda: gemv.rms_norm_linear_triton(x1, x1, norm_w, 1e-6,
                                                                        torch.randn(64, H, dtype=bf16)),
+        "gemv with add + RMSNorm on an MoE's float32 sums, the row read once": lambda: gemv.rms_norm_linear_triton(
+            x1.float(), x1, norm_w, 1e-6, torch.randn(64, H, dtype=bf16), None,
+            gemv.GemvConfig(block_n=2, block_k=H, row_once=True)),
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
         "route": lambda: route_triton(torch.randn(8, E), k, True),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -47,6 +48,9 @@ CONFIGS = {
     # one K step per split, nothing loaded ahead: the whole row (K = 100 in a 128 block), or two halves
     "fma-one-step": GemvConfig(block_n=4, block_k=128, num_stages=1),
     "fma-split2-one-step": GemvConfig(block_n=2, block_k=64, split_k=2, num_stages=1),
+    # behind the norm: the row's x + residual read once for the 1/rms and the product (ignored without the norm)
+    "fma-one-step-row-once": GemvConfig(block_n=4, block_k=128, num_stages=1, row_once=True),
+    "dot-one-step-row-once": GemvConfig(block_n=16, block_k=128, dot=True, num_stages=1, row_once=True),
 }
 
 
@@ -103,6 +107,25 @@ def test_rms_norm_linear_matches_unfused(seed: int, dtype: torch.dtype, T: int, 
             assert torch.equal(residual, residual_before), f"seed={seed}: residual was written"
         assert_linear_close(y, normed, weight, bias, seed, f"{config} call {call}")
     assert_tickets_reset()
+
+
+@pytest.mark.parametrize("config", ["fma-one-step", "dot-one-step"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16_x", "float32_sums"])
+def test_row_read_once_changes_nothing(seed: int, x_dtype: torch.dtype, config: str) -> None:
+    # row_once (one K step over the whole row, behind the norm): the same products in the same order as reading
+    # the row twice, so both outputs are equal bit for bit; where its conditions fail (a split) it is ignored
+    T, N, K = 2, 37, 100
+    _, weight, bias = make_operands(T, N, K, torch.bfloat16, with_bias=True)
+    x = (torch.randn(T, K) * 2).to(x_dtype).to(DEVICE)
+    residual = (torch.randn(T, K) * 2).to(torch.bfloat16).to(DEVICE)
+    norm_w = (1 + 0.3 * torch.randn(K)).to(torch.bfloat16).to(DEVICE)
+    base = CONFIGS["fma-one-step"] if config == "fma-one-step" else GemvConfig(block_n=16, block_k=128, dot=True,
+                                                                               num_stages=1)  # fmt: skip
+    for cfg in (base, replace(base, split_k=2, block_k=64)):
+        want = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, bias, cfg)
+        got = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, bias, replace(cfg, row_once=True))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"seed={seed} {cfg}"
 
 
 @pytest.mark.parametrize("config", ["fma", "dot-split2"])

@@ -64,6 +64,9 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     backend: str = "triton"
+    # behind the add + RMSNorm, where one K step covers the whole row (no split): x + residual read once for the
+    # 1/rms and the product (a tile held in registers), not twice from L2; elsewhere ignored
+    row_once: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -233,7 +236,12 @@ def _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K: tl.constex
         h = _residual_sum_tile(x_ptr, res_ptr, t, k, mask, stride_xt, stride_rt, HAS_RESIDUAL, INTERPRET)
         hf = h.to(tl.float32)
         sq += hf * hf
-    total = tl.sum(sq, axis=1)  # [BLOCK_T]
+    return _rsqrt_mean(tl.sum(sq, axis=1), eps, K, INTERPRET)
+
+
+@triton.jit
+def _rsqrt_mean(total, eps, K: tl.constexpr, INTERPRET: tl.constexpr):
+    """1 / sqrt(total / K + eps) of row sums of squares total [BLOCK_T], the mean finished as torch's is."""
     if INTERPRET:
         mean = total / K  # torch on the CPU divides the sum
     else:
@@ -293,6 +301,7 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_TILE: tl.constexpr = False,  # row_once, HAS_NORM, one split of one K step: the 1/rms pass's tile serves it
 ):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -314,7 +323,14 @@ def _gemv_kernel(
         # tiles are in flight per program; the last step re-reads its own tile instead of masking the load
         w_next = _weight_tile(w_rows, k_start, K, BLOCK_K, EVEN_K)
     wait_for_previous(PDL)  # x and the residual come from the previous kernel (weights did not)
-    if HAS_NORM:
+    if ONE_TILE:
+        # the whole row is the one K step's tile: x + residual read once (not again in the loop)
+        k_row = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        h_row = _residual_sum_tile(x_ptr, res_ptr, t, k_row, t_mask[:, None] & (k_row < K)[None, :], stride_xt,
+                                   stride_rt, HAS_RESIDUAL, INTERPRET)  # [BLOCK_T, BLOCK_K]
+        hf_row = h_row.to(tl.float32)
+        inv_rms = _rsqrt_mean(tl.sum(hf_row * hf_row, axis=1), eps, K, INTERPRET)  # [BLOCK_T]
+    elif HAS_NORM:
         inv_rms = _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K, HAS_RESIDUAL, BLOCK_T,
                            NORM_BLOCK_K, INTERPRET)  # [BLOCK_T]
     else:
@@ -331,8 +347,11 @@ def _gemv_kernel(
             a_mask = t_mask[:, None]
         else:
             a_mask = t_mask[:, None] & (k < K)[None, :]
-        a = _residual_sum_tile(x_ptr, res_ptr, t, k, a_mask, stride_xt, stride_rt, HAS_RESIDUAL,
-                               INTERPRET)  # [BLOCK_T, BLOCK_K]
+        if ONE_TILE:
+            a = h_row
+        else:
+            a = _residual_sum_tile(x_ptr, res_ptr, t, k, a_mask, stride_xt, stride_rt, HAS_RESIDUAL,
+                                   INTERPRET)  # [BLOCK_T, BLOCK_K]
         if HAS_RESIDUAL:
             if pid_n == 0:  # one program column writes the new residual stream [T, K]
                 tl.store(res_out_ptr + t.to(tl.int64)[:, None] * K + k[None, :], a, mask=a_mask)
@@ -465,6 +484,7 @@ def _launch(
         DOT_PRECISION="ieee" if dtype == torch.float32 or interpret else "tf32",
         INTERPRET=interpret,
         PDL=pdl,
+        ONE_TILE=cfg.row_once and norm_weight is not None and split_k == 1 and k_split == block_k == norm_block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=True,  # explicit: Triton's default differs between releases

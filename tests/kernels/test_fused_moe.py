@@ -131,7 +131,12 @@ def test_gemv_atomic_keeps_float32_sums(seed, T, H, k, dtype) -> None:
     rounded = fused_moe_triton(hidden, w13, w2, weights, ids, cfg)
     assert rounded.dtype == dtype
     torch.testing.assert_close(rounded, kept.to(dtype), **({"rtol": 8e-3, "atol": 1e-5} if ON_CUDA else same))
-    # other reductions ignore keep_float32: their sums are rounded in the launch that makes them
+    # the tile path's atomic sums (zeroed by a memset there) are kept too; other reductions ignore keep_float32:
+    # their sums are rounded in the launch that makes them
+    tile = fused_moe_triton(hidden, w13, w2, weights, ids, TILE_ATOMIC, keep_float32=True)
+    assert tile.dtype == torch.float32
+    torch.testing.assert_close(tile.to(dtype), fused_moe_triton(hidden, w13, w2, weights, ids, TILE_ATOMIC),
+                               **({"rtol": 8e-3, "atol": 1e-5} if ON_CUDA else same))  # fmt: skip
     assert fused_moe_triton(hidden, w13, w2, weights, ids, GEMV_SUM, keep_float32=True).dtype == dtype
 
 

@@ -711,8 +711,10 @@ def _fused_moe_tile(
     topk_ids: torch.Tensor,
     cfg: Config,
     out_dtype: torch.dtype,
+    keep_float32: bool = False,
 ) -> torch.Tensor:
-    """tile path: align token-slots by expert, then two grouped GEMMs over M-blocks."""
+    """tile path: align token-slots by expert, then two grouped GEMMs over M-blocks; with reduce "atomic" and
+    ``keep_float32`` the float32 sums are returned unrounded."""
     T, H = hidden.shape
     E = w13.table.shape[0] if w13.indirect else w13.tensor.shape[0]
     k = topk_ids.shape[1]
@@ -745,7 +747,7 @@ def _fused_moe_tile(
         w_desc=_weight_descriptor(w2, bn2, bk2) if tma else None, TMA=tma,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
-    return _finish(acc, T, k, H, atomic, out_dtype)
+    return acc if atomic and keep_float32 else _finish(acc, T, k, H, atomic, out_dtype)
 
 
 def run_fused_moe(
@@ -762,12 +764,12 @@ def run_fused_moe(
 ) -> torch.Tensor:
     """Runs the path the config names; x [T, H] already in the weights' dtype, ids int32 and contiguous. With
     ``staged`` (the gemv path only overlaps it; the tile path waits first), see StagedPairs. ``keep_float32``: the
-    gemv path's atomic reduce returns its float32 sums unrounded (fused_moe_triton's)."""
+    atomic reduce returns its float32 sums unrounded (fused_moe_triton's)."""
     if cfg["path"] == "gemv":
         return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged, keep_float32)
     if staged is not None:
         staged.wait()
-    return _fused_moe_tile(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype)
+    return _fused_moe_tile(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, keep_float32)
 
 
 def fused_moe_triton(
@@ -782,8 +784,8 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
     ``num_experts``: the layer's expert count, which picks the tuned tables, where w13 and w2 stack another number
-    of experts (a slot pool). ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer zeroed by GEMM 1
-    (the gemv path's "atomic" reduce) returns that buffer as it is, float32 [T, H], for a consumer that rounds it."""
+    of experts (a slot pool). ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer (reduce "atomic";
+    on the gemv path GEMM 1 zeroes it) returns that buffer as it is, float32 [T, H], for a consumer that rounds it."""
     T, H = hidden.shape
     E, two_i, h_w = w13.shape
     I = two_i // 2  # noqa: E741

@@ -57,6 +57,14 @@ def zero_slice(ptr, n, BLOCK: tl.constexpr):
     tl.store(ptr + offs, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=offs < n)
 
 
+def zeroed_by_gemm1(T: int, H: int, grid1: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, dict]:
+    """A float32 [T, H] for GEMM 2's atomic adds, uninitialised, and the GEMM 1 launch arguments (zero_ptr, zero_n,
+    ZERO_BLOCK) by which the programs of grid1 zero it, zero_slice's slices covering it."""
+    out = torch.empty(T, H, dtype=torch.float32, device=device)  # [T, H]
+    block = triton.next_power_of_2(triton.cdiv(T * H, grid1[0] * grid1[1]))
+    return out, {"zero_ptr": out, "zero_n": T * H, "ZERO_BLOCK": block}
+
+
 @triton.jit
 def _tile_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Consecutive programs walk GROUP_M M-blocks (usually one expert) before moving to the next N band,
@@ -642,9 +650,7 @@ def _fused_moe_gemv(
     bn1, bk1 = cfg["BLOCK_N"], cfg["BLOCK_K"]
     pdl = pdl_mode(hidden.device, T)
     grid1 = (pairs, triton.cdiv(I, bn1))
-    acc = torch.empty(T, H, dtype=torch.float32, device=hidden.device) if atomic else None  # [T, H], see zero
-    zero = {"zero_ptr": acc, "zero_n": T * H,
-            "ZERO_BLOCK": triton.next_power_of_2(triton.cdiv(T * H, grid1[0] * grid1[1]))} if atomic else {}
+    acc, zero = zeroed_by_gemm1(T, H, grid1, hidden.device) if atomic else (None, {})  # [T, H]
     # with staged pairs: those on the device first, then (once their copy is done) the staged ones
     for part in (0,) if staged is None else (1, 2):
         if part == 2:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
-from moerun.kernels.rmsnorm import round_to
+from moerun.kernels.rmsnorm import norm_dtype, residual_sum, round_to
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
 
@@ -215,10 +215,7 @@ def _residual_sum_tile(x_ptr, res_ptr, t, k, mask, stride_xt, stride_rt, HAS_RES
     t64 = t.to(tl.int64)
     h = tl.load(x_ptr + t64[:, None] * stride_xt + k[None, :], mask=mask, other=0.0)  # [BLOCK_T, BLOCK_K]
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + t64[:, None] * stride_rt + k[None, :], mask=mask, other=0.0)
-        if h.dtype != r.dtype:
-            h = round_to(h.to(tl.float32), r.dtype, INTERPRET)
-        h = round_to(h.to(tl.float32) + r.to(tl.float32), r.dtype, INTERPRET)
+        h = residual_sum(h, tl.load(res_ptr + t64[:, None] * stride_rt + k[None, :], mask=mask, other=0.0), INTERPRET)
     return h
 
 
@@ -508,8 +505,7 @@ def _check(
     N = weight.shape[0]
     if T > MAX_TOKENS:
         raise ValueError(f"gemv: at most {MAX_TOKENS} tokens (the token tile is one block), got T={T}")
-    sums = residual is not None and x.dtype == torch.float32 and residual.dtype != torch.float32
-    dtype = residual.dtype if sums else x.dtype  # the model's dtype
+    dtype = norm_dtype(x, residual)  # the model's
     if dtype not in SUPPORTED_DTYPES or weight.dtype != dtype:
         raise ValueError(f"gemv: x and weight must share a dtype of {SUPPORTED_DTYPES}, got {x.dtype}, {weight.dtype}")
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):

@@ -92,12 +92,17 @@ def _added_row(x_ptr, res_ptr, row, cols, stride_x, stride_r, H: tl.constexpr, H
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # in x's dtype
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        if x.dtype != r.dtype:
-            x = round_to(x.to(tl.float32), r.dtype, INTERPRET)
-        # torch adds in float32 and rounds once to x's dtype
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, INTERPRET)
+        x = residual_sum(x, tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0), INTERPRET)
     return x
+
+
+@triton.jit
+def residual_sum(x, r, INTERPRET: tl.constexpr):
+    """x + r in r's dtype, added in float32 and rounded once as torch does; float32 x beside a 16-bit r (an MoE's
+    unrounded slot sums) is first rounded to r's dtype, as the unfused path's cast rounds it."""
+    if x.dtype != r.dtype:
+        x = round_to(x.to(tl.float32), r.dtype, INTERPRET)
+    return round_to(x.to(tl.float32) + r.to(tl.float32), r.dtype, INTERPRET)
 
 
 @triton.jit
@@ -139,6 +144,12 @@ def _rms_norm_kernel(
         quantize_store_row(out.to(tl.float32), BLOCK_H, 0, xq_ptr, dx_ptr, xs_ptr, row, K_PAD, K_PAD)
 
 
+def norm_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    """The dtype a norm of x (+ residual) computes in and returns: x's, or the residual's where x is float32 beside
+    it (an MoE's unrounded slot sums)."""
+    return residual.dtype if residual is not None and x.dtype == torch.float32 else x.dtype
+
+
 def check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Raises unless x [T, H], weight [H] and residual [T, H] (or None) are what a kernel normalising whole rows in
     registers takes: one dtype (x may also be float32 beside a residual: an MoE's unrounded sums), H at most
@@ -146,7 +157,7 @@ def check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     H = x.shape[1]
-    dtype = residual.dtype if residual is not None and x.dtype == torch.float32 else x.dtype
+    dtype = norm_dtype(x, residual)
     if weight.shape != (H,) or weight.dtype != dtype:
         raise ValueError(f"norm weight must be [{H}] of {dtype}, got {tuple(weight.shape)} of {weight.dtype}")
     if H > MAX_HIDDEN:

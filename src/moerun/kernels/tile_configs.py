@@ -10,8 +10,8 @@ A config is a dict with keys:
               (the last, partly filled block of an expert's run) runs as a TAIL_M-row tile in both GEMMs
   tma         tile path: the weight tiles of both GEMMs come by the tensor memory accelerator (tensor descriptors;
               stacked weights on a Hopper-class GPU or in the interpreter, else ignored)
-  reduce      "atomic" (fp32 atomic adds into [T, H]; on the gemv path GEMM 1 zeroes it, and fused_moe_triton's
-              keep_float32 returns it unrounded), "sum" (write [T*k, H] fp32, then sum the k slots), on the
+  reduce      "atomic" (fp32 atomic adds into [T, H], returned unrounded under fused_moe_triton's keep_float32;
+              on the gemv path GEMM 1 zeroes it), "sum" (write [T*k, H] fp32, then sum the k slots), on the
               tile path "sum_out" (as "sum", the rows rounded to the output dtype: half the bytes to write and to
               read back in 16-bit models) or, on the gemv path only, "fused" (GEMM2 runs per (token, N-tile) and
               sums the k slots in registers)

@@ -61,11 +61,10 @@ def rms_norm_linear(
     beside a 16-bit residual (an MoE's unrounded slot sums), rounded to the residual's dtype first.
     """
     T = x.shape[0]
-    # x may be an MoE's float32 sums beside a 16-bit residual: the GEMV's kernel rounds them as the norm does
-    sums = residual is not None and x.dtype != residual.dtype
-    if _pick(backend, residual if sums else x, weight, T) == "torch":
-        normed, new_residual = rms_norm(x.to(residual.dtype) if sums else x, norm_weight, eps, residual,
-                                        backend=backend)  # fmt: skip
+    # x may be an MoE's float32 sums beside a 16-bit residual: both norms round them first (the residual gives the
+    # model's dtype)
+    if _pick(backend, x if residual is None else residual, weight, T) == "torch":
+        normed, new_residual = rms_norm(x, norm_weight, eps, residual, backend=backend)
         return linear(normed, weight, bias, backend=backend), new_residual
     from moerun.kernels.gemv import rms_norm_linear_triton
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import _silu_mul, zero_slice
+from moerun.kernels.fused_moe import _silu_mul, zero_slice, zeroed_by_gemm1
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
@@ -666,9 +666,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     pdl = quant_pdl_mode(x.device, T)
     grid1 = (slots, triton.cdiv(I, bn1))
     pairs2 = cfg.get("sum2") == "atomic"
-    out = torch.empty(T, H, dtype=torch.float32, device=x.device) if pairs2 else None  # [T, H], zeroed by GEMM 1
-    zero = {"zero_ptr": out, "zero_n": T * H,
-            "ZERO_BLOCK": triton.next_power_of_2(triton.cdiv(T * H, grid1[0] * grid1[1]))} if pairs2 else {}
+    out, zero = zeroed_by_gemm1(T, H, grid1, x.device) if pairs2 else (None, {})  # [T, H]
     _gemm1_v2_kernel[grid1](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,

@@ -17,6 +17,10 @@ dense GEMV table of DEVICE as MOERUN_GEMV_CONFIG_DIR):
 
     python benchmarks/bench_decode_variants.py --tables-from NVIDIA_H200 --variant base \
         --variant n16:moe.1.BLOCK_N2=16,moe.1.reduce=atomic --variant base
+
+An assignment gemv.NxK.T.KEY=VALUE changes the dense GEMV table's entry for an [N, K] weight at T tokens the
+same way (e.g. gemv.5120x2048.1.row_once=true, the q|k|v projection of Qwen3-30B-A3B at one token), and
+qgemv.NxK.M.KEY=VALUE the quantized matmul table's entries of [N, K] parts of any type at M rows.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from moerun.bench.profile import replay_ms
 from moerun.bench.run import _preset_model
 from moerun.config import ModelConfig
 from moerun.kernels.gemv import table_path as gemv_table_path
+from moerun.kernels.quant.configs import matmul_table_path
 from moerun.kernels.tile_configs import CONFIG_DIR, device_name
 from moerun.models.presets import preset_config
 from moerun.models.tiny import qwen3_tokenizer_dir
@@ -54,30 +59,61 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def table_overrides(env: dict[str, str]) -> tuple[dict[str, str], dict[int, dict[str, Any]]]:
-    """A variant's assignments split into environment variables and MoE table entries ({M: {KEY: value}}, from
-    moe.M.KEY=VALUE; values as JSON where they parse, e.g. 16 or true, else strings)."""
+Entries = dict[Any, dict[str, Any]]
+
+
+def _json_value(text: str) -> Any:
+    """A table value as JSON where it parses (16, true), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def table_overrides(env: dict[str, str]) -> tuple[dict[str, str], Entries, Entries]:
+    """A variant's assignments split into environment variables, MoE table entries ({M: {KEY: value}}, from
+    moe.M.KEY=VALUE) and dense matmul table entries ({(table, N, K, T): {KEY: value}}, from gemv.NxK.T.KEY=VALUE,
+    table "gemv", and qgemv.NxK.M.KEY=VALUE, table "quant_gemv")."""
     plain: dict[str, str] = {}
-    entries: dict[int, dict[str, Any]] = {}
+    moe: Entries = {}
+    gemv: Entries = {}
     for key, text in env.items():
-        if not key.startswith("moe."):
+        kind, _, rest = key.partition(".")
+        if kind == "moe":
+            m, _, field = rest.partition(".")
+            if not m.isdigit() or not field:
+                raise ValueError(f"{key!r}: expected moe.M.KEY, M a token count")
+            moe.setdefault(int(m), {})[field] = _json_value(text)
+        elif kind in ("gemv", "qgemv"):
+            shape, _, rest = rest.partition(".")
+            t, _, field = rest.partition(".")
+            n, _, k = shape.partition("x")
+            if not (n.isdigit() and k.isdigit() and t.isdigit() and field):
+                raise ValueError(f"{key!r}: expected {kind}.NxK.T.KEY, e.g. {kind}.5120x2048.1.block_n")
+            table = "gemv" if kind == "gemv" else "quant_gemv"
+            gemv.setdefault((table, int(n), int(k), int(t)), {})[field] = _json_value(text)
+        else:
             plain[key] = text
-            continue
-        _, m, field = (key.split(".", 2) + ["", ""])[:3]
-        if not m.isdigit() or not field:
-            raise ValueError(f"{key!r}: expected moe.M.KEY, M a token count")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        entries.setdefault(int(m), {})[field] = value
-    return plain, entries
+    return plain, moe, gemv
 
 
-def write_tables(folder: Path, source: str, device: str, entries: dict[int, dict[str, Any]]) -> Path:
+def _update_gemv_table(name: str, table: dict, entries: Entries) -> set:
+    """Each (name, N, K, T) entry of ``entries`` merged into the table's entries of that weight shape (any dtype or
+    quant type); returns the entries it found."""
+    found = set()
+    for (table_name, n, k, t), fields in entries.items():
+        for key, by_t in table.items():
+            shape = dict(item.partition("=")[::2] for item in key.split(","))
+            if table_name == name and (shape.get("N"), shape.get("K")) == (str(n), str(k)) and str(t) in by_t:
+                by_t[str(t)].update(fields)
+                found.add((table_name, n, k, t))
+    return found
+
+
+def write_tables(folder: Path, source: str, device: str, entries: Entries, gemv_entries: Entries | None = None) -> Path:
     """The MoE tables shipped for device ``source``, copied into folder under ``device``'s name with each entry M of
-    ``entries`` updated (in every table that has one), and source's dense GEMV table beside them. Raises where an
-    updated M is in none of them."""
+    ``entries`` updated (in every table that has one), and source's dense GEMV table beside them with
+    ``gemv_entries`` updated. Raises where an updated M or (N, K, T) is in none of them."""
     folder.mkdir(parents=True, exist_ok=True)
     updated = set()
     for path in sorted(CONFIG_DIR.glob(f"*device={source}.json")):
@@ -89,21 +125,28 @@ def write_tables(folder: Path, source: str, device: str, entries: dict[int, dict
         (folder / path.name.replace(f"device={source}", f"device={device}")).write_text(json.dumps(table, indent=1))
     if set(entries) - updated:
         raise ValueError(f"no MoE table of {source} has an entry for M = {sorted(set(entries) - updated)}")
-    if gemv_table_path(source).is_file():
-        (folder / gemv_table_path(device).name).write_text(gemv_table_path(source).read_text())
+    found = set()
+    for name, path in (("gemv", gemv_table_path(source)), ("quant_gemv", matmul_table_path(source))):
+        if path.is_file():
+            table = json.loads(path.read_text())
+            found |= _update_gemv_table(name, table, gemv_entries or {})
+            (folder / path.name.replace(source, device)).write_text(json.dumps(table, indent=1))
+    missing = set(gemv_entries or {}) - found
+    if missing:
+        raise ValueError(f"the matmul tables of {source} have no entry for (table, N, K, T) = {sorted(missing)}")
     return folder
 
 
 def variant_env(name: str, env: dict[str, str], tables_from: str | None, device: str, folder: Path) -> dict[str, str]:
     """The environment of one variant: its variables, and where it changes MoE table entries or takes another
     device's tables, ``folder`` with its own tables."""
-    plain, entries = table_overrides(env)
-    if not entries and tables_from is None:
+    plain, entries, gemv_entries = table_overrides(env)
+    if not entries and not gemv_entries and tables_from is None:
         return plain
     if {"MOERUN_MOE_CONFIG_DIR", "MOERUN_GEMV_CONFIG_DIR"} & set(plain):
-        raise ValueError(f"variant {name!r}: moe.M.KEY assignments and --tables-from set the config folders "
-                         "themselves")  # fmt: skip
-    write_tables(folder, tables_from or device, device, entries)
+        raise ValueError(f"variant {name!r}: moe.M.KEY / gemv.NxK.T.KEY assignments and --tables-from set the "
+                         "config folders themselves")  # fmt: skip
+    write_tables(folder, tables_from or device, device, entries, gemv_entries)
     return {**plain, "MOERUN_MOE_CONFIG_DIR": str(folder), "MOERUN_GEMV_CONFIG_DIR": str(folder)}
 
 
@@ -118,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
     p.add_argument("--layers", type=int, help="use only this many layers of the preset")
     p.add_argument("--quant", help="a GGUF file type's quant mix (random valid blocks); default bf16")
     p.add_argument("--variant", action="append", required=True,
-                   help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]; VAR may be moe.M.KEY (a MoE table entry's key)")
+                   help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]; VAR may be moe.M.KEY (a MoE table entry's key) "
+                        "or gemv.NxK.T.KEY (a dense GEMV table entry's)")
     p.add_argument("--tables-from", metavar="DEVICE",
                    help="every variant runs on the tables shipped for DEVICE (e.g. NVIDIA_H200), renamed for this one")
     p.add_argument("--prompt-len", type=int, default=512)

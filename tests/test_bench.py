@@ -181,11 +181,15 @@ def test_decode_variants_table_entries(tmp_path, monkeypatch):
     from moerun.kernels.tile_configs import CONFIG_DIR
 
     script = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_decode_variants.py"))
-    plain, entries = script["table_overrides"]({"MOERUN_PDL": "0", "moe.1.BLOCK_N2": "16", "moe.1.reduce": "atomic",
-                                                "moe.4.x_q8": "true"})  # fmt: skip
+    plain, entries, gemv = script["table_overrides"]({"MOERUN_PDL": "0", "moe.1.BLOCK_N2": "16",
+                                                      "moe.1.reduce": "atomic", "moe.4.x_q8": "true",
+                                                      "gemv.5120x2048.1.row_once": "true"})  # fmt: skip
     assert plain == {"MOERUN_PDL": "0"} and entries == {1: {"BLOCK_N2": 16, "reduce": "atomic"}, 4: {"x_q8": True}}
+    assert gemv == {("gemv", 5120, 2048, 1): {"row_once": True}}
     with pytest.raises(ValueError, match="moe.M.KEY"):
         script["table_overrides"]({"moe.one.BLOCK_N2": "16"})
+    with pytest.raises(ValueError, match="gemv.NxK.T.KEY"):
+        script["table_overrides"]({"gemv.5120.1.row_once": "true"})
     env = script["variant_env"]("n16", {"moe.1.BLOCK_N2": "16"}, "NVIDIA_H200", "MY_GPU", tmp_path / "n16")
     assert env == {"MOERUN_MOE_CONFIG_DIR": str(tmp_path / "n16"), "MOERUN_GEMV_CONFIG_DIR": str(tmp_path / "n16")}
     shipped = sorted(CONFIG_DIR.glob("*device=NVIDIA_H200.json"))
@@ -195,6 +199,23 @@ def test_decode_variants_table_entries(tmp_path, monkeypatch):
         copy = json.loads((tmp_path / "n16" / path.name.replace("NVIDIA_H200", "MY_GPU")).read_text())
         assert copy == {m: ({**cfg, "BLOCK_N2": 16} if m == "1" else cfg) for m, cfg in table.items()}
     assert (tmp_path / "n16" / "gemv_MY_GPU.json").is_file()
+    # gemv.NxK.T.KEY: the dense GEMV table's entry of that weight shape at T tokens, the others as shipped
+    script["variant_env"]("ro", {"gemv.5120x2048.1.row_once": "true", "gemv.5120x2048.1.block_n": "4"}, "NVIDIA_H200",
+                          "MY_GPU", tmp_path / "ro")  # fmt: skip
+    shipped_gemv = json.loads((CONFIG_DIR / "gemv_NVIDIA_H200.json").read_text())
+    copy = json.loads((tmp_path / "ro" / "gemv_MY_GPU.json").read_text())
+    key = "N=5120,K=2048,dtype=bfloat16"
+    assert copy[key]["1"] == {**shipped_gemv[key]["1"], "row_once": True, "block_n": 4}
+    assert {k: v for k, v in copy.items() if k != key} == {k: v for k, v in shipped_gemv.items() if k != key}
+    with pytest.raises(ValueError, match="no entry"):
+        script["variant_env"]("g", {"gemv.7x7.1.block_n": "4"}, "NVIDIA_H200", "MY_GPU", tmp_path / "g")
+    # qgemv.NxK.M.KEY: the quantized matmul table's entries of that shape, whatever their type
+    script["variant_env"]("q", {"qgemv.2048x4096.1.num_warps": "2"}, "NVIDIA_H200", "MY_GPU", tmp_path / "q")
+    shipped_q = json.loads((CONFIG_DIR / "quant_gemv_NVIDIA_H200.json").read_text())
+    copy = json.loads((tmp_path / "q" / "quant_gemv_MY_GPU.json").read_text())
+    key = "type=Q4_K,N=2048,K=4096"
+    assert copy[key]["1"] == {**shipped_q[key]["1"], "num_warps": 2} and copy[key]["1"]["num_warps"] == 2
+    assert {k: v for k, v in copy.items() if k != key} == {k: v for k, v in shipped_q.items() if k != key}
     assert script["variant_env"]("plain", {"MOERUN_PDL": "0"}, None, "MY_GPU", tmp_path / "p") == {"MOERUN_PDL": "0"}
     with pytest.raises(ValueError, match="M = \\[3\\]"):
         script["variant_env"]("m3", {"moe.3.BLOCK_N2": "16"}, "NVIDIA_H200", "MY_GPU", tmp_path / "m3")

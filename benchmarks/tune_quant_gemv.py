@@ -31,8 +31,8 @@ from moerun.bench.timing import add_tuner_arguments, graph_replay, median_ms, me
 from moerun.formats.quants import QuantType
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.configs import (
+    clear_matmul_configs,
     default_matmul_config,
-    get_matmul_config,
     load_matmul_table,
     matmul_key,
     matmul_table_path,
@@ -174,8 +174,7 @@ def compact(cfg: Config) -> str:
 def write_table(entries: dict[str, dict[int, Config]], out_dir: Path) -> Path:
     """Merge entries into the device's table (keeping parts and M buckets not re-tuned); returns its path."""
     path = merge_table(matmul_table_path(device_name(), out_dir), entries)
-    load_matmul_table.cache_clear()
-    get_matmul_config.cache_clear()
+    clear_matmul_configs()
     return path
 
 

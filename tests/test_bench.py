@@ -125,8 +125,8 @@ def test_int8_roundings_tell_few_tokens_from_many(monkeypatch, request):
     from moerun.ops.quant import int8_roundings, pack_model
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    configs.get_matmul_config.cache_clear()  # memoised: cleared before and after
-    request.addfinalizer(configs.get_matmul_config.cache_clear)
+    configs.clear_matmul_configs()  # memoised: cleared before and after
+    request.addfinalizer(configs.clear_matmul_configs)
 
     cfg = preset_config("tiny")
     cfg["torch_dtype"] = "float32"

@@ -174,8 +174,7 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
                                                               configs.matmul_key("Q6_K", 64, 512): {"512": tile}}))
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    configs.load_matmul_table.cache_clear()
-    configs.get_matmul_config.cache_clear()
+    configs.clear_matmul_configs()
     try:
         assert configs.get_matmul_config("Q4_K", 64, 256, 1, "FAKE") == tuned
         assert configs.get_matmul_config("Q4_K", 64, 256, 2, "FAKE") == tuned
@@ -188,6 +187,15 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
         for m in (1, 8, 127, 513):
             assert configs.get_matmul_config("Q6_K", 64, 512, m, "FAKE") == \
                 configs.default_matmul_config(m, 64, False, "Q6_K")
+        # a table of one's own in MOERUN_GEMV_CONFIG_DIR replaces the parts it holds, the others stay shipped
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "quant_gemv_FAKE.json").write_text(json.dumps({configs.matmul_key("Q4_K", 64, 256): {"2": tile}}))
+        monkeypatch.setenv("MOERUN_GEMV_CONFIG_DIR", str(mine))
+        assert configs.get_matmul_config("Q4_K", 64, 256, 1, "FAKE") == tile
+        assert configs.get_matmul_config("Q6_K", 64, 512, 300, "FAKE") == tile
+        monkeypatch.delenv("MOERUN_GEMV_CONFIG_DIR")
+        assert configs.get_matmul_config("Q4_K", 64, 256, 1, "FAKE") == tuned
         # the MoE table of decode buckets says nothing about prefill sizes
         moe = {"1": {**tuned, "BLOCK_N2": 4, "BLOCK_K2": 256}, "8": {**tuned, "BLOCK_N2": 8, "BLOCK_K2": 256}}
         (tmp_path / configs.moe_config_file_name("Q4_K", 4, 256, 64, "FAKE")).write_text(json.dumps(moe))
@@ -208,8 +216,7 @@ def test_tuned_tables_cover_only_their_buckets(monkeypatch, tmp_path) -> None:
         monkeypatch.delenv("MOERUN_MOE_CONFIG_DIR")
         assert configs.get_moe_config("Q4_K", 4, 256, 64, 8, 2, "FAKE")["BLOCK_N2"] == 8
     finally:
-        configs.load_matmul_table.cache_clear()
-        configs.get_matmul_config.cache_clear()
+        configs.clear_matmul_configs()
         configs.load_moe_table.cache_clear()
 
 
@@ -222,8 +229,8 @@ def test_shipped_tables_round_every_batch_as_its_graph_bucket(monkeypatch, reque
     from moerun.kernels.quant import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    configs.get_matmul_config.cache_clear()  # memoised: cleared before and after
-    request.addfinalizer(configs.get_matmul_config.cache_clear)
+    configs.clear_matmul_configs()  # memoised: cleared before and after
+    request.addfinalizer(configs.clear_matmul_configs)
     names = sorted(p.name for p in configs.CONFIG_DIR.glob("quant_Q*_E=*.json"))
     assert names, "no shipped quantized MoE tables"
     for name in names:

@@ -200,23 +200,36 @@ def matmul_key(qtype: str, n: int, k: int) -> str:
 
 
 @functools.cache
-def load_matmul_table(device: str) -> dict[str, dict[int, Config]]:
-    """The device's tuned dense quantized matmul table ({} when none was shipped)."""
-    path = matmul_table_path(device)
-    if not path.is_file():
-        return {}
-    with path.open() as f:
-        raw = json.load(f)
-    return {key: {int(m): dict(cfg) for m, cfg in by_m.items()} for key, by_m in raw.items()}
+def load_matmul_table(device: str, user_dir: str | None = None) -> dict[str, dict[int, Config]]:
+    """The device's tuned dense quantized matmul table ({} when none was shipped); with user_dir, the parts its
+    table holds replace the shipped entries (MOERUN_GEMV_CONFIG_DIR, the folder of the dense GEMV tables)."""
+    table: dict[str, dict[int, Config]] = {}
+    for path in [matmul_table_path(device)] + ([matmul_table_path(device, Path(user_dir))] if user_dir else []):
+        if path.is_file():
+            with path.open() as f:
+                raw = json.load(f)
+            table.update({key: {int(m): dict(cfg) for m, cfg in by_m.items()} for key, by_m in raw.items()})
+    return table
+
+
+def get_matmul_config(qtype: str, n: int, k: int, m: int, device: str | None = None) -> Config:
+    """Tuned config of one weight part [n, k] of type qtype at m rows of x: the smallest tuned M bucket >= m when
+    it is at most 4 m (so a prefill bucket never serves a few decode rows), else default_matmul_config. A table
+    in the folder MOERUN_GEMV_CONFIG_DIR names comes first."""
+    return _matmul_config(qtype, n, k, m, device, os.environ.get("MOERUN_GEMV_CONFIG_DIR"))
+
+
+def clear_matmul_configs() -> None:
+    """Forgets the memoised matmul tables and configs (after a table was written, e.g. by the tuner)."""
+    load_matmul_table.cache_clear()
+    _matmul_config.cache_clear()
 
 
 @functools.cache
-def get_matmul_config(qtype: str, n: int, k: int, m: int, device: str | None = None) -> Config:
-    """Tuned config of one weight part [n, k] of type qtype at m rows of x: the smallest tuned M bucket >= m when
-    it is at most 4 m (so a prefill bucket never serves a few decode rows), else default_matmul_config.
-    Memoised: every quantized projection asks on every call."""
+def _matmul_config(qtype: str, n: int, k: int, m: int, device: str | None, user_dir: str | None) -> Config:
+    """get_matmul_config, memoised: every quantized projection asks on every call."""
     if not interpreting():
-        by_m = load_matmul_table(device or _current_device_name()).get(matmul_key(qtype, n, k), {})
+        by_m = load_matmul_table(device or _current_device_name(), user_dir).get(matmul_key(qtype, n, k), {})
         fits = [b for b in by_m if m <= b <= 4 * m]
         if fits:
             return by_m[min(fits)]

@@ -123,3 +123,62 @@ def test_default_is_off_only_behind_an_expert_cache_the_host_fills() -> None:
     assert admits_between_steps(model)
     model.__dict__["expert_offload"] = SimpleNamespace(slots_per_layer=3, device_admission=True)
     assert not admits_between_steps(model)
+
+
+class _EagerReplay:
+    """Stands in for a decode graph of b rows on the CPU: replay() runs what capture records, eagerly, on the
+    runner's static buffers (the same forward, logits and greedy_pick into its inputs)."""
+
+    def __init__(self, runner, b: int) -> None:
+        self.runner, self.b = runner, b
+
+    def replay(self) -> None:
+        r = self.runner
+        r._forward_into_logits(r._inputs.input_ids[: self.b], r._inputs.batch(self.b), self.b)
+
+
+def _graphs_emulated(llm, monkeypatch) -> list[int]:
+    """llm's runner with MOERUN_GRAPH_PICKS decode "graphs" replayed eagerly; returns the list continue_decode
+    appends each continued step's row count to."""
+    from moerun.engine.static_inputs import StaticInputs
+
+    runner = llm.engine.runner
+    n = runner.buckets[-1]
+    runner._inputs = StaticInputs(n, runner.cache)
+    runner._logits = torch.zeros(n, llm.engine.model.config.vocab_size)
+    runner.graphs = {b: _EagerReplay(runner, b) for b in runner.buckets}
+    runner.picks_in_graph = True
+    continued: list[int] = []
+    real = runner.continue_decode
+
+    def counting(B: int) -> torch.Tensor:
+        continued.append(B)
+        return real(B)
+
+    monkeypatch.setattr(runner, "continue_decode", counting)
+    return continued
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_steps_continue_in_the_graph(tiny_checkpoint, pair, rows, monkeypatch):
+    # MOERUN_GRAPH_PICKS: a greedy step that continues every row of the last replay replays with nothing copied in
+    # (the graph wrote its tokens as the next inputs and moved positions and lengths on); same tokens, same ends
+    llm = LLM(str(tiny_checkpoint), async_scheduling=True, device="cpu", max_model_len=96, max_num_seqs=3,
+              max_num_batched_tokens=64)  # fmt: skip
+    continued = _graphs_emulated(llm, monkeypatch)
+    rng = random.Random()
+    prompts = _prompts(rng, rows)
+    params = [SamplingParams(max_tokens=rng.randrange(6, 14), temperature=0) for _ in prompts]
+    _same(llm.generate(prompts, params), pair[1].generate(prompts, params))
+    assert continued, "no step continued in the graph"
+    # a sampled row in the batch: its steps go through the sampler and the host's inputs; only the greedy rows left
+    # after it ends may continue
+    continued.clear()
+    params[0] = SamplingParams(max_tokens=10, temperature=0.8, seed=5)
+    _same(llm.generate(prompts, params), pair[1].generate(prompts, params))
+    assert all(b < rows for b in continued), continued
+    # more prompts than slots: prefills interleave with continued steps, near the context's end too
+    prompts = _prompts(rng, 5) + [[rng.randrange(1000, 20000) for _ in range(88)]]
+    params = [SamplingParams(max_tokens=rng.randrange(2, 12), temperature=0) for _ in prompts]
+    _same(llm.generate(prompts, params), pair[1].generate(prompts, params))
+    assert llm.engine.cache.num_free == 3 and not llm.engine.has_work

@@ -152,3 +152,23 @@ def test_decode_qk_inside_attention_gives_the_same_tokens(tokenizer, monkeypatch
                        [o.token_ids for o in llm.generate(prompts, params)])
         del llm
     assert outs["0"] == outs["1"]
+
+
+def test_greedy_steps_continued_in_the_graph_give_the_eager_tokens(tokenizer, monkeypatch):
+    # MOERUN_GRAPH_PICKS=1 (read at capture): the graphs end in ops.greedy_pick, and a greedy step that continues
+    # the last replay's rows replays with nothing copied in
+    model = small_model(seed=4)
+    monkeypatch.setenv("MOERUN_GRAPH_PICKS", "1")
+    graphed = LLM.from_model(model, tokenizer, max_model_len=256, max_num_seqs=8, cuda_graphs=True)
+    eager = LLM.from_model(model, tokenizer, max_model_len=256, max_num_seqs=8, cuda_graphs=False)
+    runner = graphed.engine.runner
+    assert runner.picks_in_graph and graphed.engine.async_scheduling
+    continued = []
+    real = runner.continue_decode
+    monkeypatch.setattr(runner, "continue_decode", lambda B: continued.append(B) or real(B))
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, detokenize=False)
+    for batch in (1, 3, 8):
+        prompts = [[random.randrange(150000) for _ in range(random.randint(3, 40))] for _ in range(batch)]
+        for x, y in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
+            assert x.token_ids == y.token_ids
+    assert 1 in continued and 8 in continued and 3 not in continued  # 3 rows replay the graph of 4

@@ -85,6 +85,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe import fused_moe_triton
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
+    from moerun.kernels.greedy_pick import greedy_pick_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, GroupBlocks, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
@@ -304,6 +305,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         "q/k norm + RoPE + cache write": lambda: qk_norm_rope_write_triton(
             qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin,
             torch.zeros(1, dtype=torch.int64), slots, k_cache, v_cache, n_q, n_kv),
+        "greedy pick with the rows advanced": lambda: greedy_pick_triton(
+            torch.randn(2, 9000, dtype=bf16), torch.empty(2, 9000), torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), 64),
         "stage missed experts": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table)),

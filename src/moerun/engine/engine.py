@@ -140,19 +140,32 @@ class Engine:
         launched = None
         if launch:
             source_rows = [rows.get(id(s), -1) for s in launch]
-            host_ids = [0 if r >= 0 else s.token_slice(s.num_computed, 1)[0] for s, r in zip(launch, source_rows)]
-            batch = ForwardBatch.build([s.num_computed for s in launch], [1] * len(launch), [s.slot for s in launch],
-                                       self.device)
-            input_ids = next_input_ids(host_ids, source_rows, pending, self.device)
-            for seq in launch:
-                seq.num_computed += 1
-            logits = self.runner.decode(input_ids, batch)  # [B, V]
+            if self._continues_in_graph(launch, source_rows):
+                for seq in launch:
+                    seq.num_computed += 1
+                picks = self.runner.continue_decode(len(launch))  # [B]
+            else:
+                host_ids = [0 if r >= 0 else s.token_slice(s.num_computed, 1)[0] for s, r in zip(launch, source_rows)]
+                batch = ForwardBatch.build([s.num_computed for s in launch], [1] * len(launch),
+                                           [s.slot for s in launch], self.device)  # fmt: skip
+                input_ids = next_input_ids(host_ids, source_rows, pending, self.device)
+                for seq in launch:
+                    seq.num_computed += 1
+                logits = self.runner.decode(input_ids, batch)  # [B, V]
+                picks = self.sampler.pick(logits, launch)  # [B]
             buffer = self._host_ids[self._next_buffer]
             self._next_buffer ^= 1  # the pending step holds the other buffer
-            launched = PendingTokens.launch(launch, self.sampler.pick(logits, launch), buffer)
+            launched = PendingTokens.launch(launch, picks, buffer)
         received = self._read_pending()
         self._pending = launched
         return received
+
+    def _continues_in_graph(self, launch: list[Sequence], source_rows: list[int]) -> bool:
+        """Whether this launch is the pending step's rows again, in order, all greedy, on a graph that left their
+        next inputs in place (ModelRunner.can_continue): then the graph replays with nothing copied in."""
+        return (self._pending is not None and len(launch) == len(self._pending.seqs)
+                and source_rows == list(range(len(launch))) and all(s.params.greedy for s in launch)
+                and self.runner.can_continue(len(launch)))  # fmt: skip
 
     def _stops_by_length_after_one_more(self, seq: Sequence) -> bool:
         return (len(seq.output_ids) + 1 >= seq.params.max_tokens

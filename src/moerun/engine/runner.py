@@ -7,13 +7,21 @@ a batch of B sequences replays the smallest bucket >= B whose quantized kernels 
 never touch a real sequence. Nothing in the graphed step reads device memory on the host.
 Experts offloaded in copy mode read each layer's routing on the host: their decode replays one graph per layer
 instead (engine/layer_graphs.py), and prefill runs eagerly.
+
+With MOERUN_GRAPH_PICKS=1 (read at capture) each decode graph ends in ops.greedy_pick: the float32 logits, each
+row's greedy token written into the graph's own input ids, and the rows' positions and lengths advanced by one.
+A greedy step that continues every row of the graph's last replay (``can_continue``) then replays it as it is
+(``continue_decode``): no metadata copy, no copies into the inputs, no argmax launch.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from moerun import ops
 from moerun.engine.batch import ForwardBatch
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.layer_graphs import LayerGraphs
@@ -38,6 +46,8 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.layer_graphs: LayerGraphs | None = None
         self.rounding = RoundingMatch(model)
+        self.picks_in_graph = False  # the decode graphs end in ops.greedy_pick (set at capture)
+        self._continues: int | None = None  # B when the static inputs hold the continuation of B rows just replayed
 
     def _between_steps(self, tokens: int) -> None:
         # expert offloading that updates its cache between forward passes, outside any graph (moe/offload)
@@ -47,6 +57,7 @@ class ModelRunner:
 
     def prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
         """Runs the batch's tokens; returns float32 logits [len(rows), V] of the given rows."""
+        self._continues = None
         self._between_steps(input_ids.numel())
         if self.prefill_graphs is not None and len(rows) == 1 and self.prefill_graphs.fits(batch):
             return self.prefill_graphs.run(input_ids, batch)
@@ -56,6 +67,7 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One token per sequence -> float32 logits [B, V], through a graph when one fits."""
         B = batch.num_seqs
+        self._continues = None
         self._between_steps(B)
         if self.layer_graphs is not None and B <= self.buckets[-1]:
             return self.layer_graphs.run(input_ids, batch)
@@ -65,7 +77,23 @@ class ModelRunner:
             return self.model.compute_logits(hidden).float()
         self._inputs.fill(input_ids, batch, bucket)
         self.graphs[bucket].replay()
+        if self.picks_in_graph and bucket == B:  # no padding rows, whose positions would grow too
+            self._continues = B
         return self._logits[:B]
+
+    def can_continue(self, B: int) -> bool:
+        """Whether the graph of B rows can replay as it is for the next greedy step of the same B sequences in the
+        same order: its last replay was the step before and left their next inputs in place (MOERUN_GRAPH_PICKS)."""
+        return self._continues == B
+
+    def continue_decode(self, B: int) -> torch.Tensor:
+        """The next greedy step of the B rows just replayed (``can_continue``): their tokens [B] int64 on the device,
+        a view of the graph's inputs that the next replay overwrites (copy it out before)."""
+        if not self.can_continue(B):
+            raise RuntimeError(f"no graph of {B} rows left its next inputs in place")
+        self._between_steps(B)
+        self.graphs[B].replay()
+        return self._inputs.input_ids[:B]
 
     @torch.inference_mode()
     def capture(self, max_prefill_tokens: int = 8192) -> None:
@@ -79,6 +107,8 @@ class ModelRunner:
                 self.layer_graphs = LayerGraphs(self.model, self.cache, offload, self.buckets)
                 self.layer_graphs.capture()
             return
+        self.picks_in_graph = os.environ.get("MOERUN_GRAPH_PICKS", "0") == "1"
+        self._continues = None
         self.prefill_graphs = PrefillGraphs(self.model, self.cache, max_prefill_tokens, self.rounding)
         n = self.buckets[-1]
         self._inputs = StaticInputs(n, self.cache)
@@ -101,4 +131,10 @@ class ModelRunner:
 
     def _forward_into_logits(self, ids: torch.Tensor, batch: ForwardBatch, b: int) -> None:
         hidden = self.model(ids, batch, self.cache)
-        self._logits[:b].copy_(self.model.compute_logits(hidden))
+        logits = self.model.compute_logits(hidden)  # [b, V]
+        if self.picks_in_graph:  # the greedy tokens become the next inputs; positions and lengths move on
+            inputs = self._inputs
+            ops.greedy_pick(logits, self._logits[:b], inputs.input_ids[:b], inputs.positions[:b], inputs.seq_lens[:b],
+                            self.cache.max_len)  # fmt: skip
+        else:
+            self._logits[:b].copy_(logits)

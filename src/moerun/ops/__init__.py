@@ -4,8 +4,9 @@ from moerun.ops.attention import decode_attention, decode_attention_int8, decode
 from moerun.ops.linear import linear, rms_norm_linear
 from moerun.ops.moe import fused_moe, route
 from moerun.ops.norm import rms_norm, rms_norm_int8
+from moerun.ops.pick import greedy_pick
 
 __all__ = [
-    "decode_attention", "decode_attention_int8", "decode_attention_qk", "fused_moe", "linear", "qk_norm_rope_write",
-    "rms_norm", "rms_norm_int8", "rms_norm_linear", "route",
+    "decode_attention", "decode_attention_int8", "decode_attention_qk", "fused_moe", "greedy_pick", "linear",
+    "qk_norm_rope_write", "rms_norm", "rms_norm_int8", "rms_norm_linear", "route",
 ]

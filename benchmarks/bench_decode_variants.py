@@ -21,16 +21,24 @@ dense GEMV table of DEVICE as MOERUN_GEMV_CONFIG_DIR):
 An assignment gemv.NxK.T.KEY=VALUE changes the dense GEMV table's entry for an [N, K] weight at T tokens the
 same way (e.g. gemv.5120x2048.1.row_once=true, the q|k|v projection of Qwen3-30B-A3B at one token), and
 qgemv.NxK.M.KEY=VALUE the quantized matmul table's entries of [N, K] parts of any type at M rows.
+
+An assignment attr.MODULE.NAME=VALUE sets a module-level constant of moerun for the variant's capture and steps
+(restored afterwards), e.g. attr.moerun.kernels.decode_attention.NUM_WARPS=8, and attr.MODULE.NAME.FIELD=VALUE one
+field of a dataclass constant, e.g. attr.moerun.kernels.router_fused.SINGLE_TOKEN_CONFIG.split=64. Only constants
+that the code reads from its module at call time (not copied elsewhere at import) take effect.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -79,6 +87,8 @@ def table_overrides(env: dict[str, str]) -> tuple[dict[str, str], Entries, Entri
     gemv: Entries = {}
     for key, text in env.items():
         kind, _, rest = key.partition(".")
+        if kind == "attr":
+            continue  # attribute_overrides
         if kind == "moe":
             m, _, field = rest.partition(".")
             if not m.isdigit() or not field:
@@ -95,6 +105,42 @@ def table_overrides(env: dict[str, str]) -> tuple[dict[str, str], Entries, Entri
         else:
             plain[key] = text
     return plain, moe, gemv
+
+
+def attribute_overrides(env: dict[str, str]) -> list[tuple[object, str, Any]]:
+    """A variant's attr.MODULE.NAME[.FIELD]=VALUE assignments as (module, NAME, new value)."""
+    return [_attribute(key, _json_value(text)) for key, text in env.items() if key.startswith("attr.")]
+
+
+def _attribute(key: str, value: Any) -> tuple[object, str, Any]:
+    """(module, NAME, value) of attr.MODULE.NAME[.FIELD]: the longest importable prefix is the module; with a FIELD,
+    value replaces that field of the dataclass NAME holds."""
+    parts = key.split(".")[1:]
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        name, fields = parts[cut], parts[cut + 1 :]
+        if len(fields) <= 1 and hasattr(module, name):
+            if fields:
+                value = dataclasses.replace(getattr(module, name), **{fields[0]: value})
+            return module, name, value
+        break
+    raise ValueError(f"{key!r}: expected attr.MODULE.NAME or attr.MODULE.NAME.FIELD naming a constant of a module")
+
+
+@contextlib.contextmanager
+def attributes_set(overrides: list[tuple[object, str, Any]]) -> Iterator[None]:
+    """The module attributes set for the block, restored after it."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in overrides]
+    try:
+        for module, name, value in overrides:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
 
 
 def _update_gemv_table(name: str, table: dict, entries: Entries) -> set:
@@ -161,8 +207,9 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
     p.add_argument("--layers", type=int, help="use only this many layers of the preset")
     p.add_argument("--quant", help="a GGUF file type's quant mix (random valid blocks); default bf16")
     p.add_argument("--variant", action="append", required=True,
-                   help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]; VAR may be moe.M.KEY (a MoE table entry's key) "
-                        "or gemv.NxK.T.KEY (a dense GEMV table entry's)")
+                   help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]; VAR may be moe.M.KEY (a MoE table entry's key), "
+                        "gemv.NxK.T.KEY / qgemv.NxK.M.KEY (a matmul table entry's) or attr.MODULE.NAME[.FIELD] "
+                        "(a module constant)")
     p.add_argument("--tables-from", metavar="DEVICE",
                    help="every variant runs on the tables shipped for DEVICE (e.g. NVIDIA_H200), renamed for this one")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -171,9 +218,10 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
     args = p.parse_args(argv)
     device_tag = device_name()
     folders = tempfile.TemporaryDirectory(prefix="moerun-variants-")
-    variants = [(name, variant_env(name, env, args.tables_from, device_tag, Path(folders.name) / str(i)))
+    variants = [(name, variant_env(name, env, args.tables_from, device_tag, Path(folders.name) / str(i)),
+                 attribute_overrides(env))
                 for i, (name, env) in enumerate(map(parse_variant, args.variant))]  # fmt: skip
-    named = {key for _, env in variants for key in env}
+    named = {key for _, env, _ in variants for key in env}
     base_env = {k: v for k, v in os.environ.items() if k not in named}
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -186,14 +234,15 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float]]
     rows = []
     started_with = dict(os.environ)
     try:
-        for name, env in variants:
+        for name, env, attrs in variants:
             os.environ.clear()
             os.environ.update({**base_env, **env})
-            llm.engine.runner.graphs = {}
-            llm.engine.runner.capture(args.prompt_len)
-            steps = sorted(measure_decode(llm, [1], args.prompt_len, args.steps)[1]["step_ms"]
-                           for _ in range(args.repeat))  # fmt: skip
-            rows.append((name, steps[0], steps[len(steps) // 2], _replay_ms(llm.engine.runner.graphs.get(1))))
+            with attributes_set(attrs):
+                llm.engine.runner.graphs = {}
+                llm.engine.runner.capture(args.prompt_len)
+                steps = sorted(measure_decode(llm, [1], args.prompt_len, args.steps)[1]["step_ms"]
+                               for _ in range(args.repeat))  # fmt: skip
+                rows.append((name, steps[0], steps[len(steps) // 2], _replay_ms(llm.engine.runner.graphs.get(1))))
             print(f"  {name}: {rows[-1][2]:.3f} ms a step", flush=True)
     finally:
         os.environ.clear()

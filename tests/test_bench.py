@@ -236,3 +236,40 @@ def test_decode_variants_table_entries(tmp_path, monkeypatch):
                     "n16:moe.1.BLOCK_N2=16", "--steps", "2", "--prompt-len", "8", "--repeat", "1"])  # fmt: skip
     assert len(seen) == 2 and seen[0] != seen[1] and not any(Path(d).exists() for d in seen)
     assert "MOERUN_MOE_CONFIG_DIR" not in os.environ
+
+
+def test_decode_variants_module_constants(monkeypatch):
+    # attr.MODULE.NAME[.FIELD]=VALUE: a module constant (or one field of a dataclass constant) set for the variant's
+    # capture and steps, restored afterwards; names that match nothing are refused before anything runs
+    import runpy
+    from pathlib import Path
+
+    from moerun.kernels import decode_attention, router_fused
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_decode_variants.py"))
+    overrides = script["attribute_overrides"]({"attr.moerun.kernels.decode_attention.NUM_WARPS": "8",
+                                               "attr.moerun.kernels.router_fused.SINGLE_TOKEN_CONFIG.split": "64",
+                                               "MOERUN_PDL": "0"})  # fmt: skip
+    assert [(m, n) for m, n, _ in overrides] == [(decode_attention, "NUM_WARPS"), (router_fused, "SINGLE_TOKEN_CONFIG")]
+    assert overrides[1][2] == router_fused.SINGLE_TOKEN_CONFIG.__class__(
+        **{**router_fused.SINGLE_TOKEN_CONFIG.__dict__, "split": 64})
+    assert script["table_overrides"]({"attr.moerun.kernels.decode_attention.NUM_WARPS": "8"}) == ({}, {}, {})
+    for bad in ("attr.moerun.kernels.decode_attention.NO_SUCH", "attr.no_such_module.X",
+                "attr.moerun.kernels.router_fused.SINGLE_TOKEN_CONFIG.split.more"):
+        with pytest.raises(ValueError, match="attr.MODULE.NAME"):
+            script["attribute_overrides"]({bad: "1"})
+    seen = []
+    real = script["measure_decode"]
+
+    def spy(llm, *args):
+        seen.append((decode_attention.NUM_WARPS, router_fused.SINGLE_TOKEN_CONFIG.split))
+        return real(llm, *args)
+
+    script["main"].__globals__["measure_decode"] = spy
+    before = (decode_attention.NUM_WARPS, router_fused.SINGLE_TOKEN_CONFIG)
+    script["main"](["--preset", "tiny", "--variant", "base", "--variant",
+                    "w8:attr.moerun.kernels.decode_attention.NUM_WARPS=8,"
+                    "attr.moerun.kernels.router_fused.SINGLE_TOKEN_CONFIG.split=64",
+                    "--steps", "2", "--prompt-len", "8", "--repeat", "1"])  # fmt: skip
+    assert seen == [(before[0], before[1].split), (8, 64)]
+    assert (decode_attention.NUM_WARPS, router_fused.SINGLE_TOKEN_CONFIG) == before

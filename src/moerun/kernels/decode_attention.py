@@ -49,6 +49,11 @@ SINGLE_LAUNCH = True
 ONE_CHUNK = 256
 MIN_CHUNK = 128
 MAX_LIVE = 16
+# Positions a step at most, and bytes of a [BLOCK_N, D] tile of k (and of v) at most (default_block_n); warps a
+# program.
+MAX_BLOCK_N = 64
+MAX_TILE_BYTES = 16384
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -408,8 +413,9 @@ def default_num_splits(batch: int, n_kv: int, max_len: int, block_n: int, device
 
 
 def default_block_n(head_dim: int, dtype: torch.dtype) -> int:
-    """Positions per iteration: at most 64, and a [BLOCK_N, D] tile of k (and of v) of at most 16 KiB."""
-    return max(MIN_DOT, min(64, 16384 // (head_dim * dtype.itemsize)))
+    """Positions per iteration: at most MAX_BLOCK_N, and a [BLOCK_N, D] tile of k (and of v) of at most MAX_TILE_BYTES
+    (16 KiB)."""
+    return max(MIN_DOT, min(MAX_BLOCK_N, MAX_TILE_BYTES // (head_dim * dtype.itemsize)))
 
 
 def decode_attention_triton(
@@ -558,7 +564,7 @@ def _common_meta(q: torch.Tensor, k_cache: torch.Tensor, block_n: int) -> dict:
         # float32 caches: full-precision products, not TF32
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         INTERPRET=interpreting(),
-        num_warps=4,
+        num_warps=NUM_WARPS,
         enable_fp_fusion=True,  # explicit: Triton's default for this differs between releases
     )
 

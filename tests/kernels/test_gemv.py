@@ -161,9 +161,10 @@ def test_fused_norm_rounds_like_rms_norm(seed: int, dtype: torch.dtype, config: 
     y, _ = rms_norm_linear_triton(x, residual, norm_w, EPS, weight, None, CONFIGS[config])
     normed, _ = rms_norm_reference(x, norm_w, EPS, residual)
     ref = normed[:, picks.to(DEVICE)]  # [T, N]
-    # as in test_rmsnorm: the same float32 values rounded, except a rare one-ulp flip from the sum's order
+    # as in test_rmsnorm: the same float32 values rounded, except a rare flip from the sum's order (one ulp of the
+    # normalised value, up to two of the output after the weight's product)
     ulps = ulp_distance(y, ref)
-    assert ulps.max() <= 1, f"seed={seed}: {int(ulps.max())} ulps apart"
+    assert ulps.max() <= 2, f"seed={seed}: {int(ulps.max())} ulps apart"
     assert_rare_flips(ulps > 0, seed, per=50)
 
 

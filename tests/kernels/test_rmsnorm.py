@@ -26,9 +26,11 @@ def assert_norm_close(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
         return
     # 16-bit results round the same float32 values as torch; only a sum that lands one float32 ulp away from
-    # torch's can flip a rounding, which happens to about one element in 2^15
+    # torch's can flip a rounding, which happens to about one element in 2^15. The flip is one ulp of the normalised
+    # value; its product with a weight above 1 can land two ulps of the output apart (seed 566970280: float16,
+    # normalised 1.06884765625, exactly between two float16 values, times a weight of 1.277)
     ulps = ulp_distance(out, ref)
-    assert ulps.max() <= 1, f"seed={seed}: {int(ulps.max())} ulps apart"
+    assert ulps.max() <= 2, f"seed={seed}: {int(ulps.max())} ulps apart"
     assert_rare_flips(ulps > 0, seed)
 
 

@@ -138,19 +138,26 @@ def test_pdl_launches_give_the_plain_launches_tokens(tokenizer, monkeypatch):
         torch.testing.assert_close(outs[0][2], outs[mode][2], rtol=0, atol=0)
 
 
-def test_decode_qk_inside_attention_gives_the_same_tokens(tokenizer, monkeypatch):
-    # float32: the one launch rounds the attention math (no fused multiply-adds) apart from the two launches, far
-    # below any greedy tie; the cache writes are bit for bit the separate kernel's (tests/kernels)
-    model = small_model(seed=3)
+def tokens_under_switch(tokenizer, monkeypatch, variable: str, seed: int) -> dict[str, tuple]:
+    """Greedy tokens of one float32 model (one prompt, then four) with the switch ``variable`` at "0" and "1",
+    read at capture: {"0": ..., "1": ...}."""
+    model = small_model(seed=seed)
     prompts = [[random.randrange(150000) for _ in range(random.randint(3, 40))] for _ in range(4)]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
     outs = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("MOERUN_DECODE_QK_FUSED", fused)  # read at capture
+    for flag in ("0", "1"):
+        monkeypatch.setenv(variable, flag)
         llm = LLM.from_model(model, tokenizer, max_model_len=256, max_num_seqs=4, cuda_graphs=True)
-        outs[fused] = ([o.token_ids for o in llm.generate(prompts[:1], params)],
-                       [o.token_ids for o in llm.generate(prompts, params)])
+        outs[flag] = ([o.token_ids for o in llm.generate(prompts[:1], params)],
+                      [o.token_ids for o in llm.generate(prompts, params)])
         del llm
+    return outs
+
+
+def test_decode_qk_inside_attention_gives_the_same_tokens(tokenizer, monkeypatch):
+    # float32: the one launch rounds the attention math (no fused multiply-adds) apart from the two launches, far
+    # below any greedy tie; the cache writes are bit for bit the separate kernel's (tests/kernels)
+    outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_DECODE_QK_FUSED", 3)
     assert outs["0"] == outs["1"]
 
 
@@ -172,3 +179,10 @@ def test_greedy_steps_continued_in_the_graph_give_the_eager_tokens(tokenizer, mo
         for x, y in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
             assert x.token_ids == y.token_ids
     assert 1 in continued and 8 in continued and 3 not in continued  # 3 rows replay the graph of 4
+
+
+def test_top_k_picked_in_gemm1_gives_the_same_tokens(tokenizer, monkeypatch):
+    # MOERUN_TOPK_IN_GEMM1=1 (read at capture): the router stops at its logits and GEMM 1 picks the routing; the
+    # same picks, weights a float32 rounding apart (another summation order), so the same greedy tokens in float32
+    outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_TOPK_IN_GEMM1", 5)
+    assert outs["0"] == outs["1"]

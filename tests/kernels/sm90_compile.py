@@ -82,7 +82,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.decode_attention import (
         decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
     )
-    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.greedy_pick import greedy_pick_triton
@@ -97,7 +97,9 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
-    from moerun.kernels.router_fused import SINGLE_TOKEN_CONFIG, route_fused_int8_triton, route_fused_triton
+    from moerun.kernels.router_fused import (
+        SINGLE_TOKEN_CONFIG, route_fused_int8_triton, route_fused_logits_triton, route_fused_triton,
+    )
     from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
@@ -280,6 +282,11 @@ def _cases() -> dict[str, Callable[[], None]]:
         "route_fused_int8": lambda: route_fused_int8_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k,
                                                             True, H),
         "fused_moe, decode": lambda: fused_moe_triton(x1, w13, w2, w1, ids1),
+        "route_fused_logits, one token (one-warp programs)": lambda: route_fused_logits_triton(
+            x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), SINGLE_TOKEN_CONFIG),
+        "fused_moe, decode, the top-k picked in GEMM 1": lambda: fused_moe_triton(
+            x1, w13, w2, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
+            select=TopkSelect(torch.randn(1, E), True)),
         "fused_moe, prefill tiles": lambda: fused_moe_triton(torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64),
         "fused_moe, prefill tiles with short tail tiles": lambda: fused_moe_triton(
             torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64, normalize(

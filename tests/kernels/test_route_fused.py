@@ -394,3 +394,112 @@ def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> 
     assert calls == [1]
     assert torch.equal(new_residual, ref_residual), f"seed={seed}"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The routing picked by the experts' GEMM 1 from the router's logits (MOERUN_TOPK_IN_GEMM1, fused_moe's select)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [1, 3])
+def test_route_fused_logits_are_the_routers(seed, dtype, T) -> None:
+    # the logits-only launch computes what route_fused picks from: its top-k of them is route_fused's routing, and
+    # its normed rows and new residual are route_fused's, bit for bit
+    from moerun.kernels.router_fused import route_fused_logits_triton
+    from moerun.ops.moe_reference import route_reference
+
+    x, residual, norm_weight, gate = make_inputs(T, 72, 37, dtype, True)
+    normed, res_out, logits = route_fused_logits_triton(x, residual, norm_weight, EPS, gate)
+    want = route_fused_triton(x, residual, norm_weight, EPS, gate, 4, True)
+    assert logits.dtype == torch.float32 and logits.shape == (T, 37)
+    assert torch.equal(normed, want[0]) and torch.equal(res_out, want[1]), f"seed={seed}"
+    assert torch.equal(logits, logits.to(dtype).float()), f"seed={seed}: logits not rounded to the model dtype"
+    weights, ids = route_reference(logits, 4, True)
+    probs = torch.softmax(logits, dim=-1)  # [T, E]: bf16 logits tie often, and torch.topk orders ties its own way
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, want[3].long())), f"seed={seed}"
+    torch.testing.assert_close(weights, want[2], rtol=1e-6, atol=1e-7, msg=lambda m: f"seed={seed}: {m}")
+    ref = moe_ops.route_fused_logits(x, residual, norm_weight, EPS, gate, backend="torch")
+    check_norm(seed, ref, x, residual, norm_weight)
+    # a normed value an ulp off moves a logit by about an ulp of the largest: a bound on the scale of the logits
+    torch.testing.assert_close(logits, ref[2], rtol=ULP[dtype], atol=ULP[dtype] * float(ref[2].abs().max()),
+                               msg=lambda m: f"seed={seed} logits: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("config", ["gemv-atomic", "gemv-sum", "gemv-fused", "tile"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_gemm1_picks_the_routers_top_k(seed, config, T) -> None:
+    # fused_moe with select: the gemv path's GEMM 1 picks the routing from the logits and writes it (other paths
+    # have it written first); the same routing and the same output as the router's picks handed in
+    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
+    from moerun.kernels.router_fused import route_fused_logits_triton
+
+    configs = {
+        "gemv-atomic": {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_N2": 16, "BLOCK_K2": 32,
+                        "reduce": "atomic"},
+        "gemv-sum": {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_N2": 16, "BLOCK_K2": 32, "reduce": "sum"},
+        "gemv-fused": {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_N2": 16, "BLOCK_K2": 16,
+                       "reduce": "fused"},
+        "tile": {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32},
+    }  # fmt: skip
+    block, norm = small_block(torch.bfloat16)
+    x, residual = (torch.randn(T, 40, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    w13, w2 = block.experts.w13, block.experts.w2
+    normed, _, logits = route_fused_logits_triton(x, residual, norm.weight, EPS, block.gate.weight)
+    _, _, want_w, want_ids = route_fused_triton(x, residual, norm.weight, EPS, block.gate.weight, 3, True)
+    cfg = tile_configs.normalize(configs[config])
+    want = fused_moe_triton(normed, w13, w2, want_w, want_ids, config=cfg)
+    weights = torch.full((T, 3), -1.0, device=DEVICE)
+    ids = torch.full((T, 3), -1, dtype=torch.int32, device=DEVICE)
+    got = fused_moe_triton(normed, w13, w2, weights, ids, config=cfg, select=TopkSelect(logits, True))
+    assert torch.equal(ids, want_ids), f"seed={seed}: {ids.tolist()} against {want_ids.tolist()}"
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7, msg=lambda m: f"seed={seed}: {m}")
+    if config != "tile" or interpreting():  # the tile path's atomics add in no fixed order on a GPU
+        torch.testing.assert_close(got, want, rtol=0 if interpreting() else 1e-2, atol=0 if interpreting() else 1e-3,
+                                   msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+
+
+def test_topk_select_checks_its_buffers() -> None:
+    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
+
+    block, _ = small_block(torch.bfloat16)
+    x = torch.randn(1, 40, device=DEVICE).to(torch.bfloat16)
+    logits = torch.randn(1, 13, device=DEVICE)
+    w13, w2 = block.experts.w13, block.experts.w2
+    ok_w, ok_ids = torch.empty(1, 3, device=DEVICE), torch.empty(1, 3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="logits must be"):
+        fused_moe_triton(x, w13, w2, ok_w, ok_ids, select=TopkSelect(logits[:, :12], True))
+    with pytest.raises(ValueError, match="buffers"):
+        fused_moe_triton(x, w13, w2, ok_w, ok_ids.long(), select=TopkSelect(logits, True))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_block_with_the_top_k_in_gemm1_matches_the_router_path(seed, monkeypatch, T) -> None:
+    # MOERUN_TOPK_IN_GEMM1=1: dense experts take the router's logits and pick in GEMM 1; the same block output
+    calls = []
+    monkeypatch.setattr(block_module, "route_fused_logits",
+                        lambda *a, **kw: calls.append(1) or moe_ops.route_fused_logits(*a, **kw))  # fmt: skip
+    block, norm = small_block(torch.bfloat16)
+    x, residual = (torch.randn(T, 40, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "0")
+    want, want_res = block.forward_fused_norm(x, residual, norm)
+    assert not calls
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "1")
+    got, got_res = block.forward_fused_norm(x, residual, norm)
+    assert calls, "the logits-only router was not used"
+    assert torch.equal(got_res, want_res), f"seed={seed}"
+    if interpreting():  # one float32 summation order everywhere
+        assert torch.equal(got, want), f"seed={seed}"
+    else:  # GEMM 2's float32 atomics add in no fixed order
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3, msg=lambda m: f"seed={seed}: {m}")
+    # the torch path of ops.fused_moe writes the picks first, by the router's reference
+    from moerun.kernels.fused_moe import TopkSelect
+
+    normed, _, logits = moe_ops.route_fused_logits(x, residual, norm.weight, EPS, block.gate.weight, backend="torch")
+    weights = torch.empty(T, 3, device=DEVICE)
+    ids = torch.empty(T, 3, dtype=torch.int32, device=DEVICE)
+    got_torch = moe_ops.fused_moe(normed, block.experts.w13, block.experts.w2, weights, ids, backend="torch",
+                                  select=TopkSelect(logits, True))  # fmt: skip
+    ref, _ = unfused(block, norm, x, residual)
+    want_w, want_ids = moe_ops.route_reference(logits, 3, True)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), f"seed={seed}"
+    torch.testing.assert_close(got_torch.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")

@@ -11,13 +11,15 @@ The k slots of a token are summed either by fp32 atomic adds into [T, H], or by 
 gemv path the last of a token's k programs on an N-tile sums them, found by a ticket counter), or (gemv path,
 reduce "fused") inside GEMM2 itself: one program per (token, N-tile) walks the token's k slots.
 Nothing reads back to the host: grids come from worst-case sizes and surplus programs exit early, so a decode
-step can be captured in a CUDA graph.
+step can be captured in a CUDA graph. With TopkSelect the gemv path's GEMM 1 picks the routing itself from the
+router's logits (softmax + top-k a program), writing it for GEMM 2.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moerun.kernels.align import align_tokens
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+from moerun.kernels.router import softmax_topk
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
@@ -372,28 +375,63 @@ def _gemm1_gemv_kernel(
     zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
     zero_n=0,
     ZERO_BLOCK: tl.constexpr = 0,
+    # SELECT: the routing is picked here from the router's logits (TopkSelect): every program runs its token's
+    # softmax + top-k and takes its slot's expert; the programs of N-tile 0 write the slot's id into ids_ptr and
+    # its weight into weights_ptr, for GEMM 2
+    logits_ptr=None,  # [T, E] float32
+    weights_ptr=None,  # [T*k] float32 out
+    E: tl.constexpr = 0,
+    BLOCK_E: tl.constexpr = 1,
+    K_SEL: tl.constexpr = 0,  # top_k, as a constant
+    RENORMALIZE: tl.constexpr = False,
+    SELECT: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
     if ZERO_BLOCK > 0:
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
+    if SELECT:
+        expert = select_slot(logits_ptr, weights_ptr, ids_ptr, slot, tl.program_id(1) == 0, E, K_SEL, RENORMALIZE,
+                             BLOCK_E)  # fmt: skip
+    else:
+        expert = tl.load(ids_ptr + slot)
     if PART == 0:
-        _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,
-                         stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT, ALIGN)
+        _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
+                         stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT,
+                         ALIGN)  # fmt: skip
     else:
         if (tl.load(part_ptr + slot) != 0) == (PART == 2):
-            _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,
-                             stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT, ALIGN)
+            _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
+                             stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K,
+                             INDIRECT, ALIGN)  # fmt: skip
 
 
 @triton.jit
-def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, ids_ptr, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,  # noqa: E741
+def select_slot(logits_ptr, weights_ptr, ids_ptr, slot, writes, E: tl.constexpr, K: tl.constexpr,
+                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
+    [E], by the router's softmax + top-k (kernels/router.py); where ``writes``, the slot's id and weight are
+    stored too."""
+    token = slot // K
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    # .cg: the router's stores, read through L2
+    x = tl.load(logits_ptr + token.to(tl.int64) * E + cols, mask=cols < E, other=0.0, cache_modifier=".cg")
+    top_w, top_i = softmax_topk(x[None, :], cols < E, K, RENORMALIZE, 1, BLOCK_E)  # [1, BLOCK_E]: slots < K
+    pick = cols[None, :] == slot % K  # [1, BLOCK_E]
+    expert = tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
+    if writes:
+        tl.store(ids_ptr + slot, expert)
+        tl.store(weights_ptr + slot, tl.sum(tl.sum(tl.where(pick, top_w, 0.0), axis=1), axis=0))
+    return expert
+
+
+@triton.jit
+def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,  # noqa: E741
                      stride_we, stride_wn, stride_wh, stride_it, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr):
-    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot``."""
+    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot`` of ``expert``."""
     pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_wn = offs_n % I
@@ -602,6 +640,39 @@ def _new_acc(T: int, k: int, H: int, reduce: str, device: torch.device, out_dtyp
     return torch.empty(T * k, H, dtype=dtype, device=device)  # [T*k, H]
 
 
+class TopkSelect(NamedTuple):
+    """Routing left to the experts' kernels: the router's logits [T, E] float32 (ops.route_fused_logits), from which
+    k experts a token are picked by the router's softmax + top-k (renormalised to sum 1 with ``renormalize``) and
+    written into the topk_weights / topk_ids buffers given beside it. The gemv path's GEMM 1 picks them itself (no
+    launch, no ticket in the router); other paths have them written first (``fill``)."""
+
+    logits: torch.Tensor
+    renormalize: bool
+
+    def fill(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, triton_kernel: bool = True) -> None:
+        """The picks written into the buffers: by the router's softmax + top-k kernel (kernels/router.py: ties to
+        the lowest index, as GEMM 1 and the fused router pick), or by its torch reference."""
+        from moerun.kernels.router import route_triton
+        from moerun.ops.moe_reference import route_reference
+
+        pick = route_triton if triton_kernel else route_reference
+        weights, ids = pick(self.logits, topk_ids.shape[1], self.renormalize)  # [T, k]
+        topk_weights.copy_(weights)
+        topk_ids.copy_(ids)
+
+    def check(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
+        """Raises unless the logits are [T, num_experts] float32 and the buffers [T, k] float32 / int32, contiguous,
+        k <= num_experts (the kernels write into them)."""
+        T, k = topk_ids.shape
+        if self.logits.shape != (T, num_experts) or self.logits.dtype != torch.float32:
+            raise ValueError(f"logits must be [{T}, {num_experts}] float32, got {tuple(self.logits.shape)} "
+                             f"{self.logits.dtype}")  # fmt: skip
+        if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32 or not (
+                topk_ids.is_contiguous() and topk_weights.is_contiguous()) or k > num_experts:  # fmt: skip
+            raise ValueError("with the top-k picked from logits, topk_weights / topk_ids must be contiguous float32 / "
+                             f"int32 [T, k <= {num_experts}] buffers")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """Where the kernels find one weight (w13 or w2) of every expert: a stacked [E, N, K] tensor, or a table of
@@ -637,11 +708,19 @@ def _fused_moe_gemv(
     out_dtype: torch.dtype,
     staged: StagedPairs | None = None,
     keep_float32: bool = False,
+    select: TopkSelect | None = None,
 ) -> torch.Tensor:
     """gemv path: one program per (token-slot, N-tile), no sorting; GEMM2 per (token, N-tile) when reduce is fused.
     With ``staged``, GEMM 1 runs in two launches around ``staged.wait()``. With reduce "atomic", GEMM 1 zeroes the
-    float32 [T, H] that GEMM 2 adds into, returned as it is with ``keep_float32`` (else rounded to out_dtype)."""
+    float32 [T, H] that GEMM 2 adds into, returned as it is with ``keep_float32`` (else rounded to out_dtype). With
+    ``select``, GEMM 1 picks the routing from the logits and writes it into topk_weights / topk_ids."""
     T, H = hidden.shape
+    if select is not None and staged is not None:
+        raise ValueError("the top-k picked in GEMM 1 and staged pairs do not go together: staging needs the picks")
+    sel = {} if select is None else dict(
+        logits_ptr=select.logits, weights_ptr=topk_weights, E=select.logits.shape[1],
+        BLOCK_E=triton.next_power_of_2(select.logits.shape[1]), K_SEL=topk_ids.shape[1],
+        RENORMALIZE=select.renormalize, SELECT=True)  # fmt: skip
     k = topk_ids.shape[1]
     pairs = T * k
     atomic = cfg["reduce"] == "atomic"
@@ -660,7 +739,7 @@ def _fused_moe_gemv(
             hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
             BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=pdl, PART=part,
-            **launch_options(pdl), **(zero if part < 2 else {}),
+            **launch_options(pdl), **(zero if part < 2 else {}), **sel,
         )  # fmt: skip
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     if cfg["reduce"] == "fused":
@@ -767,12 +846,16 @@ def run_fused_moe(
     out_dtype: torch.dtype,
     staged: StagedPairs | None = None,
     keep_float32: bool = False,
+    select: TopkSelect | None = None,
 ) -> torch.Tensor:
     """Runs the path the config names; x [T, H] already in the weights' dtype, ids int32 and contiguous. With
     ``staged`` (the gemv path only overlaps it; the tile path waits first), see StagedPairs. ``keep_float32``: the
-    atomic reduce returns its float32 sums unrounded (fused_moe_triton's)."""
+    atomic reduce returns its float32 sums unrounded (fused_moe_triton's). ``select``: the routing is picked from
+    logits into topk_weights / topk_ids (by GEMM 1 on the gemv path, else first)."""
     if cfg["path"] == "gemv":
-        return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged, keep_float32)
+        return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged, keep_float32, select)
+    if select is not None:
+        select.fill(topk_weights, topk_ids)
     if staged is not None:
         staged.wait()
     return _fused_moe_tile(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, keep_float32)
@@ -787,11 +870,14 @@ def fused_moe_triton(
     config: Config | None = None,
     num_experts: int | None = None,
     keep_float32: bool = False,
+    select: TopkSelect | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
     ``num_experts``: the layer's expert count, which picks the tuned tables, where w13 and w2 stack another number
     of experts (a slot pool). ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer (reduce "atomic";
-    on the gemv path GEMM 1 zeroes it) returns that buffer as it is, float32 [T, H], for a consumer that rounds it."""
+    on the gemv path GEMM 1 zeroes it) returns that buffer as it is, float32 [T, H], for a consumer that rounds it.
+    ``select``: topk_weights / topk_ids are buffers the routing is written into, picked from the router's logits
+    (TopkSelect)."""
     T, H = hidden.shape
     E, two_i, h_w = w13.shape
     I = two_i // 2  # noqa: E741
@@ -802,6 +888,8 @@ def fused_moe_triton(
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     if w13.dtype not in _SUPPORTED_DTYPES or w2.dtype != w13.dtype:
         raise ValueError(f"unsupported weight dtypes {w13.dtype}, {w2.dtype}")
+    if select is not None:
+        select.check(topk_weights, topk_ids, num_experts or E)
     if T == 0:
         return torch.empty(0, H, dtype=hidden.dtype, device=hidden.device)
     # The reference runs each expert's GEMMs in the weights' dtype.
@@ -811,4 +899,4 @@ def fused_moe_triton(
     weights = topk_weights.contiguous()
     cfg = normalize(config) if config is not None else get_config(num_experts or E, H, I, k, w13.dtype, T)
     return run_fused_moe(x, ExpertWeights.stacked(w13), ExpertWeights.stacked(w2), I, weights, ids, cfg, hidden.dtype,
-                         keep_float32=keep_float32)  # fmt: skip
+                         keep_float32=keep_float32, select=select)  # fmt: skip

@@ -8,6 +8,7 @@ counter to zero so that the next launch (or CUDA-graph replay) starts clean. Pro
 the normalised row and the new residual; for quantized experts whose kernels round x to int8, that row rounded
 too (route_fused_int8_triton), a slice a program after the routing. Splitting the 0.5 MB of router weights over
 SPLIT programs per token spreads the read over as many SMs; SPLIT = 1 is one program per token, with no ticket.
+route_fused_logits_triton stops at the logits (no ticket, no top-k), for experts whose GEMM 1 picks from them.
 
 The roundings follow the unfused path (kernels/rmsnorm.py's, then F.linear in the model dtype, then
 kernels/router.py's softmax_topk), so only float32 summation orders differ.
@@ -115,6 +116,7 @@ class RouteShape(NamedTuple):
     K_PAD: int  # Q8: the int8 rows' padded length
     Q8: bool
     Q_BLOCK: int  # Q8: values each program rounds, a power of two >= 32 with SPLIT x Q_BLOCK >= K_PAD
+    SELECT: bool = True  # False: the logits are the output (the experts' GEMM 1 picks from them); no ticket
 
 
 @triton.jit
@@ -150,15 +152,17 @@ def route_program(token, split, x_ptr, stride_x, ops, S: tl.constexpr, INTERPRET
         g_r, rows_r, ok_r = _load_router_rows(ops.gate_ptr, first, r0, ops.stride_g, S.H, S.E, S.ROWS, S.BLOCK_ROWS,
                                               S.BLOCK_H)  # fmt: skip
         _store_logits(ops.logits_ptr, g_r, normed, token, rows_r, ok_r, S.E, INTERPRET)
-    # The barrier orders every thread's scratch stores before the release of the ticket (taken by one thread).
-    tl.debug_barrier()
-    if S.SPLIT == 1:
-        _select_experts(ops.logits_ptr, ops.weights_ptr, ops.ids_ptr, token, S.E, S.K, S.RENORMALIZE, S.BLOCK_E)
-    else:
-        ticket = tl.atomic_add(ops.counter_ptr + token, 1, sem="acq_rel")
-        if ticket == S.SPLIT - 1:
+    if S.SELECT:
+        # The barrier orders every thread's scratch stores before the release of the ticket (taken by one thread).
+        tl.debug_barrier()
+        if S.SPLIT == 1:
             _select_experts(ops.logits_ptr, ops.weights_ptr, ops.ids_ptr, token, S.E, S.K, S.RENORMALIZE, S.BLOCK_E)
-            tl.store(ops.counter_ptr + token, 0)
+        else:
+            ticket = tl.atomic_add(ops.counter_ptr + token, 1, sem="acq_rel")
+            if ticket == S.SPLIT - 1:
+                _select_experts(ops.logits_ptr, ops.weights_ptr, ops.ids_ptr, token, S.E, S.K, S.RENORMALIZE,
+                                S.BLOCK_E)  # fmt: skip
+                tl.store(ops.counter_ptr + token, 0)
     if S.Q8:
         # The int8 row in slices of Q_BLOCK values, one a program (programs past K_PAD have none), after the
         # routing so that it never delays the last program's top-k. A slice is the normalised row's columns
@@ -248,6 +252,18 @@ def route_fused_triton(
     return _route_fused(x, residual, norm_weight, eps, gate_weight, k, renormalize, config, None)[:4]
 
 
+def route_fused_logits_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    config: FusedRouteConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_fused_triton up to the router logits: (x_normed [T, H], residual_out [T, H], logits [T, E] float32, each
+    rounded to the weights' dtype as F.linear returns it). No softmax or top-k, so no program waits for another:
+    the experts' kernels pick from the logits (kernels/fused_moe.py, TopkSelect)."""
+    normed, residual_out, _, _, _, logits = _route_fused(x, residual, norm_weight, eps, gate_weight, 1, False, config,
+                                                         None, select=False)  # fmt: skip
+    return normed, residual_out, logits
+
+
 def route_fused_int8_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
     k: int, renormalize: bool, k_pad: int, config: FusedRouteConfig | None = None,
@@ -257,14 +273,15 @@ def route_fused_int8_triton(
     check_k_pad(k_pad, x.shape[-1])
     out = _route_fused(x, residual, norm_weight, eps, gate_weight, k, renormalize, config, k_pad)
     assert out[4] is not None
-    return out  # type: ignore[return-value]
+    return out[:5]  # type: ignore[return-value]
 
 
 def _route_fused(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
-    k: int, renormalize: bool, config: FusedRouteConfig | None, k_pad: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows | None]:
-    """Both entry points: checks, one launch; the int8 rows when k_pad is given."""
+    k: int, renormalize: bool, config: FusedRouteConfig | None, k_pad: int | None, select: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows | None, torch.Tensor]:
+    """Every entry point: checks, one launch -> (normed, residual_out, weights, ids, the int8 rows when k_pad is
+    given, logits); without ``select`` the weights and ids are left unwritten."""
     _check_inputs(x, residual, norm_weight, gate_weight, k)
     T, H = x.shape
     cfg = config or default_config(T)
@@ -277,18 +294,19 @@ def _route_fused(
     weights = torch.empty(T, k, dtype=torch.float32, device=device)  # [T, k]
     ids = torch.empty(T, k, dtype=torch.int32, device=device)  # [T, k]
     int8_rows = Int8Rows.empty(T, k_pad, device) if k_pad is not None else None
+    logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch, or the output without select
     if T == 0:
-        return normed, residual_out, weights, ids, int8_rows
-    logits = torch.empty(T, E, dtype=torch.float32, device=device)  # [T, E] scratch
+        return normed, residual_out, weights, ids, int8_rows, logits
     ops, shape = _bundles(x, residual, norm_weight, gate_weight, normed, residual_out, logits, weights, ids, int8_rows,
                           eps, k, renormalize, cfg)  # fmt: skip
+    shape = shape._replace(SELECT=select)
     pdl = pdl_mode(device, T)
     _route_fused_kernel[(T, shape.SPLIT)](
         x, x.stride(0), ops, shape, INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # keeps x*x and the first adds of the sum of squares unfused, as kernels/rmsnorm.py does
         enable_fp_fusion=False, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
-    return normed, residual_out, weights, ids, int8_rows
+    return normed, residual_out, weights, ids, int8_rows, logits
 
 
 def _bundles(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, gate_weight: torch.Tensor,

@@ -1,10 +1,14 @@
 """The sparse MoE block: router (a linear layer + softmax/top-k) then the experts backend.
 
 ``forward_fused_norm`` also takes the residual add and RMSNorm in front of the block; for decode-sized batches on
-the Triton backend these and the whole router run as one kernel (ops.route_fused).
+the Triton backend these and the whole router run as one kernel (ops.route_fused). With MOERUN_TOPK_IN_GEMM1=1
+(read at each call, so at a graph's capture) dense experts take the router's logits instead and their GEMM 1
+picks the routing (ops.route_fused_logits, fused_moe's ``select``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +21,7 @@ from moerun.layers.norm import RMSNorm
 from moerun.moe.experts import Experts
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
 from moerun.ops.dispatch import pick_backend
-from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8
+from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8, route_fused_logits
 
 
 class SparseMoeBlock(nn.Module):
@@ -59,6 +63,15 @@ class SparseMoeBlock(nn.Module):
                     x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize, pad,
                 )  # fmt: skip
                 return self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, **keep), residual
+            if self._selects_in_experts():
+                from moerun.kernels.fused_moe import TopkSelect
+
+                x_normed, residual, logits = route_fused_logits(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                                                backend=self.experts.backend)  # fmt: skip
+                topk_weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32, device=x.device)  # [T, k]
+                topk_ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int32, device=x.device)  # [T, k]
+                select = TopkSelect(logits, self.renormalize)
+                return self.experts(x_normed, topk_weights, topk_ids, select=select, **keep), residual
             x_normed, residual, topk_weights, topk_ids = route_fused(
                 x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                 backend=self.experts.backend,
@@ -66,6 +79,12 @@ class SparseMoeBlock(nn.Module):
             return self.experts(x_normed, topk_weights, topk_ids, **keep), residual
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h), residual
+
+    def _selects_in_experts(self) -> bool:
+        """Whether the experts pick the routing from the router's logits (MOERUN_TOPK_IN_GEMM1=1, dense experts)."""
+        experts = self.experts
+        return (os.environ.get("MOERUN_TOPK_IN_GEMM1", "0") == "1" and type(experts) is Experts
+                and "q_w13" not in experts.__dict__)  # fmt: skip
 
     def _routes_fused(self, x: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether routing runs as the one fused kernel: the Triton backend, few tokens, dense weights of x's dtype."""

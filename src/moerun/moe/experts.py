@@ -16,6 +16,7 @@ from moerun.layers.linear import ShardIndex, attach_shard_index
 from moerun.ops.dispatch import pick_backend
 
 if TYPE_CHECKING:
+    from moerun.kernels.fused_moe import TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 
@@ -46,13 +47,15 @@ class Experts(nn.Module):
         return (slice(None) if expert is None else expert,)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                x_int8: Int8Rows | None = None, keep_float32: bool = False) -> torch.Tensor:  # fmt: skip
+                x_int8: Int8Rows | None = None, keep_float32: bool = False,
+                select: TopkSelect | None = None) -> torch.Tensor:  # fmt: skip
         """x_int8: x already rounded to int8 (ops.route_fused_int8), for quantized kernels that round x;
-        keep_float32: ops.fused_moe's (the result may be float32 slot sums, for a consumer that rounds them)."""
+        keep_float32, select: ops.fused_moe's (the result may be float32 slot sums, for a consumer that rounds them;
+        the routing may be picked from logits into topk_weights / topk_ids)."""
         w13 = self.__dict__.get("q_w13") or self.w13
         w2 = self.__dict__.get("q_w2") or self.w2
         return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, backend=self.backend, x_int8=x_int8,
-                             keep_float32=keep_float32)  # fmt: skip
+                             keep_float32=keep_float32, select=select)  # fmt: skip
 
     def int8_input_pad(self, x: torch.Tensor, k: int) -> int | None:
         """The padding at which forward would round x [T, H] to int8 (quantized experts on the Triton path whose

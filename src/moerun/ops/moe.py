@@ -1,12 +1,14 @@
-"""Public MoE entry points: ``route``, ``route_fused`` (+ ``route_fused_int8``) and ``fused_moe``, dispatched to
-the torch reference or Triton kernels."""
+"""Public MoE entry points: ``route``, ``route_fused`` (+ ``route_fused_int8``, ``route_fused_logits``) and
+``fused_moe``, dispatched to the torch reference or Triton kernels."""
 
 from __future__ import annotations
 
 import torch
 
 from moerun.ops.dispatch import pick_backend
-from moerun.ops.moe_reference import fused_moe_reference, route_fused_reference, route_reference
+from moerun.ops.moe_reference import (
+    fused_moe_reference, route_fused_logits_reference, route_fused_reference, route_reference,
+)
 
 # Up to this many tokens, route_fused's one kernel beats RMSNorm + router GEMM + softmax/top-k; beyond it each
 # of its programs re-reads the router weights for one token, and callers keep the unfused path.
@@ -52,6 +54,19 @@ def route_fused(
     return route_fused_triton(x, residual, norm_weight, eps, gate_weight, k, renormalize)
 
 
+def route_fused_logits(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       gate_weight: torch.Tensor,
+                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """route_fused up to the router logits: (x_normed [T, H], residual_out [T, H], logits [T, E] float32, rounded to
+    the model dtype as F.linear returns them), for experts that pick the routing themselves (fused_moe's
+    ``select``)."""
+    if pick_backend(backend, x.device, "MoE") == "torch":
+        return route_fused_logits_reference(x, residual, norm_weight, eps, gate_weight)
+    from moerun.kernels.router_fused import route_fused_logits_triton
+
+    return route_fused_logits_triton(x, residual, norm_weight, eps, gate_weight)
+
+
 def route_fused_int8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      gate_weight: torch.Tensor, k: int, renormalize: bool,
                      k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:
@@ -72,6 +87,7 @@ def fused_moe(
     x_int8: Int8Rows | None = None,
     num_experts: int | None = None,
     keep_float32: bool = False,
+    select: TopkSelect | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype.
 
@@ -82,9 +98,13 @@ def fused_moe(
     kernels' tuned tables. keep_float32: kernels that sum the k slots in a float32 buffer (quantized ones, or the
     dense gemv path's atomic reduce) may return it as it is (float32 [T, H]) rather than rounded to hidden's dtype
     by one more launch; the caller's consumer then rounds it (the RMSNorm ops and rms_norm_linear do, as the cast
-    would).
+    would). select: topk_weights / topk_ids are buffers that the routing picked from the router's logits is
+    written into (kernels/fused_moe.TopkSelect: by the dense gemv path's GEMM 1, else first).
     """
-    if pick_backend(backend, hidden.device, "MoE") == "torch":
+    on_triton = pick_backend(backend, hidden.device, "MoE") == "triton"
+    if select is not None and not (on_triton and isinstance(w13, torch.Tensor)):
+        select.fill(topk_weights, topk_ids, triton_kernel=on_triton)
+    if not on_triton:
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
@@ -94,13 +114,13 @@ def fused_moe(
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, num_experts=num_experts,
-                            keep_float32=keep_float32)  # fmt: skip
+                            keep_float32=keep_float32, select=select)  # fmt: skip
 
 
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # the pointer tables are defined with the expert offloading that builds them
-    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.fused_moe import StagedPairs, TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
     from moerun.moe.offload.pointers import ExpertPointers
 

@@ -38,6 +38,15 @@ def route_fused_reference(
     return x_normed, residual_out, topk_weights, topk_ids
 
 
+def route_fused_logits_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_fused_reference up to the logits: (x_normed [T, H], residual_out [T, H], logits [T, E] float32 of the
+    model-dtype F.linear)."""
+    x_normed, residual_out = rms_norm_reference(x, norm_weight, eps, residual)  # [T, H], [T, H]
+    return x_normed, residual_out, F.linear(x_normed, gate_weight).float()
+
+
 def fused_moe_reference(
     hidden: torch.Tensor,
     w13: torch.Tensor,

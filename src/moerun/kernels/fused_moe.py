@@ -384,6 +384,7 @@ def _gemm1_gemv_kernel(
     BLOCK_E: tl.constexpr = 1,
     K_SEL: tl.constexpr = 0,  # top_k, as a constant
     RENORMALIZE: tl.constexpr = False,
+    SEL_ROWS: tl.constexpr = 1,  # the launch's warps: select_slot's copies of the logits
     SELECT: tl.constexpr = False,
 ):
     launch_dependents(PDL)
@@ -393,7 +394,7 @@ def _gemm1_gemv_kernel(
     slot = tl.program_id(0)
     if SELECT:
         expert = select_slot(logits_ptr, weights_ptr, ids_ptr, slot, tl.program_id(1) == 0, E, K_SEL, RENORMALIZE,
-                             BLOCK_E)  # fmt: skip
+                             BLOCK_E, SEL_ROWS)  # fmt: skip
     else:
         expert = tl.load(ids_ptr + slot)
     if PART == 0:
@@ -409,16 +410,19 @@ def _gemm1_gemv_kernel(
 
 @triton.jit
 def select_slot(logits_ptr, weights_ptr, ids_ptr, slot, writes, E: tl.constexpr, K: tl.constexpr,
-                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
     [E], by the router's softmax + top-k (kernels/router.py); where ``writes``, the slot's id and weight are
-    stored too."""
+    stored too. The logits go in as ROWS equal rows (ROWS = the program's warps), so that each warp holds a whole
+    row and the top-k's reductions stay inside a warp, with no shared-memory round trips between warps."""
     token = slot // K
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    rows = tl.arange(0, ROWS)  # [ROWS]
     # .cg: the router's stores, read through L2
-    x = tl.load(logits_ptr + token.to(tl.int64) * E + cols, mask=cols < E, other=0.0, cache_modifier=".cg")
-    top_w, top_i = softmax_topk(x[None, :], cols < E, K, RENORMALIZE, 1, BLOCK_E)  # [1, BLOCK_E]: slots < K
-    pick = cols[None, :] == slot % K  # [1, BLOCK_E]
+    x = tl.load(logits_ptr + token.to(tl.int64) * E + rows[:, None] * 0 + cols[None, :], mask=(cols < E)[None, :],
+                other=0.0, cache_modifier=".cg")  # [ROWS, BLOCK_E], the same row ROWS times
+    top_w, top_i = softmax_topk(x, cols < E, K, RENORMALIZE, ROWS, BLOCK_E)  # [ROWS, BLOCK_E]: slots < K
+    pick = (rows[:, None] == 0) & (cols[None, :] == slot % K)  # [ROWS, BLOCK_E]: row 0's pick of the slot
     expert = tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
     if writes:
         tl.store(ids_ptr + slot, expert)
@@ -720,7 +724,7 @@ def _fused_moe_gemv(
     sel = {} if select is None else dict(
         logits_ptr=select.logits, weights_ptr=topk_weights, E=select.logits.shape[1],
         BLOCK_E=triton.next_power_of_2(select.logits.shape[1]), K_SEL=topk_ids.shape[1],
-        RENORMALIZE=select.renormalize, SELECT=True)  # fmt: skip
+        RENORMALIZE=select.renormalize, SEL_ROWS=cfg["num_warps"], SELECT=True)  # fmt: skip
     k = topk_ids.shape[1]
     pairs = T * k
     atomic = cfg["reduce"] == "atomic"

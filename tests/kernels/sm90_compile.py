@@ -98,7 +98,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
     from moerun.kernels.router_fused import (
-        SINGLE_TOKEN_CONFIG, route_fused_int8_triton, route_fused_logits_triton, route_fused_triton,
+        SINGLE_TOKEN_CONFIG, route_fused_int8_logits_triton, route_fused_int8_triton, route_fused_logits_triton,
+        route_fused_triton,
     )
     from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
@@ -224,6 +225,11 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, decode, GEMM 2's intermediate in its rows' shape (x_tile2)": lambda: [fused_moe_quant(
             x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": q8, "x_tile2": True}) for q8 in (0, 1)],
         "quant MoE through address tables": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1, tables=tables),
+        "quant MoE, decode, int8 x, the top-k picked in GEMM 1": lambda: fused_moe_quant(
+            x1, q4, q6_down, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
+            {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True)),
+        "route_fused_int8_logits, one token (one-warp programs)": lambda: route_fused_int8_logits_triton(
+            x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), H, SINGLE_TOKEN_CONFIG),
         "quant MoE, decode, GEMM 2 per pair with atomic sums (sum2), float and int8 intermediate": lambda: [
             fused_moe_quant(x1, q4, q6_down, w1, ids1, {**v2_moe, "x_q8": True, "inter_q8": q8, "sum2": "atomic"},
                             keep_float32=True) for q8 in (0, 1)],

@@ -355,21 +355,16 @@ def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> 
         assert torch.equal(got, want), f"seed={seed}"
 
 
-def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> None:
-    """Quantized experts whose kernels round x to int8 get it rounded by the fused router's kernel: the same int8
-    rows as they compute themselves (test_route_fused_int8_rows_are_the_quantized_normed_rows), so the same output
-    up to the float32 rounding of the routing weights (compiled with the int8 stores, the kernel's weights can
-    differ in the last bit on the GPU)."""
-    from moerun.kernels.quant import fused_moe_quant
+def quantized_block(qtype: str, H: int, I: int) -> tuple[SparseMoeBlock, RMSNorm]:  # noqa: E741
+    """A float32 MoE block (E = 6, k = 2) with random quantized experts of qtype, and its RMSNorm, on the device."""
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.layers.quantized import QuantizedWeight, set_quantized
-    from moerun.moe.experts import Experts
 
-    E, H, I, k = 6, 64, 32, 2  # noqa: E741  (Q8_0 rows: multiples of 32)
+    E = 6
     cfg = ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=H, num_layers=1, num_heads=2,
         num_kv_heads=1, head_dim=8, intermediate_size=64, moe_intermediate_size=I, num_experts=E,
-        num_experts_per_tok=k, norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64,
+        num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64,
         dtype=torch.float32,
     )  # fmt: skip
     block = SparseMoeBlock(cfg, 0, backend="triton").to(DEVICE)
@@ -377,9 +372,22 @@ def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> 
     with torch.no_grad():
         block.gate.weight.copy_(torch.randn(E, H) / H**0.5)
         norm.weight.copy_(1.0 + 0.2 * torch.randn(H))
-    w13 = QuantizedWeight([random_quantized("Q8_0", (E, I, H), DEVICE), random_quantized("Q8_0", (E, I, H), DEVICE)])
+    w13 = QuantizedWeight([random_quantized(qtype, (E, I, H), DEVICE), random_quantized(qtype, (E, I, H), DEVICE)])
     set_quantized(block.experts, "w13", w13)
-    set_quantized(block.experts, "w2", QuantizedWeight([random_quantized("Q8_0", (E, H, I), DEVICE)]))
+    set_quantized(block.experts, "w2", QuantizedWeight([random_quantized(qtype, (E, H, I), DEVICE)]))
+    return block, norm
+
+
+def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> None:
+    """Quantized experts whose kernels round x to int8 get it rounded by the fused router's kernel: the same int8
+    rows as they compute themselves (test_route_fused_int8_rows_are_the_quantized_normed_rows), so the same output
+    up to the float32 rounding of the routing weights (compiled with the int8 stores, the kernel's weights can
+    differ in the last bit on the GPU)."""
+    from moerun.kernels.quant import fused_moe_quant
+    from moerun.moe.experts import Experts
+
+    H = 64
+    block, norm = quantized_block("Q8_0", H, 32)  # (Q8_0 rows: multiples of 32)
     int8_cfg = fused_moe_quant.normalize_config({"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 64,
                                                  "BLOCK_K": 256, "BLOCK_N2": 16, "BLOCK_K2": 256, "x_q8": True})
     monkeypatch.setattr(fused_moe_quant, "get_moe_config", lambda *args: int8_cfg)
@@ -503,3 +511,33 @@ def test_block_with_the_top_k_in_gemm1_matches_the_router_path(seed, monkeypatch
     want_w, want_ids = moe_ops.route_reference(logits, 3, True)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), f"seed={seed}"
     torch.testing.assert_close(got_torch.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("path", ["gemv_v2", "tile"])
+def test_quantized_experts_pick_the_routers_top_k(seed, monkeypatch, qtype, path) -> None:
+    # MOERUN_TOPK_IN_GEMM1=1 on quantized experts: the router stops at its logits (still rounding the normed rows
+    # to int8 for them) and gemv_v2's GEMM 1 picks the routing (other paths get it written first); the same output
+    from moerun.kernels.quant import fused_moe_quant
+
+    H = 256
+    block, norm = quantized_block(qtype, H, 256)  # (K-quant rows: multiples of 256)
+    configs = {"gemv_v2": {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 64, "BLOCK_K": 256,
+                           "BLOCK_N2": 16, "BLOCK_K2": 256, "x_q8": True},
+               "tile": {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}}  # fmt: skip
+    chosen = fused_moe_quant.normalize_config(configs[path])
+    monkeypatch.setattr(fused_moe_quant, "get_moe_config", lambda *args: chosen)
+    calls = []
+    monkeypatch.setattr(block_module, "route_fused_int8_logits",
+                        lambda *a: calls.append(1) or moe_ops.route_fused_int8_logits(*a))  # fmt: skip
+    x, residual = torch.randn(2, H, device=DEVICE), torch.randn(2, H, device=DEVICE)
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "0")
+    want, want_res = block.forward_fused_norm(x, residual, norm)
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "1")
+    got, got_res = block.forward_fused_norm(x, residual, norm)
+    assert calls == ([1] if path == "gemv_v2" else []), calls  # the tile config does not round x to int8
+    assert torch.equal(got_res, want_res), f"seed={seed}"
+    if interpreting():
+        assert torch.equal(got, want), f"seed={seed}"
+    else:  # atomics add in no fixed order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed}: {m}")

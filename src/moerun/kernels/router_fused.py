@@ -264,6 +264,19 @@ def route_fused_logits_triton(
     return normed, residual_out, logits
 
 
+def route_fused_int8_logits_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    k_pad: int, config: FusedRouteConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:
+    """route_fused_logits_triton, plus x_normed rounded to int8 as route_fused_int8_triton writes it, in the same
+    launch: (x_normed, residual_out, logits, the int8 rows)."""
+    check_k_pad(k_pad, x.shape[-1])
+    normed, residual_out, _, _, rows, logits = _route_fused(x, residual, norm_weight, eps, gate_weight, 1, False,
+                                                            config, k_pad, select=False)  # fmt: skip
+    assert rows is not None
+    return normed, residual_out, logits, rows
+
+
 def route_fused_int8_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
     k: int, renormalize: bool, k_pad: int, config: FusedRouteConfig | None = None,

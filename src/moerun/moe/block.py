@@ -2,8 +2,8 @@
 
 ``forward_fused_norm`` also takes the residual add and RMSNorm in front of the block; for decode-sized batches on
 the Triton backend these and the whole router run as one kernel (ops.route_fused). With MOERUN_TOPK_IN_GEMM1=1
-(read at each call, so at a graph's capture) dense experts take the router's logits instead and their GEMM 1
-picks the routing (ops.route_fused_logits, fused_moe's ``select``).
+(read at each call, so at a graph's capture) resident experts (dense or quantized) take the router's logits
+instead and their GEMM 1 picks the routing (ops.route_fused_logits, fused_moe's ``select``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from moerun.layers.norm import RMSNorm
 from moerun.moe.experts import Experts
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
 from moerun.ops.dispatch import pick_backend
-from moerun.ops.moe import ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8, route_fused_logits
+from moerun.ops.moe import (
+    ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8, route_fused_int8_logits, route_fused_logits,
+)
 
 
 class SparseMoeBlock(nn.Module):
@@ -58,20 +60,13 @@ class SparseMoeBlock(nn.Module):
             # the output goes to the next RMSNorm (alone or in front of q|k|v), which rounds float32 slot sums as a
             # cast would
             keep = {"keep_float32": True} if isinstance(self.experts, (Experts, OffloadedExperts)) else {}
+            if self._selects_in_experts():
+                return self._experts_select(x, residual, norm, pad, keep)
             if pad is not None:
                 x_normed, residual, topk_weights, topk_ids, x_int8 = route_fused_int8(
                     x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize, pad,
                 )  # fmt: skip
                 return self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, **keep), residual
-            if self._selects_in_experts():
-                from moerun.kernels.fused_moe import TopkSelect
-
-                x_normed, residual, logits = route_fused_logits(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                                                backend=self.experts.backend)  # fmt: skip
-                topk_weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32, device=x.device)  # [T, k]
-                topk_ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int32, device=x.device)  # [T, k]
-                select = TopkSelect(logits, self.renormalize)
-                return self.experts(x_normed, topk_weights, topk_ids, select=select, **keep), residual
             x_normed, residual, topk_weights, topk_ids = route_fused(
                 x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
                 backend=self.experts.backend,
@@ -81,10 +76,28 @@ class SparseMoeBlock(nn.Module):
         return self.forward(h), residual
 
     def _selects_in_experts(self) -> bool:
-        """Whether the experts pick the routing from the router's logits (MOERUN_TOPK_IN_GEMM1=1, dense experts)."""
-        experts = self.experts
-        return (os.environ.get("MOERUN_TOPK_IN_GEMM1", "0") == "1" and type(experts) is Experts
-                and "q_w13" not in experts.__dict__)  # fmt: skip
+        """Whether the experts pick the routing from the router's logits (MOERUN_TOPK_IN_GEMM1=1, resident experts,
+        dense or quantized)."""
+        return os.environ.get("MOERUN_TOPK_IN_GEMM1", "0") == "1" and type(self.experts) is Experts
+
+    def _experts_select(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, pad: int | None,
+                        keep: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """forward_fused_norm with the router stopping at its logits and the experts picking the routing (into
+        buffers made here); with ``pad``, the router also rounds the normed rows to int8 for them."""
+        from moerun.kernels.fused_moe import TopkSelect
+
+        x_int8 = None
+        if pad is not None:
+            x_normed, residual, logits, x_int8 = route_fused_int8_logits(x, residual, norm.weight, norm.eps,
+                                                                         self.gate.weight, pad)  # fmt: skip
+        else:
+            x_normed, residual, logits = route_fused_logits(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                                            backend=self.experts.backend)  # fmt: skip
+        topk_weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32, device=x.device)  # [T, k]
+        topk_ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int32, device=x.device)  # [T, k]
+        select = TopkSelect(logits, self.renormalize)
+        out = self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, select=select, **keep)
+        return out, residual
 
     def _routes_fused(self, x: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether routing runs as the one fused kernel: the Triton backend, few tokens, dense weights of x's dtype."""

@@ -1,5 +1,5 @@
-"""Public MoE entry points: ``route``, ``route_fused`` (+ ``route_fused_int8``, ``route_fused_logits``) and
-``fused_moe``, dispatched to the torch reference or Triton kernels."""
+"""Public MoE entry points: ``route``, ``route_fused`` (+ ``route_fused_int8``, ``route_fused_logits``,
+``route_fused_int8_logits``) and ``fused_moe``, dispatched to the torch reference or Triton kernels."""
 
 from __future__ import annotations
 
@@ -67,6 +67,16 @@ def route_fused_logits(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     return route_fused_logits_triton(x, residual, norm_weight, eps, gate_weight)
 
 
+def route_fused_int8_logits(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            gate_weight: torch.Tensor,
+                            k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:  # fmt: skip
+    """route_fused_logits on the Triton path, plus x_normed rounded to int8 as route_fused_int8 writes it (for
+    quantized experts that pick the routing themselves), in the same launch."""
+    from moerun.kernels.router_fused import route_fused_int8_logits_triton
+
+    return route_fused_int8_logits_triton(x, residual, norm_weight, eps, gate_weight, k_pad)
+
+
 def route_fused_int8(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      gate_weight: torch.Tensor, k: int, renormalize: bool,
                      k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:
@@ -99,18 +109,17 @@ def fused_moe(
     dense gemv path's atomic reduce) may return it as it is (float32 [T, H]) rather than rounded to hidden's dtype
     by one more launch; the caller's consumer then rounds it (the RMSNorm ops and rms_norm_linear do, as the cast
     would). select: topk_weights / topk_ids are buffers that the routing picked from the router's logits is
-    written into (kernels/fused_moe.TopkSelect: by the dense gemv path's GEMM 1, else first).
+    written into (kernels/fused_moe.TopkSelect: by the gemv paths' GEMM 1, dense or gemv_v2, else first).
     """
-    on_triton = pick_backend(backend, hidden.device, "MoE") == "triton"
-    if select is not None and not (on_triton and isinstance(w13, torch.Tensor)):
-        select.fill(topk_weights, topk_ids, triton_kernel=on_triton)
-    if not on_triton:
+    if pick_backend(backend, hidden.device, "MoE") == "torch":
+        if select is not None:
+            select.fill(topk_weights, topk_ids, triton_kernel=False)
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
 
         return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8, num_experts=num_experts,
-                                   keep_float32=keep_float32)  # fmt: skip
+                                   keep_float32=keep_float32, select=select)  # fmt: skip
     from moerun.kernels.fused_moe import fused_moe_triton
 
     return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, num_experts=num_experts,

@@ -32,6 +32,7 @@ from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
 
 if TYPE_CHECKING:
+    from moerun.kernels.fused_moe import TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 # Up to this many rows of x, a weight without a repacked layout is multiplied by the GEMV over its GGUF blocks.
@@ -173,15 +174,19 @@ def fused_moe_quantized(
     x_int8: Int8Rows | None = None,
     num_experts: int | None = None,
     keep_float32: bool = False,
+    select: TopkSelect | None = None,
 ) -> torch.Tensor:
     """Triton path of ops.fused_moe for quantized experts: the fused dequantising kernels when every part has
     one (else dequantise the layer and run the dense kernels). -> [T, H] in out_dtype (default hidden's).
     ``tables``: each expert's arrays found through address tables (fused_moe_quant's ``tables``). ``x_int8``:
     hidden already rounded to int8, read if the chosen config rounds it. ``num_experts``: the layer's expert count
-    where the weights stack a slot pool (fused_moe_quant's). ``keep_float32``: fused_moe_quant's."""
+    where the weights stack a slot pool (fused_moe_quant's). ``keep_float32``, ``select``: fused_moe_quant's (the
+    picks are written first where its kernels do not run)."""
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
     if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
+        if select is not None:
+            select.fill(topk_weights, topk_ids)
         if tables is not None:
             raise ValueError("experts through address tables need the fused quantized kernels")
         out = _moe_from_blocks(hidden, w13, w2, topk_weights, topk_ids, x_int8)
@@ -189,7 +194,10 @@ def fused_moe_quantized(
     p13, p2 = packed_parts(w13), packed_parts(w2)
     if fused_kernels_apply(p13, p2):
         return fused_moe_quant(hidden, p13, p2[0], topk_weights, topk_ids, out_dtype=out_dtype, tables=tables,
-                               x_int8=x_int8, num_experts=num_experts, keep_float32=keep_float32)  # fmt: skip
+                               x_int8=x_int8, num_experts=num_experts, keep_float32=keep_float32,
+                               select=select)  # fmt: skip
+    if select is not None:
+        select.fill(topk_weights, topk_ids)
     if tables is not None:
         raise ValueError("experts through address tables need the fused quantized kernels")
     if isinstance(w13, list) or isinstance(w2, list):

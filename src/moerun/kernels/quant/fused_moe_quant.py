@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton
+from moerun.kernels.fused_moe import (
+    TopkSelect, _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton,
+)
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported, x_planes
 from moerun.kernels.quant.from_blocks import GroupBlocks
@@ -547,6 +549,7 @@ def fused_moe_quant(
     x_int8: Int8Rows | None = None,
     num_experts: int | None = None,
     keep_float32: bool = False,
+    select: TopkSelect | None = None,
 ) -> torch.Tensor:
     """Experts of one MoE layer: hidden [T, H], w13 [E, 2I, H] (row-stacked parts: gate|up or gate, up),
     w2 [E, H, I] packed -> [T, H] in out_dtype (default: hidden's dtype); the expert GEMMs run in hidden's dtype as
@@ -559,7 +562,8 @@ def fused_moe_quant(
     rounded to int8 (int8_dot.Int8Rows), read by gemv_v2 configs that round x. ``num_experts``: the layer's expert
     count, which picks the tuned tables, where w13 and w2 stack another number of experts (a slot pool).
     ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer (gemv_v2 with sum2 = "atomic") returns that
-    buffer as it is, whatever out_dtype says."""
+    buffer as it is, whatever out_dtype says. ``select``: topk_weights / topk_ids are buffers the routing picked
+    from the router's logits is written into (by gemv_v2's GEMM 1, else first; kernels/fused_moe.TopkSelect)."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]
@@ -594,6 +598,8 @@ def fused_moe_quant(
         index = {id(p): i for i, p in enumerate(parts13)}
         part_tables = (t13[index[id(gw)]].contiguous(), t13[index[id(uw)]].contiguous(), t2.contiguous())
     out_dtype = out_dtype or hidden.dtype
+    if select is not None:
+        select.check(topk_weights, topk_ids, num_experts or E)
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=hidden.device)
     x = hidden.contiguous()
@@ -602,12 +608,14 @@ def fused_moe_quant(
     weights = topk_weights.contiguous()
     cfg = _kernel_config(config, gw, uw, w2, num_experts or E, k, T, indirect=part_tables is not None,
                          dense_out=out_dtype == x.dtype)  # fmt: skip
+    if select is not None and cfg["path"] != "gemv_v2":
+        select.fill(weights, ids)
     if cfg["path"] == "dequant":
         return _dequant(x, parts13, w2, weights, ids)
     if cfg["path"] == "gemv_v2":
         if keep_float32 and cfg.get("sum2") == "atomic":
             out_dtype = torch.float32
-        return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8)
+        return fused_moe_gemv_v2(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables, x_int8, select)
     if cfg["path"] == "gemv":
         return _gemv(x, gate, up, w2, weights, ids, cfg, out_dtype)
     return _tile(x, gate, up, w2, weights, ids, cfg, out_dtype, part_tables)  # tile, tile64, gemv_dot: tl.dot

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import _silu_mul, zero_slice, zeroed_by_gemm1
+from moerun.kernels.fused_moe import TopkSelect, _silu_mul, select_slot, zero_slice, zeroed_by_gemm1
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
@@ -348,6 +348,15 @@ def _gemm1_v2_kernel(
     zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
     zero_n=0,
     ZERO_BLOCK: tl.constexpr = 0,
+    # SELECT: the routing picked here from the router's logits, as in kernels/fused_moe.py (TopkSelect)
+    logits_ptr=None,  # [T, E] float32
+    weights_ptr=None,  # [T*k] float32 out
+    E: tl.constexpr = 0,
+    BLOCK_E: tl.constexpr = 1,
+    K_SEL: tl.constexpr = 0,
+    RENORMALIZE: tl.constexpr = False,
+    SEL_ROWS: tl.constexpr = 1,
+    SELECT: tl.constexpr = False,
 ):  # fmt: skip
     launch_dependents(PDL)
     wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
@@ -355,7 +364,11 @@ def _gemm1_v2_kernel(
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    if SELECT:
+        expert = select_slot(logits_ptr, weights_ptr, ids_ptr, slot, pid_n == 0, E, K_SEL, RENORMALIZE, BLOCK_E,
+                             SEL_ROWS).to(tl.int64)  # fmt: skip
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs_n < I
@@ -636,10 +649,11 @@ def x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
 
 def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
                       ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype, tables: PartTables | None = None,
-                      x_int8: Int8Rows | None = None) -> torch.Tensor:  # fmt: skip
+                      x_int8: Int8Rows | None = None, select: TopkSelect | None = None) -> torch.Tensor:  # fmt: skip
     """The gemv_v2 path: x [T, H], routing [T, k] (ids int32, contiguous) -> [T, H] in out_dtype. With ``tables``
     (gate, up, down [E, 4] int64 addresses, see fused_moe_quant) the experts are found through them and the
-    PackedWeights only give types, shapes and pointer types. x_int8: x already rounded (with cfg["x_q8"])."""
+    PackedWeights only give types, shapes and pointer types. x_int8: x already rounded (with cfg["x_q8"]).
+    ``select``: GEMM 1 picks the routing from the router's logits and writes it into weights / ids."""
     (gw, g_off), (uw, u_off) = gate, up
     T, H = x.shape
     I, i_pad = w2.k, w2.k_pad  # noqa: E741
@@ -667,6 +681,10 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     grid1 = (slots, triton.cdiv(I, bn1))
     pairs2 = cfg.get("sum2") == "atomic"
     out, zero = zeroed_by_gemm1(T, H, grid1, x.device) if pairs2 else (None, {})  # [T, H]
+    sel = {} if select is None else dict(
+        logits_ptr=select.logits, weights_ptr=weights, E=select.logits.shape[1],
+        BLOCK_E=triton.next_power_of_2(select.logits.shape[1]), K_SEL=k, RENORMALIZE=select.renormalize,
+        SEL_ROWS=cfg["num_warps"], SELECT=True)  # fmt: skip
     _gemm1_v2_kernel[grid1](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
@@ -674,7 +692,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         inter.stride(0), sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
         WPG=words_per_group(gw.qtype), BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
-        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags}, **zero,
+        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags}, **zero, **sel,
     )  # fmt: skip
     return _gemm2(inter, sums, dxi, inter_q8, i_words, flat_ids, weights, w2, T, k, H, cfg, out_dtype,
                   tables[2] if tables else None, pdl, out)  # fmt: skip

@@ -664,6 +664,13 @@ class TopkSelect(NamedTuple):
         topk_weights.copy_(weights)
         topk_ids.copy_(ids)
 
+    def kernel_args(self, topk_weights: torch.Tensor, k: int, num_warps: int) -> dict:
+        """The SELECT keyword arguments of a GEMM 1 kernel (select_slot's) that writes the weights into
+        topk_weights and runs num_warps warps."""
+        E = self.logits.shape[1]
+        return dict(logits_ptr=self.logits, weights_ptr=topk_weights, E=E, BLOCK_E=triton.next_power_of_2(E),
+                    K_SEL=k, RENORMALIZE=self.renormalize, SEL_ROWS=num_warps, SELECT=True)  # fmt: skip
+
     def check(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
         """Raises unless the logits are [T, num_experts] float32 and the buffers [T, k] float32 / int32, contiguous,
         k <= num_experts (the kernels write into them)."""
@@ -721,10 +728,7 @@ def _fused_moe_gemv(
     T, H = hidden.shape
     if select is not None and staged is not None:
         raise ValueError("the top-k picked in GEMM 1 and staged pairs do not go together: staging needs the picks")
-    sel = {} if select is None else dict(
-        logits_ptr=select.logits, weights_ptr=topk_weights, E=select.logits.shape[1],
-        BLOCK_E=triton.next_power_of_2(select.logits.shape[1]), K_SEL=topk_ids.shape[1],
-        RENORMALIZE=select.renormalize, SEL_ROWS=cfg["num_warps"], SELECT=True)  # fmt: skip
+    sel = {} if select is None else select.kernel_args(topk_weights, topk_ids.shape[1], cfg["num_warps"])
     k = topk_ids.shape[1]
     pairs = T * k
     atomic = cfg["reduce"] == "atomic"

@@ -681,10 +681,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     grid1 = (slots, triton.cdiv(I, bn1))
     pairs2 = cfg.get("sum2") == "atomic"
     out, zero = zeroed_by_gemm1(T, H, grid1, x.device) if pairs2 else (None, {})  # [T, H]
-    sel = {} if select is None else dict(
-        logits_ptr=select.logits, weights_ptr=weights, E=select.logits.shape[1],
-        BLOCK_E=triton.next_power_of_2(select.logits.shape[1]), K_SEL=k, RENORMALIZE=select.renormalize,
-        SEL_ROWS=cfg["num_warps"], SELECT=True)  # fmt: skip
+    sel = {} if select is None else select.kernel_args(weights, k, cfg["num_warps"])
     _gemm1_v2_kernel[grid1](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,

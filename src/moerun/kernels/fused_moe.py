@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moerun.kernels.align import align_tokens
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.router import softmax_topk
+from moerun.kernels.router import route_triton, softmax_topk
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
@@ -375,16 +375,10 @@ def _gemm1_gemv_kernel(
     zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
     zero_n=0,
     ZERO_BLOCK: tl.constexpr = 0,
-    # SELECT: the routing is picked here from the router's logits (TopkSelect): every program runs its token's
-    # softmax + top-k and takes its slot's expert; the programs of N-tile 0 write the slot's id into ids_ptr and
-    # its weight into weights_ptr, for GEMM 2
-    logits_ptr=None,  # [T, E] float32
-    weights_ptr=None,  # [T*k] float32 out
-    E: tl.constexpr = 0,
-    BLOCK_E: tl.constexpr = 1,
-    K_SEL: tl.constexpr = 0,  # top_k, as a constant
-    RENORMALIZE: tl.constexpr = False,
-    SEL_ROWS: tl.constexpr = 1,  # the launch's warps: select_slot's copies of the logits
+    # SELECT: the routing is picked here from the router's logits (TopkSelect, select_slot): the programs of N-tile
+    # 0 write each slot's id into ids_ptr and its weight, for GEMM 2
+    sel=None,  # TopkOperands
+    SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
 ):
     launch_dependents(PDL)
@@ -393,8 +387,7 @@ def _gemm1_gemv_kernel(
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     if SELECT:
-        expert = select_slot(logits_ptr, weights_ptr, ids_ptr, slot, tl.program_id(1) == 0, E, K_SEL, RENORMALIZE,
-                             BLOCK_E, SEL_ROWS)  # fmt: skip
+        expert = select_slot(sel, SEL, ids_ptr, slot, tl.program_id(1) == 0)
     else:
         expert = tl.load(ids_ptr + slot)
     if PART == 0:
@@ -409,24 +402,24 @@ def _gemm1_gemv_kernel(
 
 
 @triton.jit
-def select_slot(logits_ptr, weights_ptr, ids_ptr, slot, writes, E: tl.constexpr, K: tl.constexpr,
-                RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes):
     """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
     [E], by the router's softmax + top-k (kernels/router.py); where ``writes``, the slot's id and weight are
-    stored too. The logits go in as ROWS equal rows (ROWS = the program's warps), so that each warp holds a whole
-    row and the top-k's reductions stay inside a warp, with no shared-memory round trips between warps."""
-    token = slot // K
-    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    rows = tl.arange(0, ROWS)  # [ROWS]
+    stored too (sel: TopkOperands, SEL: TopkShape). The logits go in as ROWS equal rows (ROWS = the program's
+    warps), so that each warp holds a whole row and the top-k's reductions stay inside a warp, with no
+    shared-memory round trips between warps."""
+    token = slot // SEL.K
+    cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
+    rows = tl.arange(0, SEL.ROWS)  # [ROWS]
     # .cg: the router's stores, read through L2
-    x = tl.load(logits_ptr + token.to(tl.int64) * E + rows[:, None] * 0 + cols[None, :], mask=(cols < E)[None, :],
-                other=0.0, cache_modifier=".cg")  # [ROWS, BLOCK_E], the same row ROWS times
-    top_w, top_i = softmax_topk(x, cols < E, K, RENORMALIZE, ROWS, BLOCK_E)  # [ROWS, BLOCK_E]: slots < K
-    pick = (rows[:, None] == 0) & (cols[None, :] == slot % K)  # [ROWS, BLOCK_E]: row 0's pick of the slot
+    x = tl.load(sel.logits_ptr + token.to(tl.int64) * SEL.E + rows[:, None] * 0 + cols[None, :],
+                mask=(cols < SEL.E)[None, :], other=0.0, cache_modifier=".cg")  # [ROWS, BLOCK_E], one row ROWS times
+    top_w, top_i = softmax_topk(x, cols < SEL.E, SEL.K, SEL.RENORMALIZE, SEL.ROWS, SEL.BLOCK_E)  # slots < K
+    pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]: row 0's pick of the slot
     expert = tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
     if writes:
         tl.store(ids_ptr + slot, expert)
-        tl.store(weights_ptr + slot, tl.sum(tl.sum(tl.where(pick, top_w, 0.0), axis=1), axis=0))
+        tl.store(sel.weights_ptr + slot, tl.sum(tl.sum(tl.where(pick, top_w, 0.0), axis=1), axis=0))
     return expert
 
 
@@ -644,6 +637,23 @@ def _new_acc(T: int, k: int, H: int, reduce: str, device: torch.device, out_dtyp
     return torch.empty(T * k, H, dtype=dtype, device=device)  # [T*k, H]
 
 
+class TopkOperands(NamedTuple):
+    """The run-time operands of select_slot, passed to a GEMM 1 kernel as one argument."""
+
+    logits_ptr: torch.Tensor  # [T, E] float32
+    weights_ptr: torch.Tensor  # [T*k] float32 out
+
+
+class TopkShape(NamedTuple):
+    """Its compile-time arguments, passed as one constexpr."""
+
+    E: int
+    BLOCK_E: int  # next power of two >= E
+    K: int  # top_k
+    RENORMALIZE: bool
+    ROWS: int  # the launch's warps: select_slot's copies of the logits
+
+
 class TopkSelect(NamedTuple):
     """Routing left to the experts' kernels: the router's logits [T, E] float32 (ops.route_fused_logits), from which
     k experts a token are picked by the router's softmax + top-k (renormalised to sum 1 with ``renormalize``) and
@@ -656,7 +666,6 @@ class TopkSelect(NamedTuple):
     def fill(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, triton_kernel: bool = True) -> None:
         """The picks written into the buffers: by the router's softmax + top-k kernel (kernels/router.py: ties to
         the lowest index, as GEMM 1 and the fused router pick), or by its torch reference."""
-        from moerun.kernels.router import route_triton
         from moerun.ops.moe_reference import route_reference
 
         pick = route_triton if triton_kernel else route_reference
@@ -665,11 +674,11 @@ class TopkSelect(NamedTuple):
         topk_ids.copy_(ids)
 
     def kernel_args(self, topk_weights: torch.Tensor, k: int, num_warps: int) -> dict:
-        """The SELECT keyword arguments of a GEMM 1 kernel (select_slot's) that writes the weights into
+        """The select keyword arguments of a GEMM 1 kernel (select_slot's) that writes the weights into
         topk_weights and runs num_warps warps."""
         E = self.logits.shape[1]
-        return dict(logits_ptr=self.logits, weights_ptr=topk_weights, E=E, BLOCK_E=triton.next_power_of_2(E),
-                    K_SEL=k, RENORMALIZE=self.renormalize, SEL_ROWS=num_warps, SELECT=True)  # fmt: skip
+        shape = TopkShape(E, triton.next_power_of_2(E), k, bool(self.renormalize), num_warps)
+        return dict(sel=TopkOperands(self.logits, topk_weights), SEL=shape, SELECT=True)
 
     def check(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
         """Raises unless the logits are [T, num_experts] float32 and the buffers [T, k] float32 / int32, contiguous,

@@ -32,8 +32,7 @@ def route_fused_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unfused routing of a decoder layer: residual add + RMSNorm, router logits in the model dtype, then
     route_reference -> (x_normed [T, H], residual_out [T, H], topk_weights [T, k] float32, topk_ids [T, k] int32)."""
-    x_normed, residual_out = rms_norm_reference(x, norm_weight, eps, residual)  # [T, H], [T, H]
-    logits = F.linear(x_normed, gate_weight)  # [T, E] in the model dtype, as transformers computes it
+    x_normed, residual_out, logits = route_fused_logits_reference(x, residual, norm_weight, eps, gate_weight)
     topk_weights, topk_ids = route_reference(logits, k, renormalize)  # [T, k]
     return x_normed, residual_out, topk_weights, topk_ids
 
@@ -42,7 +41,7 @@ def route_fused_logits_reference(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_fused_reference up to the logits: (x_normed [T, H], residual_out [T, H], logits [T, E] float32 of the
-    model-dtype F.linear)."""
+    model-dtype F.linear, as transformers computes them)."""
     x_normed, residual_out = rms_norm_reference(x, norm_weight, eps, residual)  # [T, H], [T, H]
     return x_normed, residual_out, F.linear(x_normed, gate_weight).float()
 

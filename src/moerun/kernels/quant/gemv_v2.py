@@ -349,13 +349,8 @@ def _gemm1_v2_kernel(
     zero_n=0,
     ZERO_BLOCK: tl.constexpr = 0,
     # SELECT: the routing picked here from the router's logits, as in kernels/fused_moe.py (TopkSelect)
-    logits_ptr=None,  # [T, E] float32
-    weights_ptr=None,  # [T*k] float32 out
-    E: tl.constexpr = 0,
-    BLOCK_E: tl.constexpr = 1,
-    K_SEL: tl.constexpr = 0,
-    RENORMALIZE: tl.constexpr = False,
-    SEL_ROWS: tl.constexpr = 1,
+    sel=None,  # TopkOperands
+    SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
 ):  # fmt: skip
     launch_dependents(PDL)
@@ -365,8 +360,7 @@ def _gemm1_v2_kernel(
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SELECT:
-        expert = select_slot(logits_ptr, weights_ptr, ids_ptr, slot, pid_n == 0, E, K_SEL, RENORMALIZE, BLOCK_E,
-                             SEL_ROWS).to(tl.int64)  # fmt: skip
+        expert = select_slot(sel, SEL, ids_ptr, slot, pid_n == 0).to(tl.int64)
     else:
         expert = tl.load(ids_ptr + slot).to(tl.int64)
     token = (slot // top_k).to(tl.int64)

@@ -141,18 +141,15 @@ class Engine:
         if launch:
             source_rows = [rows.get(id(s), -1) for s in launch]
             if self._continues_in_graph(launch, source_rows):
-                for seq in launch:
-                    seq.num_computed += 1
                 picks = self.runner.continue_decode(len(launch))  # [B]
             else:
                 host_ids = [0 if r >= 0 else s.token_slice(s.num_computed, 1)[0] for s, r in zip(launch, source_rows)]
                 batch = ForwardBatch.build([s.num_computed for s in launch], [1] * len(launch),
                                            [s.slot for s in launch], self.device)  # fmt: skip
                 input_ids = next_input_ids(host_ids, source_rows, pending, self.device)
-                for seq in launch:
-                    seq.num_computed += 1
-                logits = self.runner.decode(input_ids, batch)  # [B, V]
-                picks = self.sampler.pick(logits, launch)  # [B]
+                picks = self.sampler.pick(self.runner.decode(input_ids, batch), launch)  # [B]
+            for seq in launch:
+                seq.num_computed += 1
             buffer = self._host_ids[self._next_buffer]
             self._next_buffer ^= 1  # the pending step holds the other buffer
             launched = PendingTokens.launch(launch, picks, buffer)

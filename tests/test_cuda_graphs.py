@@ -162,8 +162,8 @@ def test_decode_qk_inside_attention_gives_the_same_tokens(tokenizer, monkeypatch
 
 
 def test_greedy_steps_continued_in_the_graph_give_the_eager_tokens(tokenizer, monkeypatch):
-    # MOERUN_GRAPH_PICKS=1 (read at capture): the graphs end in ops.greedy_pick, and a greedy step that continues
-    # the last replay's rows replays with nothing copied in
+    # the graphs end in ops.greedy_pick (MOERUN_GRAPH_PICKS, read at capture, on by default), and a greedy step
+    # that continues the last replay's rows replays with nothing copied in
     model = small_model(seed=4)
     monkeypatch.setenv("MOERUN_GRAPH_PICKS", "1")
     graphed = LLM.from_model(model, tokenizer, max_model_len=256, max_num_seqs=8, cuda_graphs=True)
@@ -181,8 +181,15 @@ def test_greedy_steps_continued_in_the_graph_give_the_eager_tokens(tokenizer, mo
     assert 1 in continued and 8 in continued and 3 not in continued  # 3 rows replay the graph of 4
 
 
+def test_graphs_without_picks_give_the_same_tokens(tokenizer, monkeypatch):
+    # MOERUN_GRAPH_PICKS=0: the graphs end at the logits and the engine picks and copies each step's inputs in
+    outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_GRAPH_PICKS", 6)
+    assert outs["0"] == outs["1"]
+
+
 def test_top_k_picked_in_gemm1_gives_the_same_tokens(tokenizer, monkeypatch):
-    # MOERUN_TOPK_IN_GEMM1=1 (read at capture): the router stops at its logits and GEMM 1 picks the routing; the
-    # same picks, weights a float32 rounding apart (another summation order), so the same greedy tokens in float32
+    # MOERUN_TOPK_IN_GEMM1=1 (read at capture; by default for one token only): the router stops at its logits and
+    # GEMM 1 picks the routing; the same picks, weights a float32 rounding apart (another summation order), so the
+    # same greedy tokens in float32
     outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_TOPK_IN_GEMM1", 5)
     assert outs["0"] == outs["1"]

@@ -205,6 +205,7 @@ def unfused(block: SparseMoeBlock, norm: RMSNorm, x: torch.Tensor, residual: tor
 @pytest.mark.parametrize("T", [1, 5])
 def test_forward_fused_norm_matches_unfused(seed, monkeypatch, T, with_residual) -> None:
     block, norm = small_block(torch.float32)
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "0")  # the router picks the routing (else the experts' GEMM 1 does)
     calls = []
     monkeypatch.setattr(block_module, "route_fused", lambda *a, **kw: calls.append(1) or moe_ops.route_fused(*a, **kw))
     x = torch.randn(T, 40, device=DEVICE)
@@ -391,6 +392,7 @@ def test_quantized_experts_take_int8_rows_from_the_router(seed, monkeypatch) -> 
     int8_cfg = fused_moe_quant.normalize_config({"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 64,
                                                  "BLOCK_K": 256, "BLOCK_N2": 16, "BLOCK_K2": 256, "x_q8": True})
     monkeypatch.setattr(fused_moe_quant, "get_moe_config", lambda *args: int8_cfg)
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "0")  # the router picks the routing (else the experts' GEMM 1 does)
     calls = []
     monkeypatch.setattr(block_module, "route_fused_int8",
                         lambda *a: calls.append(1) or moe_ops.route_fused_int8(*a))  # fmt: skip
@@ -491,7 +493,9 @@ def test_block_with_the_top_k_in_gemm1_matches_the_router_path(seed, monkeypatch
     monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "0")
     want, want_res = block.forward_fused_norm(x, residual, norm)
     assert not calls
-    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "1")
+    monkeypatch.delenv("MOERUN_TOPK_IN_GEMM1")  # by default for one token only (TOPK_IN_GEMM1_MAX_TOKENS)
+    assert block._selects_in_experts(T) == (T <= block_module.TOPK_IN_GEMM1_MAX_TOKENS)
+    monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "1")  # at any token count the fused router takes
     got, got_res = block.forward_fused_norm(x, residual, norm)
     assert calls, "the logits-only router was not used"
     assert torch.equal(got_res, want_res), f"seed={seed}"

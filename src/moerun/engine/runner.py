@@ -8,7 +8,7 @@ never touch a real sequence. Nothing in the graphed step reads device memory on 
 Experts offloaded in copy mode read each layer's routing on the host: their decode replays one graph per layer
 instead (engine/layer_graphs.py), and prefill runs eagerly.
 
-With MOERUN_GRAPH_PICKS=1 (read at capture) each decode graph ends in ops.greedy_pick: the float32 logits, each
+Each decode graph ends in ops.greedy_pick (unless MOERUN_GRAPH_PICKS=0, read at capture): the float32 logits, each
 row's greedy token written into the graph's own input ids, and the rows' positions and lengths advanced by one.
 A greedy step that continues every row of the graph's last replay (``can_continue``) then replays it as it is
 (``continue_decode``): no metadata copy, no copies into the inputs, no argmax launch.
@@ -83,7 +83,7 @@ class ModelRunner:
 
     def can_continue(self, B: int) -> bool:
         """Whether the graph of B rows can replay as it is for the next greedy step of the same B sequences in the
-        same order: its last replay was the step before and left their next inputs in place (MOERUN_GRAPH_PICKS)."""
+        same order: its last replay was the step before and left their next inputs in place (graphs ending in ops.greedy_pick)."""
         return self._continues == B
 
     def continue_decode(self, B: int) -> torch.Tensor:
@@ -107,7 +107,7 @@ class ModelRunner:
                 self.layer_graphs = LayerGraphs(self.model, self.cache, offload, self.buckets)
                 self.layer_graphs.capture()
             return
-        self.picks_in_graph = os.environ.get("MOERUN_GRAPH_PICKS", "0") == "1"
+        self.picks_in_graph = os.environ.get("MOERUN_GRAPH_PICKS", "1") != "0"
         self._continues = None
         self.prefill_graphs = PrefillGraphs(self.model, self.cache, max_prefill_tokens, self.rounding)
         n = self.buckets[-1]

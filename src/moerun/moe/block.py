@@ -1,9 +1,9 @@
 """The sparse MoE block: router (a linear layer + softmax/top-k) then the experts backend.
 
 ``forward_fused_norm`` also takes the residual add and RMSNorm in front of the block; for decode-sized batches on
-the Triton backend these and the whole router run as one kernel (ops.route_fused). With MOERUN_TOPK_IN_GEMM1=1
-(read at each call, so at a graph's capture) resident experts (dense or quantized) take the router's logits
-instead and their GEMM 1 picks the routing (ops.route_fused_logits, fused_moe's ``select``).
+the Triton backend these and the whole router run as one kernel (ops.route_fused). For a single token, unless
+MOERUN_TOPK_IN_GEMM1=0 (read at each call, so at a graph's capture), resident experts (dense or quantized) take
+the router's logits instead and their GEMM 1 picks the routing (ops.route_fused_logits, fused_moe's ``select``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import (
     ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8, route_fused_int8_logits, route_fused_logits,
 )
+
+# Tokens up to which GEMM 1 picks the routing (_selects_in_experts). On an H100 (benchmarks/RESULTS.md) a batch-1
+# step gained 0.03 ms (bf16) and 0.03-0.06 (Q4_K_M); batches of 4, 8 and 16 lost 1-2% (every GEMM 1 program of
+# a token runs the top-k, where the router's last program ran it once a token).
+TOPK_IN_GEMM1_MAX_TOKENS = 1
 
 
 class SparseMoeBlock(nn.Module):
@@ -60,7 +65,7 @@ class SparseMoeBlock(nn.Module):
             # the output goes to the next RMSNorm (alone or in front of q|k|v), which rounds float32 slot sums as a
             # cast would
             keep = {"keep_float32": True} if isinstance(self.experts, (Experts, OffloadedExperts)) else {}
-            if self._selects_in_experts():
+            if self._selects_in_experts(x.shape[0]):
                 return self._experts_select(x, residual, norm, pad, keep)
             if pad is not None:
                 x_normed, residual, topk_weights, topk_ids, x_int8 = route_fused_int8(
@@ -75,10 +80,14 @@ class SparseMoeBlock(nn.Module):
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h), residual
 
-    def _selects_in_experts(self) -> bool:
-        """Whether the experts pick the routing from the router's logits (MOERUN_TOPK_IN_GEMM1=1, resident experts,
-        dense or quantized)."""
-        return os.environ.get("MOERUN_TOPK_IN_GEMM1", "0") == "1" and type(self.experts) is Experts
+    def _selects_in_experts(self, T: int) -> bool:
+        """Whether the experts pick the routing of T tokens from the router's logits (resident experts, dense or
+        quantized, up to TOPK_IN_GEMM1_MAX_TOKENS tokens; MOERUN_TOPK_IN_GEMM1=1 at any T the fused router takes,
+        =0 never)."""
+        flag = os.environ.get("MOERUN_TOPK_IN_GEMM1", "")
+        if flag == "0" or type(self.experts) is not Experts:
+            return False
+        return flag == "1" or T <= TOPK_IN_GEMM1_MAX_TOKENS
 
     def _experts_select(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, pad: int | None,
                         keep: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

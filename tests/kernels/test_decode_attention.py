@@ -211,7 +211,7 @@ def test_int8_output_is_the_quantized_output(seed: int, dtype: torch.dtype, n_q:
     # quantize_x gives for it; lengths 0 (zeros), one chunk (no merge) and several (merged). Head groups of 4 and 3
     # (padding rows in the kernel's tiles) write the rows in the launch; a row of 128 values padded to 256 cannot
     # and quantizes after it.
-    from moerun.kernels.decode_attention import decode_attention_int8_triton
+    from moerun.kernels.decode_attention import INT8_MAX_BLOCK_N, decode_attention_int8_triton, default_block_n
     from moerun.kernels.quant.int8_dot import quantize_x
 
     lens, L = [0, 5, 300, 600], 640
@@ -222,7 +222,9 @@ def test_int8_output_is_the_quantized_output(seed: int, dtype: torch.dtype, n_q:
     seq_lens = torch.tensor(lens, device=DEVICE)
     k_pad = -(-n_q * D // 256) * 256
     out, rows = decode_attention_int8_triton(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5, k_pad, num_splits=4)
-    ref = decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5, num_splits=4)
+    # the int8 launch takes at most INT8_MAX_BLOCK_N positions a step: the same steps here
+    block_n = min(default_block_n(D, dtype), INT8_MAX_BLOCK_N)
+    ref = decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5, num_splits=4, block_n=block_n)
     assert torch.equal(out, ref), f"seed={seed}"
     for got, want in zip(rows, quantize_x(ref.reshape(B, -1), k_pad)):
         assert torch.equal(got, want), f"seed={seed}"

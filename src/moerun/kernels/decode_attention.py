@@ -54,6 +54,11 @@ MAX_LIVE = 16
 MAX_BLOCK_N = 64
 MAX_TILE_BYTES = 16384
 NUM_WARPS = 4
+# At most this many positions a step where the launch also rounds its output to int8 (a quantized o_proj's input:
+# decode_attention_int8_triton, decode_attention_qk_triton with k_pad). On an H100, Q4_K_M batch-1 steps at a
+# 128-token prompt were 0.02-0.03 ms shorter with 32 than with 64 in three runs, while bf16 steps (the plain
+# launch) were 0.01 ms longer (benchmarks/RESULTS.md).
+INT8_MAX_BLOCK_N = 32
 
 
 @triton.jit
@@ -511,7 +516,9 @@ def _decode_attention(
     B, n_q, D = q.shape
     S, L, n_kv, _ = k_cache.shape
     _check(q, k_cache, v_cache, slot_ids, seq_lens)
-    block_n = block_n or default_block_n(D, k_cache.dtype)
+    if block_n is None:
+        block_n = default_block_n(D, k_cache.dtype)
+        block_n = min(block_n, max(MIN_DOT, INT8_MAX_BLOCK_N)) if k_pad is not None else block_n
     if block_n < MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     if num_splits is None:

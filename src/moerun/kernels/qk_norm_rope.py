@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.l2_prefetch import L2Regions, no_prefetch_args, prefetch_regions
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import mean_of_squares_rows, round_to
 
@@ -80,6 +81,10 @@ def _qk_norm_rope_write_kernel(
     stride_vs,
     stride_vl,
     stride_vh,
+    pf0_ptr,  # L2Regions (prefetch_regions' arguments): weights the kernel after next reads
+    pf0_bytes,
+    pf1_ptr,
+    pf1_bytes,
     N_Q: tl.constexpr,
     N_KV: tl.constexpr,
     D: tl.constexpr,
@@ -88,11 +93,15 @@ def _qk_norm_rope_write_kernel(
     WRITE_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)  # groups of q heads first, then of k heads (their columns follow q's in qkv)
+    if PREFETCH > 0:
+        if t == 0:  # once the q|k|v GEMV is done streaming: the first token's programs share the regions
+            prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, group, tl.num_programs(1), PREFETCH)
     q_groups: tl.constexpr = (N_Q + HB - 1) // HB
     pos = tl.load(pos_ptr + t).to(tl.int64)
     row_ptr = qkv_ptr + t * stride_qkv
@@ -132,9 +141,11 @@ def qk_norm_rope_write_triton(
     n_q: int,
     n_kv: int,
     k_out: torch.Tensor | None = None,
+    prefetch: L2Regions | None = None,
 ) -> torch.Tensor:
     """Normalised, rotated q [T, n_q, D]; writes normalised, rotated k and raw v into the caches at (slot, position),
-    and k also into ``k_out`` [T, n_kv, D] when given.
+    and k also into ``k_out`` [T, n_kv, D] when given. ``prefetch``: byte ranges the launch brings into L2 for a
+    later kernel (kernels/l2_prefetch.py; decode: o_proj's weight, read after the attention).
 
     positions must lie in the cos/sin tables and the cache, token_slots in the cache (not checked: no host reads).
     """
@@ -176,6 +187,7 @@ def qk_norm_rope_write_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        **(prefetch.kernel_args() if prefetch is not None else no_prefetch_args(q)),
         N_Q=n_q,
         N_KV=n_kv,
         D=D,

@@ -26,6 +26,10 @@ def decode_qk_in_attention() -> bool:
     return os.environ.get("MOERUN_DECODE_QK_FUSED", "0") == "1"
 
 
+# Decode steps of at most this many tokens have the q/k norm launch bring o_proj's weight into L2 (where
+# kernels/l2_prefetch.py enables it): the attention between them reads almost nothing from HBM.
+PREFETCH_MAX_TOKENS = 16
+
 # Whether SDPA gets the kv heads as they are (enable_gqa) or repeated to the query heads first. PyTorch picks a
 # flash kernel for either on sm_90 (cuDNN's, measured in benchmarks/RESULTS.md); without CUDA the repeat is kept.
 GQA_IN_SDPA = True
@@ -116,9 +120,15 @@ class Qwen3Attention(nn.Module):
         # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
         k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op
+        prefetch = None
+        if not batch.is_prefill and T <= PREFETCH_MAX_TOKENS and qkv.device.type == "cuda":
+            from moerun.kernels.l2_prefetch import l2_regions  # (Triton: a test extra, imported where it runs)
+
+            prefetch = l2_regions(self.o_proj.stored_tensors())  # o_proj's weight into L2 while attention runs
         q = ops.qk_norm_rope_write(
             qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
             batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q, self.n_kv, k_out=k_new,
+            prefetch=prefetch,
         )  # [T, n_q, D]
         if batch.is_prefill:
             v_new = qkv[:, (self.n_q + self.n_kv) * D :].unflatten(-1, (self.n_kv, D))  # [T, n_kv, D] view

@@ -199,5 +199,5 @@ def test_top_k_picked_in_gemm1_gives_the_same_tokens(tokenizer, monkeypatch):
 def test_l2_prefetch_gives_the_same_tokens(tokenizer, monkeypatch):
     # MOERUN_L2_PREFETCH: o_proj's weight and GEMM 2's experts brought into L2 ahead of their kernels; the bytes
     # read are the same wherever they come from
-    outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_L2_PREFETCH", 7, values=("", "o_proj,w2"))
-    assert outs[""] == outs["o_proj,w2"]
+    outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_L2_PREFETCH", 7, values=("", "o_proj,qkv,w2"))
+    assert outs[""] == outs["o_proj,qkv,w2"]

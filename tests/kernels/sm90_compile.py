@@ -295,6 +295,8 @@ def _cases() -> dict[str, Callable[[], None]]:
             gemv.GemvConfig(block_n=2, block_k=H, row_once=True)),
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
+        "rms_norm_int8, q|k|v's weight into L2": lambda: rms_norm_int8_triton(
+            x1, norm_w, 1e-6, x1, H, L2Regions((torch.empty(1 << 20, dtype=torch.uint8),))),
         "route": lambda: route_triton(torch.randn(8, E), k, True),
         "route_fused": lambda: route_fused_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k, True),
         "route_fused, one token (one-warp programs)": lambda: route_fused_triton(

@@ -7,10 +7,11 @@ streaming kernel will read, and have its programs issue Hopper's bulk L2 prefetc
 (``cp.async.bulk.prefetch.L2``: one instruction a 64 KiB chunk, nothing waited for, nothing written), so that
 the GEMV after it reads them from L2. Results never change; only where the bytes come from.
 
-Two users: the q/k norm launch brings o_proj's weight into L2 during the attention (decode of up to 16 tokens),
-and at one token GEMM 1 brings its expert's GEMM 2 weights (w2), each program a share. Only on CUDA devices of
-compute capability 9.0 and later, outside the interpreter, for what ``MOERUN_L2_PREFETCH`` names
-("o_proj,w2"; read at each launch, so at a graph's capture; off by default until measured).
+Three users: the q/k norm launch brings o_proj's weight into L2 during the attention ("o_proj"; decode of up to
+16 tokens), the int8 RMSNorm in front of a quantized q|k|v brings q|k|v's weight while the last MoE GEMM runs
+("qkv"), and at one token GEMM 1 brings its expert's GEMM 2 weights, each program a share ("w2"). Only on CUDA
+devices of compute capability 9.0 and later, outside the interpreter, for what ``MOERUN_L2_PREFETCH`` names
+("o_proj,qkv,w2"; read at each launch, so at a graph's capture; off by default until measured).
 """
 
 from __future__ import annotations
@@ -140,9 +141,8 @@ def l2_regions(tensors: Sequence[torch.Tensor], what: str = "o_proj") -> L2Regio
 
 
 def prefetch_enabled(device: torch.device, what: str) -> bool:
-    """Whether launches on ``device`` prefetch ``what`` ("o_proj": o_proj's weight during the attention, "w2":
-    GEMM 2's experts during GEMM 1): CUDA, sm_90 or later, not interpreted, ``what`` named in MOERUN_L2_PREFETCH
-    (separated by commas or "+")."""
+    """Whether launches on ``device`` prefetch ``what`` ("o_proj", "qkv", "w2": see the module's docstring): CUDA,
+    sm_90 or later, not interpreted, ``what`` named in MOERUN_L2_PREFETCH (separated by commas or "+")."""
     named = os.environ.get("MOERUN_L2_PREFETCH", "").replace("+", ",").split(",")
     if device.type != "cuda" or interpreting() or what not in named:
         return False

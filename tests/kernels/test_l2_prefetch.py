@@ -51,5 +51,17 @@ def test_expert_regions_step_by_expert(enabled) -> None:
 
 
 def test_linear_stored_tensors() -> None:
-    layer = Linear(32, 16)
+    # what the o_proj / q|k|v prefetch is given: the dense weight, or a GGUF weight's repacked arrays once they
+    # exist (none before: the prefetch never makes them)
+    from moerun.formats.quants import QuantizedTensor
+    from moerun.layers.quantized import QuantizedWeight, set_quantized
+    from moerun.ops.quant import packed_parts
+
+    layer = Linear(256, 16)
     assert layer.stored_tensors() == [layer.weight]
+    set_quantized(layer, "weight", QuantizedWeight([QuantizedTensor.from_float(torch.randn(16, 256), "Q4_K")]))
+    assert layer.stored_tensors() == []
+    (packed,) = packed_parts(layer.__dict__["q_weight"])
+    stored = layer.stored_tensors()
+    assert len(stored) == len(packed.arrays) >= 2 and all(a is b for a, b in zip(stored, packed.arrays))
+    assert stored[0] is packed.codes

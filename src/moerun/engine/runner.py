@@ -83,7 +83,8 @@ class ModelRunner:
 
     def can_continue(self, B: int) -> bool:
         """Whether the graph of B rows can replay as it is for the next greedy step of the same B sequences in the
-        same order: its last replay was the step before and left their next inputs in place (graphs ending in ops.greedy_pick)."""
+        same order: its last replay was the step before and left their next inputs in place (graphs ending in
+        ops.greedy_pick)."""
         return self._continues == B
 
     def continue_decode(self, B: int) -> torch.Tensor:

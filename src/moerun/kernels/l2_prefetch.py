@@ -16,7 +16,6 @@ devices of compute capability 9.0 and later, outside the interpreter, for what `
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -26,10 +25,11 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
+from moerun.kernels.pdl import hopper_or_later
 
-# The regions a launch takes (the largest tensors of a weight); prefetch_regions issues one instruction a 64 KiB
-# chunk of them.
+# The regions a launch takes (the largest tensors of a weight), and the bytes one prefetch instruction covers.
 MAX_REGIONS = 2
+CHUNK = tl.constexpr(65536)
 # Tokens up to which GEMM 1 prefetches GEMM 2's experts (more tokens touch more experts than L2 holds).
 EXPERT_PREFETCH_MAX_TOKENS = 1
 # Regions' start and length must be multiples of this many bytes (the instruction's rule).
@@ -37,7 +37,7 @@ ALIGN = 16
 
 
 @triton.jit
-def prefetch_to_l2(ptr, nbytes, part, parts, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def prefetch_to_l2(ptr, nbytes, part, parts, BLOCK: tl.constexpr):
     """Issues the bulk L2 prefetches of part ``part`` of ``parts`` of the bytes [ptr, ptr + nbytes): chunks of
     CHUNK bytes dealt round-robin, BLOCK a step. ptr (uint8) and nbytes must be multiples of ALIGN."""
     chunks = tl.cdiv(nbytes, CHUNK)
@@ -54,18 +54,18 @@ def prefetch_to_l2(ptr, nbytes, part, parts, BLOCK: tl.constexpr, CHUNK: tl.cons
 def prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, part, parts, PREFETCH: tl.constexpr):
     """The first PREFETCH (0-2) regions of an L2Regions, part ``part`` of ``parts`` of each."""
     if PREFETCH > 0:
-        prefetch_to_l2(pf0_ptr, pf0_bytes, part, parts, 8, 65536)
+        prefetch_to_l2(pf0_ptr, pf0_bytes, part, parts, 8)
     if PREFETCH > 1:
-        prefetch_to_l2(pf1_ptr, pf1_bytes, part, parts, 8, 65536)
+        prefetch_to_l2(pf1_ptr, pf1_bytes, part, parts, 8)
 
 
 @triton.jit
 def prefetch_expert(pf, expert, part, parts, PFE: tl.constexpr):
     """Part ``part`` of ``parts`` of expert ``expert``'s byte ranges in the first PFE (0-2) of an ExpertRegions."""
     if PFE > 0:
-        prefetch_to_l2(pf[0] + expert * pf[1], pf[2], part, parts, 1, 65536)
+        prefetch_to_l2(pf[0] + expert * pf[1], pf[2], part, parts, 1)
     if PFE > 1:
-        prefetch_to_l2(pf[3] + expert * pf[4], pf[5], part, parts, 1, 65536)
+        prefetch_to_l2(pf[3] + expert * pf[4], pf[5], part, parts, 1)
 
 
 class ExpertRegions(NamedTuple):
@@ -116,10 +116,6 @@ class L2Regions(NamedTuple):
             args[f"pf{i}_ptr"], args[f"pf{i}_bytes"] = r, r.numel()
         return args
 
-    @property
-    def nbytes(self) -> int:
-        return sum(r.numel() for r in self.regions)
-
 
 def no_prefetch_args(like: torch.Tensor) -> dict:
     """prefetch_regions' arguments for a launch that prefetches nothing (``like`` stands in for the pointers)."""
@@ -137,19 +133,13 @@ def l2_regions(tensors: Sequence[torch.Tensor], what: str = "o_proj") -> L2Regio
     for t in usable[:MAX_REGIONS]:
         raw = t.reshape(-1).view(torch.uint8)
         regions.append(raw[: raw.numel() - raw.numel() % ALIGN])
-    return L2Regions(tuple(r for r in regions if r.numel()))
+    kept = tuple(r for r in regions if r.numel())
+    return L2Regions(kept) if kept else None
 
 
 def prefetch_enabled(device: torch.device, what: str) -> bool:
     """Whether launches on ``device`` prefetch ``what`` ("o_proj", "qkv", "w2": see the module's docstring): CUDA,
     sm_90 or later, not interpreted, ``what`` named in MOERUN_L2_PREFETCH (separated by commas or "+")."""
     named = os.environ.get("MOERUN_L2_PREFETCH", "").replace("+", ",").split(",")
-    if device.type != "cuda" or interpreting() or what not in named:
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return device.type == "cuda" and not interpreting() and what in named and hopper_or_later(device)
 

@@ -125,9 +125,9 @@ class Qwen3Attention(nn.Module):
             return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
         # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
         k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
-        # per-head q/k norm, rotary, and the k/v write into the cache, in one op
         # o_proj's weight into L2 while the attention runs
         prefetch = None if batch.is_prefill else self._prefetch(qkv, "o_proj", self.o_proj)
+        # per-head q/k norm, rotary, and the k/v write into the cache, in one op
         q = ops.qk_norm_rope_write(
             qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
             batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q, self.n_kv, k_out=k_new,

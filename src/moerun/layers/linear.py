@@ -65,7 +65,7 @@ class Linear(nn.Module):
         if q is None:
             return [self.weight]
         packed = q.__dict__.get("packed") or []
-        return [t for p in packed for t in (p.codes, p.high, p.sub, p.scale) if isinstance(t, torch.Tensor)]
+        return [a for p in packed for a in getattr(p, "arrays", ())]
 
     def int8_input_pad(self, x: torch.Tensor, backend: str | None = None) -> int | None:
         """The padding at which forward would round x to int8 (GGUF blocks on the Triton path), else None."""

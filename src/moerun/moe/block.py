@@ -26,8 +26,8 @@ from moerun.ops.moe import (
 )
 
 # Tokens up to which GEMM 1 picks the routing (_selects_in_experts). On an H100 (benchmarks/RESULTS.md) a batch-1
-# step gained 0.03 ms (bf16) and 0.03-0.06 (Q4_K_M); batches of 4, 8 and 16 lost 1-2% (every GEMM 1 program of
-# a token runs the top-k, where the router's last program ran it once a token).
+# step gained 0.03 ms (bf16) and 0.03-0.05 ms (Q4_K_M); batches of 4, 8 and 16 lost 1-2% (every GEMM 1 program
+# of a token runs the top-k, where the router's last program ran it once a token).
 TOPK_IN_GEMM1_MAX_TOKENS = 1
 
 

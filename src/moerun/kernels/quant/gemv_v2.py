@@ -682,8 +682,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     out, zero = zeroed_by_gemm1(T, H, grid1, x.device) if pairs2 else (None, {})  # [T, H]
     sel = {} if select is None else select.kernel_args(weights, k, cfg["num_warps"])
     # at one token GEMM 1 may bring its experts' GEMM 2 weights into L2 (kernels/l2_prefetch.py)
-    w2_arrays = [a for a in (w2.codes, w2.high, w2.sub, w2.scale) if a is not None]
-    pfe = expert_regions(w2_arrays) if T <= EXPERT_PREFETCH_MAX_TOKENS and tables is None else {}
+    pfe = expert_regions(w2.arrays) if T <= EXPERT_PREFETCH_MAX_TOKENS and tables is None else {}
     _gemm1_v2_kernel[grid1](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,

@@ -73,6 +73,10 @@ def test_demo_runs_without_triton(demo_cache, tmp_path):
     code = ("import sys; sys.modules['triton'] = None\n"  # any `import triton` now fails
             "from moerun.cli import main\n"
             "import moerun.moe.offload, moerun.moe.offload.zero_copy, moerun.engine.layer_graphs\n"
+            # the graphs' greedy pick on its torch path (what CUDA graphs capture without Triton)
+            "import torch; from moerun.ops import greedy_pick\n"
+            "ids = torch.zeros(1, dtype=torch.long); greedy_pick(torch.tensor([[0.0, 2.0]]), torch.empty(1, 2), ids)\n"
+            "assert ids.tolist() == [1]\n"
             "sys.exit(main(['generate', '--prompt', 'Hello', '--max-tokens', '3', '--temperature', '0']))\n")
     env = {**os.environ, "MOERUN_CACHE": str(demo_cache)}
     env.pop("TRITON_INTERPRET", None)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.tickets import ticket_counters
+from moerun.ops.pick import check_pick_operands
 
 # Positions a program copies and reduces: 8 KB of bf16 logits, 32 a thread at 4 warps.
 BLOCK = 4096
@@ -104,24 +105,3 @@ def greedy_pick_triton(logits: torch.Tensor, out: torch.Tensor, ids: torch.Tenso
         V, logits.stride(0), out.stride(0), max_len, P=P, BLOCK=BLOCK, BLOCK_P=triton.next_power_of_2(P),
         ADVANCE=advance, PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
-
-
-def check_pick_operands(logits: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None,
-                        seq_lens: torch.Tensor | None, max_len: int) -> None:  # fmt: skip
-    """Shapes, dtypes and strides both implementations need; raises ValueError naming what is wrong."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [B, V] with unit stride along V, got {tuple(logits.shape)}")
-    B, V = logits.shape
-    if out.shape != logits.shape or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be [{B}, {V}] float32 with unit stride along V, got {tuple(out.shape)} {out.dtype}")
-    if V >= 2**31:
-        raise ValueError(f"a vocabulary of {V} entries does not fit int32 indices")
-    rows = [("ids", ids)] + ([("positions", positions), ("seq_lens", seq_lens)] if positions is not None else [])
-    if (positions is None) != (seq_lens is None):
-        raise ValueError("positions and seq_lens are advanced together: give both or neither")
-    for name, t in rows:
-        if t.shape != (B,) or t.dtype != torch.int64 or t.device != logits.device:
-            raise ValueError(f"{name} must be [{B}] int64 on {logits.device}, got {tuple(t.shape)} {t.dtype} "
-                             f"on {t.device}")  # fmt: skip
-    if positions is not None and max_len < 1:
-        raise ValueError(f"advancing positions needs the cache's length max_len >= 1, got {max_len}")

@@ -117,11 +117,6 @@ class L2Regions(NamedTuple):
         return args
 
 
-def no_prefetch_args(like: torch.Tensor) -> dict:
-    """prefetch_regions' arguments for a launch that prefetches nothing (``like`` stands in for the pointers)."""
-    return {"PREFETCH": 0, "pf0_ptr": like, "pf0_bytes": 0, "pf1_ptr": like, "pf1_bytes": 0}
-
-
 def l2_regions(tensors: Sequence[torch.Tensor], what: str = "o_proj") -> L2Regions | None:
     """The MAX_REGIONS largest of ``tensors`` (contiguous, starting on ALIGN bytes) as L2Regions, or None when none
     qualifies or ``what`` is not enabled (prefetch_enabled)."""

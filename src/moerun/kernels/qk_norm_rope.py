@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.l2_prefetch import L2Regions, no_prefetch_args, prefetch_regions
+from moerun.kernels.l2_prefetch import L2Regions, prefetch_regions
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import mean_of_squares_rows, round_to
 
@@ -81,10 +81,6 @@ def _qk_norm_rope_write_kernel(
     stride_vs,
     stride_vl,
     stride_vh,
-    pf0_ptr,  # L2Regions (prefetch_regions' arguments): weights the kernel after next reads
-    pf0_bytes,
-    pf1_ptr,
-    pf1_bytes,
     N_Q: tl.constexpr,
     N_KV: tl.constexpr,
     D: tl.constexpr,
@@ -93,6 +89,10 @@ def _qk_norm_rope_write_kernel(
     WRITE_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    pf0_ptr=None,  # PREFETCH > 0: L2Regions (prefetch_regions' arguments), weights the kernel after next reads
+    pf0_bytes=0,
+    pf1_ptr=None,
+    pf1_bytes=0,
     PREFETCH: tl.constexpr = 0,
 ):
     launch_dependents(PDL)
@@ -187,7 +187,6 @@ def qk_norm_rope_write_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        **(prefetch.kernel_args() if prefetch is not None else no_prefetch_args(q)),
         N_Q=n_q,
         N_KV=n_kv,
         D=D,
@@ -200,6 +199,7 @@ def qk_norm_rope_write_triton(
         enable_fp_fusion=False,
         PDL=pdl,
         **launch_options(pdl),
+        **(prefetch.kernel_args() if prefetch is not None else {}),
     )
     return q
 

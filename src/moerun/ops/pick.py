@@ -13,8 +13,6 @@ def greedy_pick_reference(logits: torch.Tensor, out: torch.Tensor, ids: torch.Te
                           max_len: int = 0) -> None:  # fmt: skip
     """greedy_pick as plain torch: out = logits as float32, ids = out.argmax(-1), positions and seq_lens + 1 (capped
     below / at max_len)."""
-    from moerun.kernels.greedy_pick import check_pick_operands
-
     check_pick_operands(logits, out, ids, positions, seq_lens, max_len)
     out.copy_(logits)
     ids.copy_(out.argmax(dim=-1))
@@ -35,3 +33,25 @@ def greedy_pick(logits: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, posi
     from moerun.kernels.greedy_pick import greedy_pick_triton
 
     greedy_pick_triton(logits, out, ids, positions, seq_lens, max_len)
+
+
+def check_pick_operands(logits: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None,
+                        seq_lens: torch.Tensor | None, max_len: int) -> None:  # fmt: skip
+    """Shapes, dtypes and strides both implementations need (torch only: the reference runs without
+    Triton); raises ValueError naming what is wrong."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [B, V] with unit stride along V, got {tuple(logits.shape)}")
+    B, V = logits.shape
+    if out.shape != logits.shape or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be [{B}, {V}] float32 with unit stride along V, got {tuple(out.shape)} {out.dtype}")
+    if V >= 2**31:
+        raise ValueError(f"a vocabulary of {V} entries does not fit int32 indices")
+    rows = [("ids", ids)] + ([("positions", positions), ("seq_lens", seq_lens)] if positions is not None else [])
+    if (positions is None) != (seq_lens is None):
+        raise ValueError("positions and seq_lens are advanced together: give both or neither")
+    for name, t in rows:
+        if t.shape != (B,) or t.dtype != torch.int64 or t.device != logits.device:
+            raise ValueError(f"{name} must be [{B}] int64 on {logits.device}, got {tuple(t.shape)} {t.dtype} "
+                             f"on {t.device}")  # fmt: skip
+    if positions is not None and max_len < 1:
+        raise ValueError(f"advancing positions needs the cache's length max_len >= 1, got {max_len}")

@@ -174,22 +174,6 @@ def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path, base_type):
         assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_l2_prefetch_of_quantized_weights_gives_the_same_tokens(hf_checkpoint, tmp_path, monkeypatch):
-    # MOERUN_L2_PREFETCH (read at capture): the int8 norm brings q|k|v's repacked blocks into L2, the q/k norm
-    # o_proj's, GEMM 1 its experts' down blocks; the kernels read the same bytes wherever they come from
-    path = write(hf_checkpoint, tmp_path / "m.gguf", "Q4_K_M")
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = [[random.randrange(362) for _ in range(n)] for n in (7, 12)]
-    tokens = []
-    for value in ("", "o_proj,qkv,w2"):
-        monkeypatch.setenv("MOERUN_L2_PREFETCH", value)
-        llm = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=True)
-        tokens.append([[o.token_ids for o in llm.generate(some, params)] for some in ([prompts[0]], prompts)])
-        del llm
-    assert tokens[0] == tokens[1]
-
-
 def test_cli_generate_and_inspect_gguf(hf_checkpoint, tmp_path, capsys):
     path = write(hf_checkpoint, tmp_path / "m.gguf", "Q4_K_M")
     assert main(["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "5", "--device", "cpu"]) == 0

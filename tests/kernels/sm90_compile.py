@@ -75,18 +75,6 @@ def audit(cubin: bytes) -> str:
             f"({spills[0]} STL / {spills[1]} LDL), {count} SASS")
 
 
-def prefetching(call: Callable[[], object]) -> None:
-    """Runs call with kernels/l2_prefetch.py's prefetches enabled on the CPU tensors (its GPU launches' arguments)."""
-    from moerun.kernels import l2_prefetch
-
-    enabled = l2_prefetch.prefetch_enabled
-    l2_prefetch.prefetch_enabled = lambda *args: True
-    try:
-        call()
-    finally:
-        l2_prefetch.prefetch_enabled = enabled
-
-
 def _cases() -> dict[str, Callable[[], None]]:
     """name -> a call of one op on CPU tensors (imports inside: moerun reads TRITON_INTERPRET at import)."""
     from moerun.formats.quants import QuantType
@@ -98,7 +86,6 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.fused_moe import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.greedy_pick import greedy_pick_triton
-    from moerun.kernels.l2_prefetch import L2Regions
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, GroupBlocks, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
@@ -241,9 +228,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, decode, int8 x, the top-k picked in GEMM 1": lambda: fused_moe_quant(
             x1, q4, q6_down, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
             {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True)),
-        "quant MoE, decode, GEMM 1 bringing GEMM 2's experts into L2": lambda: prefetching(lambda: fused_moe_quant(
-            x1, q4, q6_down, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
-            {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True))),
         "route_fused_int8_logits, one token (one-warp programs)": lambda: route_fused_int8_logits_triton(
             x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), H, SINGLE_TOKEN_CONFIG),
         "quant MoE, decode, GEMM 2 per pair with atomic sums (sum2), float and int8 intermediate": lambda: [
@@ -295,8 +279,6 @@ def _cases() -> dict[str, Callable[[], None]]:
             gemv.GemvConfig(block_n=2, block_k=H, row_once=True)),
         "rms_norm": lambda: rms_norm_triton(x8, norm_w, 1e-6, x8),
         "rms_norm_int8": lambda: rms_norm_int8_triton(x1, norm_w, 1e-6, x1, H),
-        "rms_norm_int8, q|k|v's weight into L2": lambda: rms_norm_int8_triton(
-            x1, norm_w, 1e-6, x1, H, L2Regions((torch.empty(1 << 20, dtype=torch.uint8),))),
         "route": lambda: route_triton(torch.randn(8, E), k, True),
         "route_fused": lambda: route_fused_triton(x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), k, True),
         "route_fused, one token (one-warp programs)": lambda: route_fused_triton(
@@ -311,9 +293,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         "fused_moe, decode, the top-k picked in GEMM 1": lambda: fused_moe_triton(
             x1, w13, w2, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
             select=TopkSelect(torch.randn(1, E), True)),
-        "fused_moe, decode, GEMM 1 bringing GEMM 2's experts into L2": lambda: prefetching(lambda: fused_moe_triton(
-            x1, w13, w2, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
-            select=TopkSelect(torch.randn(1, E), True))),
         "fused_moe, prefill tiles": lambda: fused_moe_triton(torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64),
         "fused_moe, prefill tiles with short tail tiles": lambda: fused_moe_triton(
             torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64, normalize(
@@ -339,10 +318,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         "q/k norm + RoPE + cache write": lambda: qk_norm_rope_write_triton(
             qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin,
             torch.zeros(1, dtype=torch.int64), slots, k_cache, v_cache, n_q, n_kv),
-        "q/k norm + RoPE + cache write, o_proj's weight into L2": lambda: qk_norm_rope_write_triton(
-            qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin,
-            torch.zeros(1, dtype=torch.int64), slots, k_cache, v_cache, n_q, n_kv,
-            prefetch=L2Regions((torch.empty(1 << 20, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)))),
         "greedy pick with the rows advanced": lambda: greedy_pick_triton(
             torch.randn(2, 9000, dtype=bf16), torch.empty(2, 9000), torch.zeros(2, dtype=torch.int64),
             torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), 64),

@@ -28,7 +28,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerun.kernels.align import align_tokens
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.l2_prefetch import EXPERT_PREFETCH_MAX_TOKENS, expert_regions, prefetch_expert
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.router import route_triton, softmax_topk
 from moerun.kernels.tickets import ticket_counters
@@ -381,8 +380,6 @@ def _gemm1_gemv_kernel(
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
-    pfe=None,  # PFE > 0: ExpertRegions of GEMM 2's weights; each slot's programs bring its expert's into L2
-    PFE: tl.constexpr = 0,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
@@ -393,8 +390,6 @@ def _gemm1_gemv_kernel(
         expert = select_slot(sel, SEL, ids_ptr, slot, tl.program_id(1) == 0)
     else:
         expert = tl.load(ids_ptr + slot)
-    if PFE > 0:
-        prefetch_expert(pfe, expert.to(tl.int64), tl.program_id(1), tl.num_programs(1), PFE)
     if PART == 0:
         _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
                          stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT,
@@ -743,8 +738,6 @@ def _fused_moe_gemv(
     if select is not None and staged is not None:
         raise ValueError("the top-k picked in GEMM 1 and staged pairs do not go together: staging needs the picks")
     sel = {} if select is None else select.kernel_args(topk_weights, topk_ids.shape[1], cfg["num_warps"])
-    # at one token GEMM 1 may bring its experts' GEMM 2 weights into L2 (kernels/l2_prefetch.py)
-    pfe = expert_regions([w2.tensor]) if T <= EXPERT_PREFETCH_MAX_TOKENS and not w2.indirect else {}
     k = topk_ids.shape[1]
     pairs = T * k
     atomic = cfg["reduce"] == "atomic"
@@ -763,7 +756,7 @@ def _fused_moe_gemv(
             hidden.stride(0), hidden.stride(1), *w13.strides, inter.stride(0),
             BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=H % bk1 == 0, INDIRECT=w13.indirect, ALIGN=w13.align,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=pdl, PART=part,
-            **launch_options(pdl), **(zero if part < 2 else {}), **sel, **pfe,
+            **launch_options(pdl), **(zero if part < 2 else {}), **sel,
         )  # fmt: skip
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     if cfg["reduce"] == "fused":

@@ -40,11 +40,6 @@ def pdl_enabled(device: torch.device, rows: int = 1) -> bool:
     option). Only decode-sized launches (rows <= MAX_ROWS) do: larger ones are not launch-bound."""
     if device.type != "cuda" or interpreting() or os.environ.get("MOERUN_PDL", DEFAULT) == "0" or rows > MAX_ROWS:
         return False
-    return hopper_or_later(device)
-
-
-def hopper_or_later(device: torch.device) -> bool:
-    """Whether a CUDA ``device`` is of compute capability 9.0 or later (PDL, bulk L2 prefetch)."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.l2_prefetch import L2Regions, prefetch_regions
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import mean_of_squares_rows, round_to
 
@@ -89,19 +88,11 @@ def _qk_norm_rope_write_kernel(
     WRITE_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    pf0_ptr=None,  # PREFETCH > 0: L2Regions (prefetch_regions' arguments), weights the kernel after next reads
-    pf0_bytes=0,
-    pf1_ptr=None,
-    pf1_bytes=0,
-    PREFETCH: tl.constexpr = 0,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)  # groups of q heads first, then of k heads (their columns follow q's in qkv)
-    if PREFETCH > 0:
-        if t == 0:  # once the q|k|v GEMV is done streaming: the first token's programs share the regions
-            prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, group, tl.num_programs(1), PREFETCH)
     q_groups: tl.constexpr = (N_Q + HB - 1) // HB
     pos = tl.load(pos_ptr + t).to(tl.int64)
     row_ptr = qkv_ptr + t * stride_qkv
@@ -141,11 +132,9 @@ def qk_norm_rope_write_triton(
     n_q: int,
     n_kv: int,
     k_out: torch.Tensor | None = None,
-    prefetch: L2Regions | None = None,
 ) -> torch.Tensor:
     """Normalised, rotated q [T, n_q, D]; writes normalised, rotated k and raw v into the caches at (slot, position),
-    and k also into ``k_out`` [T, n_kv, D] when given. ``prefetch``: byte ranges the launch brings into L2 for a
-    later kernel (kernels/l2_prefetch.py; decode: o_proj's weight, read after the attention).
+    and k also into ``k_out`` [T, n_kv, D] when given.
 
     positions must lie in the cos/sin tables and the cache, token_slots in the cache (not checked: no host reads).
     """
@@ -199,7 +188,6 @@ def qk_norm_rope_write_triton(
         enable_fp_fusion=False,
         PDL=pdl,
         **launch_options(pdl),
-        **(prefetch.kernel_args() if prefetch is not None else {}),
     )
     return q
 

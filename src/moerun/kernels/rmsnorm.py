@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.interpreter import interpreting
-from moerun.kernels.l2_prefetch import L2Regions, prefetch_regions
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.quant.int8_dot import Int8Rows, check_k_pad, quantize_store_row
 
@@ -135,15 +134,8 @@ def _rms_norm_kernel(
     xs_ptr=None,
     K_PAD: tl.constexpr = 0,
     Q8: tl.constexpr = False,
-    pf0_ptr=None,  # PREFETCH > 0: L2Regions (prefetch_regions' arguments), the next kernel's weights
-    pf0_bytes=0,
-    pf1_ptr=None,
-    pf1_bytes=0,
-    PREFETCH: tl.constexpr = 0,
 ):
     launch_dependents(PDL)
-    if PREFETCH > 0:  # weights only, so before the wait: while the kernel before (the last MoE GEMM) runs
-        prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     out, _ = add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, row, H, eps, stride_x, stride_r, H,
@@ -185,21 +177,18 @@ def rms_norm_triton(
 
 
 def rms_norm_int8_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int,
-    prefetch: L2Regions | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int
 ) -> tuple[torch.Tensor, torch.Tensor, Int8Rows]:
     """rms_norm_triton, plus its output rounded to int8 as int8_dot.quantize_x(out, k_pad) would give it, in the
-    same launch. ``prefetch``: byte ranges the launch brings into L2 (kernels/l2_prefetch.py; decode: the quantized
-    q|k|v weight that reads the int8 rows)."""
+    same launch."""
     check_k_pad(k_pad, x.shape[-1])
-    out, new_residual, rows = _rms_norm(x, weight, eps, residual, k_pad, prefetch)
+    out, new_residual, rows = _rms_norm(x, weight, eps, residual, k_pad)
     assert rows is not None
     return out, new_residual, rows
 
 
 def _rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int | None,
-    prefetch: L2Regions | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, Int8Rows | None]:
     """Both entry points: checks, one launch; the int8 rows when k_pad is given."""
     check_norm_operands(x, weight, residual)
@@ -237,6 +226,5 @@ def _rms_norm(
         PDL=pdl,
         **launch_options(pdl),
         **(rows.store_args() if rows is not None else {}),
-        **(prefetch.kernel_args() if prefetch is not None else {}),
     )
     return out, new_residual, rows

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +17,6 @@ from moerun.layers.norm import RMSNorm
 from moerun.layers.rotary import RotaryEmbedding
 from moerun.ops.linear import gemv_applies
 
-if TYPE_CHECKING:
-    from moerun.kernels.l2_prefetch import L2Regions
-
 
 def decode_qk_in_attention() -> bool:
     """Whether decode on CUDA runs the q/k norm, RoPE and cache write inside the attention kernel
@@ -29,11 +25,6 @@ def decode_qk_in_attention() -> bool:
     H200 it made batch-1 steps 0.02-0.03 ms slower (benchmarks/RESULTS.md)."""
     return os.environ.get("MOERUN_DECODE_QK_FUSED", "0") == "1"
 
-
-# Decode steps of at most this many tokens have the q/k norm launch bring o_proj's weight into L2, and the int8
-# RMSNorm in front of a quantized q|k|v bring its weight, where kernels/l2_prefetch.py enables them: the attention
-# and the norm read almost nothing from HBM.
-PREFETCH_MAX_TOKENS = 16
 
 # Whether SDPA gets the kv heads as they are (enable_gqa) or repeated to the query heads first. PyTorch picks a
 # flash kernel for either on sm_90 (cuDNN's, measured in benchmarks/RESULTS.md); without CUDA the repeat is kept.
@@ -95,8 +86,7 @@ class Qwen3Attention(nn.Module):
             return self._attend(qkv, batch, cache), residual
         pad = None if batch.is_prefill else self.qkv_proj.int8_input_pad(x, backend)
         if pad is not None:  # GGUF q|k|v whose decode kernels round x to int8: the norm hands it over rounded
-            h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad,
-                                                    self._prefetch(x, "qkv", self.qkv_proj))  # fmt: skip
+            h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad)
             return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache), residual
         h, residual = norm.forward_with_residual(x, residual)
         return self.forward(h, batch, cache), residual
@@ -125,13 +115,10 @@ class Qwen3Attention(nn.Module):
             return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
         # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
         k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
-        # o_proj's weight into L2 while the attention runs
-        prefetch = None if batch.is_prefill else self._prefetch(qkv, "o_proj", self.o_proj)
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op
         q = ops.qk_norm_rope_write(
             qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.positions,
             batch.token_slots, cache.k[self.layer], cache.v[self.layer], self.n_q, self.n_kv, k_out=k_new,
-            prefetch=prefetch,
         )  # [T, n_q, D]
         if batch.is_prefill:
             v_new = qkv[:, (self.n_q + self.n_kv) * D :].unflatten(-1, (self.n_kv, D))  # [T, n_kv, D] view
@@ -147,16 +134,6 @@ class Qwen3Attention(nn.Module):
         else:
             out = self._decode_eager(q, batch, cache)
         return self.o_proj(out.reshape(T, self.n_q * D))
-
-    @staticmethod
-    def _prefetch(x: torch.Tensor, what: str, layer: Linear) -> L2Regions | None:
-        """The L2 prefetch of ``layer``'s weight that a decode launch on x [T, ...] takes (kernels/l2_prefetch.py:
-        CUDA, up to PREFETCH_MAX_TOKENS tokens, ``what`` enabled), else None."""
-        if x.device.type != "cuda" or x.shape[0] > PREFETCH_MAX_TOKENS:
-            return None
-        from moerun.kernels.l2_prefetch import l2_regions  # (Triton: a test extra, imported where it runs)
-
-        return l2_regions(layer.stored_tensors(), what)
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, batch: ForwardBatch,
                  cache: KVCache) -> torch.Tensor:

@@ -58,15 +58,6 @@ class Linear(nn.Module):
             return quant_matmul(x, q, bias=self.bias, x_int8=x_int8)
         return ops.linear(x, self.weight, self.bias)
 
-    def stored_tensors(self) -> list[torch.Tensor]:
-        """The tensors the decode kernels read for the weight: the dense weight, or the repacked arrays of GGUF
-        blocks once they exist (none before)."""
-        q = self.__dict__.get("q_weight")
-        if q is None:
-            return [self.weight]
-        packed = q.__dict__.get("packed") or []
-        return [a for p in packed for a in getattr(p, "arrays", ())]
-
     def int8_input_pad(self, x: torch.Tensor, backend: str | None = None) -> int | None:
         """The padding at which forward would round x to int8 (GGUF blocks on the Triton path), else None."""
         q = self.__dict__.get("q_weight")

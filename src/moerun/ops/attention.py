@@ -18,7 +18,6 @@ from moerun.ops.dispatch import pick_backend
 from moerun.ops.norm import rms_norm_reference
 
 if TYPE_CHECKING:
-    from moerun.kernels.l2_prefetch import L2Regions
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 
@@ -67,12 +66,10 @@ def qk_norm_rope_write(
     n_kv: int,
     backend: str | None = None,
     k_out: torch.Tensor | None = None,
-    prefetch: L2Regions | None = None,
 ) -> torch.Tensor:
     """qkv [T, (n_q + 2 n_kv) D] -> q [T, n_q, D] normed and rotated at positions [T]; k (normed, rotated) and v go
     to k_cache, v_cache [S, L, n_kv, D] at [token_slots[t], positions[t]], and k also to ``k_out`` [T, n_kv, D]
     when given (prefill attends to it without reading the cache back). cos, sin: [P, D] tables in qkv's dtype.
-    ``prefetch``: byte ranges the Triton launch also brings into L2 (kernels/l2_prefetch.py); no effect on results.
     """
     if pick_backend(backend, qkv.device, "qk-norm-rope") == "torch":
         return qk_norm_rope_write_reference(
@@ -81,7 +78,7 @@ def qk_norm_rope_write(
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
 
     return qk_norm_rope_write_triton(
-        qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, k_out, prefetch
+        qkv, q_norm_w, k_norm_w, eps, cos, sin, positions, token_slots, k_cache, v_cache, n_q, n_kv, k_out
     )
 
 

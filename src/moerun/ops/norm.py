@@ -10,7 +10,6 @@ import torch
 from moerun.ops.dispatch import pick_backend
 
 if TYPE_CHECKING:
-    from moerun.kernels.l2_prefetch import L2Regions
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 
@@ -45,12 +44,10 @@ def rms_norm(
 
 
 def rms_norm_int8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int,
-    prefetch: L2Regions | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, k_pad: int
 ) -> tuple[torch.Tensor, torch.Tensor, Int8Rows]:
     """rms_norm of x [T, H] on the Triton path, plus its output rounded to int8 for the quantized decode kernels
-    (kernels/quant/int8_dot.py; K padded to k_pad), in one launch: (normed, new residual, Int8Rows). ``prefetch``:
-    byte ranges the launch also brings into L2 (kernels/l2_prefetch.py); no effect on results."""
+    (kernels/quant/int8_dot.py; K padded to k_pad), in one launch: (normed, new residual, Int8Rows)."""
     from moerun.kernels.rmsnorm import rms_norm_int8_triton
 
-    return rms_norm_int8_triton(x, weight, eps, residual, k_pad, prefetch)
+    return rms_norm_int8_triton(x, weight, eps, residual, k_pad)

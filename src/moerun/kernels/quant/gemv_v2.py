@@ -41,7 +41,6 @@ import triton.language as tl
 
 from moerun.formats.quants import QuantType
 from moerun.kernels.fused_moe import TopkSelect, _silu_mul, select_slot, zero_slice, zeroed_by_gemm1
-from moerun.kernels.l2_prefetch import EXPERT_PREFETCH_MAX_TOKENS, expert_regions, prefetch_expert
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
@@ -353,8 +352,6 @@ def _gemm1_v2_kernel(
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
-    pfe=None,  # PFE > 0: ExpertRegions of GEMM 2's weights; each slot's programs bring its expert's into L2
-    PFE: tl.constexpr = 0,
 ):  # fmt: skip
     launch_dependents(PDL)
     wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
@@ -366,8 +363,6 @@ def _gemm1_v2_kernel(
         expert = select_slot(sel, SEL, ids_ptr, slot, pid_n == 0).to(tl.int64)
     else:
         expert = tl.load(ids_ptr + slot).to(tl.int64)
-    if PFE > 0:
-        prefetch_expert(pfe, expert, pid_n, tl.num_programs(1), PFE)
     token = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs_n < I
@@ -681,8 +676,6 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     pairs2 = cfg.get("sum2") == "atomic"
     out, zero = zeroed_by_gemm1(T, H, grid1, x.device) if pairs2 else (None, {})  # [T, H]
     sel = {} if select is None else select.kernel_args(weights, k, cfg["num_warps"])
-    # at one token GEMM 1 may bring its experts' GEMM 2 weights into L2 (kernels/l2_prefetch.py)
-    pfe = expert_regions(w2.arrays) if T <= EXPERT_PREFETCH_MAX_TOKENS and tables is None else {}
     _gemm1_v2_kernel[grid1](
         x, xp, xs, dx, flat_ids, inter, sums, dxi, *part_arrays(gw), *part_arrays(uw),
         *(tables[:2] if tables else (ids, ids)), k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, i_words,
@@ -690,7 +683,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         inter.stride(0), sums.stride(0), dxi.stride(0), QT=int(gw.qtype), QW=int(w2.qtype),
         WPG=words_per_group(gw.qtype), BLOCK_N=bn1, EVEN_K=gw.k_pad == H, **chunking(groups1, cfg["BLOCK_K"], gw.qtype),
         INDIRECT=tables is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], OUT_Q8=inter_q8,
-        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags}, **zero, **sel, **pfe,
+        PDL=pdl, **launch_options(pdl), **{"EMULATE_DP4A": emulate_dp4a(), **flags}, **zero, **sel,
     )  # fmt: skip
     return _gemm2(inter, sums, dxi, inter_q8, i_words, flat_ids, weights, w2, T, k, H, cfg, out_dtype,
                   tables[2] if tables else None, pdl, out)  # fmt: skip

@@ -123,12 +123,6 @@ class PackedWeight:
         return self.shape[-1]
 
     @property
-    def arrays(self) -> list[torch.Tensor]:
-        """The tensors holding the weight (codes, and high bits, sub-block scales and scales where the type has
-        them)."""
-        return [a for a in (self.codes, self.high, self.sub, self.scale) if a is not None]
-
-    @property
     def kq(self) -> int:
         """64-element pairs per row (K_pad / 64)."""
         return self.k_pad // 64

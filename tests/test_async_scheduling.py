@@ -182,3 +182,39 @@ def test_greedy_steps_continue_in_the_graph(tiny_checkpoint, pair, rows, monkeyp
     params = [SamplingParams(max_tokens=rng.randrange(2, 12), temperature=0) for _ in prompts]
     _same(llm.generate(prompts, params), pair[1].generate(prompts, params))
     assert llm.engine.cache.num_free == 3 and not llm.engine.has_work
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_steps_take_the_graphs_picks(tiny_checkpoint, pair, async_scheduling, monkeypatch):
+    # a greedy decode step that does not continue the last replay (a new batch) takes the tokens its graph picked:
+    # the logits handed back are zeroed on those steps, so an argmax of them would give token 0 every time;
+    # same tokens as the engine without graphs, synchronous and async
+    # buckets 1, 2, 4: three rows replay the graph of 4 with a padding row
+    llm = LLM(str(tiny_checkpoint), async_scheduling=async_scheduling, device="cpu", max_model_len=96,
+              max_num_seqs=4, max_num_batched_tokens=64)  # fmt: skip
+    _graphs_emulated(llm, monkeypatch)
+    runner = llm.engine.runner
+    real_decode, taken = runner.decode, []
+
+    def decode_hiding_logits(input_ids, batch):
+        logits = real_decode(input_ids, batch)
+        if runner.greedy_picks(batch.num_seqs) is None:
+            return logits
+        taken.append(batch.num_seqs)
+        return torch.zeros_like(logits)
+
+    monkeypatch.setattr(runner, "decode", decode_hiding_logits)
+    rng = random.Random()
+    prompts = _prompts(rng, 7)  # more prompts than slots: batches change, steps go through decode
+    params = [SamplingParams(max_tokens=rng.randrange(4, 12), temperature=0) for _ in prompts]
+    _same(llm.generate(prompts, params), pair[1].generate(prompts, params))
+    assert taken, "no decode step took the graph's picks"
+    # three rows on the graph of 4 (a padding row): never continued in the graph, every step takes its picks
+    taken.clear()
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts[:3]]
+    _same(llm.generate(prompts[:3], params), pair[1].generate(prompts[:3], params))
+    assert taken.count(3) == 7, taken
+    # a repetition penalty changes the choice: those steps take the sampler's (logits left as they are)
+    monkeypatch.setattr(runner, "decode", real_decode)
+    params = [SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.5) for _ in prompts[:3]]
+    _same(llm.generate(prompts[:3], params), pair[1].generate(prompts[:3], params))

@@ -115,7 +115,8 @@ class Engine:
         else:
             logits = self.runner.decode(input_ids, batch)  # [B, V]
         seqs = [plan.seqs[i] for i in ready]
-        tokens = self.sampler(logits, seqs)
+        picks = None if plan.is_prefill else self._graph_picks(seqs)
+        tokens = self.sampler(logits, seqs) if picks is None else picks.tolist()
         for seq, token in zip(seqs, tokens):
             self._append(seq, token)
         return seqs
@@ -147,7 +148,10 @@ class Engine:
                 batch = ForwardBatch.build([s.num_computed for s in launch], [1] * len(launch),
                                            [s.slot for s in launch], self.device)  # fmt: skip
                 input_ids = next_input_ids(host_ids, source_rows, pending, self.device)
-                picks = self.sampler.pick(self.runner.decode(input_ids, batch), launch)  # [B]
+                logits = self.runner.decode(input_ids, batch)  # [B, V]
+                picks = self._graph_picks(launch)
+                if picks is None:
+                    picks = self.sampler.pick(logits, launch)  # [B]
             for seq in launch:
                 seq.num_computed += 1
             buffer = self._host_ids[self._next_buffer]
@@ -163,6 +167,13 @@ class Engine:
         return (self._pending is not None and len(launch) == len(self._pending.seqs)
                 and source_rows == list(range(len(launch))) and all(s.params.greedy for s in launch)
                 and self.runner.can_continue(len(launch)))  # fmt: skip
+
+    def _graph_picks(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The tokens [B] that the decode graph just replayed picked, where they are what the sampler would pick:
+        every row greedy, without a repetition penalty (ModelRunner.greedy_picks); else None."""
+        if any(not s.params.greedy or s.params.repetition_penalty != 1.0 for s in seqs):
+            return None
+        return self.runner.greedy_picks(len(seqs))
 
     def _stops_by_length_after_one_more(self, seq: Sequence) -> bool:
         return (len(seq.output_ids) + 1 >= seq.params.max_tokens

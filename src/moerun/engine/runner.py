@@ -11,7 +11,8 @@ instead (engine/layer_graphs.py), and prefill runs eagerly.
 Each decode graph ends in ops.greedy_pick (unless MOERUN_GRAPH_PICKS=0, read at capture): the float32 logits, each
 row's greedy token written into the graph's own input ids, and the rows' positions and lengths advanced by one.
 A greedy step that continues every row of the graph's last replay (``can_continue``) then replays it as it is
-(``continue_decode``): no metadata copy, no copies into the inputs, no argmax launch.
+(``continue_decode``): no metadata copy, no copies into the inputs, no argmax launch. Any other replay's greedy
+tokens are there too (``greedy_picks``), so that a greedy step needs no second argmax.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ModelRunner:
         self.rounding = RoundingMatch(model)
         self.picks_in_graph = False  # the decode graphs end in ops.greedy_pick (set at capture)
         self._continues: int | None = None  # B when the static inputs hold the continuation of B rows just replayed
+        self._picked: int | None = None  # B when the last replay wrote B rows' greedy tokens into the static inputs
 
     def _between_steps(self, tokens: int) -> None:
         # expert offloading that updates its cache between forward passes, outside any graph (moe/offload)
@@ -57,7 +59,7 @@ class ModelRunner:
 
     def prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
         """Runs the batch's tokens; returns float32 logits [len(rows), V] of the given rows."""
-        self._continues = None
+        self._continues = self._picked = None
         self._between_steps(input_ids.numel())
         if self.prefill_graphs is not None and len(rows) == 1 and self.prefill_graphs.fits(batch):
             return self.prefill_graphs.run(input_ids, batch)
@@ -67,7 +69,7 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One token per sequence -> float32 logits [B, V], through a graph when one fits."""
         B = batch.num_seqs
-        self._continues = None
+        self._continues = self._picked = None
         self._between_steps(B)
         if self.layer_graphs is not None and B <= self.buckets[-1]:
             return self.layer_graphs.run(input_ids, batch)
@@ -77,9 +79,17 @@ class ModelRunner:
             return self.model.compute_logits(hidden).float()
         self._inputs.fill(input_ids, batch, bucket)
         self.graphs[bucket].replay()
-        if self.picks_in_graph and bucket == B:  # no padding rows, whose positions would grow too
-            self._continues = B
+        if self.picks_in_graph:
+            self._picked = B
+            if bucket == B:  # no padding rows, whose positions would grow too
+                self._continues = B
         return self._logits[:B]
+
+    def greedy_picks(self, B: int) -> torch.Tensor | None:
+        """The greedy tokens [B] int64 on the device of the decode just replayed, where its graph picked them
+        (ops.greedy_pick: the first largest of each row's float32 logits, as their argmax), else None. A view of the
+        graph's inputs that the next replay overwrites (copy it out before)."""
+        return self._inputs.input_ids[:B] if self._picked == B else None
 
     def can_continue(self, B: int) -> bool:
         """Whether the graph of B rows can replay as it is for the next greedy step of the same B sequences in the
@@ -94,6 +104,7 @@ class ModelRunner:
             raise RuntimeError(f"no graph of {B} rows left its next inputs in place")
         self._between_steps(B)
         self.graphs[B].replay()
+        self._picked = B
         return self._inputs.input_ids[:B]
 
     @torch.inference_mode()

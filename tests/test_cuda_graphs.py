@@ -193,3 +193,10 @@ def test_top_k_picked_in_gemm1_gives_the_same_tokens(tokenizer, monkeypatch):
     # same greedy tokens in float32
     outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_TOPK_IN_GEMM1", 5)
     assert outs["0"] == outs["1"]
+
+
+def test_router_in_o_proj_gives_the_same_tokens(tokenizer, monkeypatch):
+    # MOERUN_ROUTER_IN_OPROJ: the router's logits come out of the o_proj launch and GEMM 1 normalises its rows;
+    # in float32 the same greedy tokens (the logits differ in summation order only)
+    outs = tokens_under_switch(tokenizer, monkeypatch, "MOERUN_ROUTER_IN_OPROJ", 9)
+    assert outs["0"] == outs["1"]

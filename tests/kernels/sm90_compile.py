@@ -101,6 +101,7 @@ def _cases() -> dict[str, Callable[[], None]]:
         SINGLE_TOKEN_CONFIG, route_fused_int8_logits_triton, route_fused_int8_triton, route_fused_logits_triton,
         route_fused_triton,
     )
+    from moerun.kernels.o_proj_router import o_proj_router_triton
     from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
@@ -293,6 +294,12 @@ def _cases() -> dict[str, Callable[[], None]]:
         "fused_moe, decode, the top-k picked in GEMM 1": lambda: fused_moe_triton(
             x1, w13, w2, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
             select=TopkSelect(torch.randn(1, E), True)),
+        "fused_moe, decode, the top-k picked in GEMM 1 on rows it normalises": lambda: fused_moe_triton(
+            x1, w13, w2, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
+            select=TopkSelect(torch.randn(1, E), True, norm_w, 1e-6)),
+        "o_proj + the router's logits": lambda: o_proj_router_triton(
+            torch.randn(1, 2 * H, dtype=bf16), x1, torch.randn(H, 2 * H, dtype=bf16),
+            torch.randn(E, 3 * H, dtype=bf16)),
         "fused_moe, prefill tiles": lambda: fused_moe_triton(torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64),
         "fused_moe, prefill tiles with short tail tiles": lambda: fused_moe_triton(
             torch.randn(64, H, dtype=bf16), w13, w2, w64, ids64, normalize(

@@ -12,7 +12,9 @@ gemv path the last of a token's k programs on an N-tile sums them, found by a ti
 reduce "fused") inside GEMM2 itself: one program per (token, N-tile) walks the token's k slots.
 Nothing reads back to the host: grids come from worst-case sizes and surplus programs exit early, so a decode
 step can be captured in a CUDA graph. With TopkSelect the gemv path's GEMM 1 picks the routing itself from the
-router's logits (softmax + top-k a program), writing it for GEMM 2.
+router's logits (softmax + top-k a program), writing it for GEMM 2; a TopkSelect that carries the RMSNorm also
+has GEMM 1 normalise x (the un-normalised residual row) and scale the logits by its 1/rms (kernels/o_proj_router.py
+computes such logits).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerun.kernels.align import align_tokens
+from moerun.kernels.gemv import _normalise, _rsqrt_mean
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.router import route_triton, softmax_topk
@@ -380,40 +383,63 @@ def _gemm1_gemv_kernel(
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
+    # NORM_H > 0 (with SELECT): x is the un-normalised row [H] (NORM_H = H, NORM_BLOCK the next power of two);
+    # each program normalises it (norm_ptr: the RMSNorm weight [H]) and scales the logits by its 1/rms first
+    norm_ptr=None,
+    eps=0.0,
+    NORM_H: tl.constexpr = 0,
+    NORM_BLOCK: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
     if ZERO_BLOCK > 0:
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
+    inv_rms = _row_inv_rms(x_ptr, slot // top_k, stride_xt, stride_xh, eps, NORM_H, NORM_BLOCK, INTERPRET)  # [1]
     if SELECT:
-        expert = select_slot(sel, SEL, ids_ptr, slot, tl.program_id(1) == 0)
+        expert = select_slot(sel, SEL, ids_ptr, slot, tl.program_id(1) == 0, inv_rms, NORM_H > 0)
     else:
         expert = tl.load(ids_ptr + slot)
     if PART == 0:
         _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
                          stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT,
-                         ALIGN)  # fmt: skip
+                         ALIGN, norm_ptr, inv_rms, NORM_H, INTERPRET)  # fmt: skip
     else:
         if (tl.load(part_ptr + slot) != 0) == (PART == 2):
             _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
                              stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K,
-                             INDIRECT, ALIGN)  # fmt: skip
+                             INDIRECT, ALIGN, norm_ptr, inv_rms, NORM_H, INTERPRET)  # fmt: skip
 
 
 @triton.jit
-def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes):
+def _row_inv_rms(x_ptr, token, stride_xt, stride_xh, eps, NORM_H: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """1 / rms of x's row ``token`` [NORM_H] as the RMSNorm kernels compute it -> [1] float32 (NORM_BLOCK: the next
+    power of two >= NORM_H); a [1] placeholder where NORM_H is 0."""
+    if NORM_H > 0:
+        cols = tl.arange(0, NORM_BLOCK)  # [NORM_BLOCK]
+        h = tl.load(x_ptr + token.to(tl.int64) * stride_xt + cols[None, :] * stride_xh,
+                    mask=(cols < NORM_H)[None, :], other=0.0).to(tl.float32)  # [1, NORM_BLOCK]
+        return _rsqrt_mean(tl.sum(h * h, axis=1), eps, NORM_H, INTERPRET)  # [1]
+    return tl.full([1], 1.0, tl.float32)
+
+
+@triton.jit
+def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes, scale=None, SCALED: tl.constexpr = False):
     """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
-    [E], by the router's softmax + top-k (kernels/router.py); where ``writes``, the slot's id and weight are
-    stored too (sel: TopkOperands, SEL: TopkShape). The logits go in as ROWS equal rows (ROWS = the program's
-    warps), so that each warp holds a whole row and the top-k's reductions stay inside a warp, with no
-    shared-memory round trips between warps."""
+    [E] (times ``scale`` [1] where SCALED), by the router's softmax + top-k (kernels/router.py); where ``writes``,
+    the slot's id and weight are stored too (sel: TopkOperands, SEL: TopkShape). The logits go in as ROWS equal
+    rows (ROWS = the program's warps), so that each warp holds a whole row and the top-k's reductions stay inside a
+    warp, with no shared-memory round trips between warps."""
     token = slot // SEL.K
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
     rows = tl.arange(0, SEL.ROWS)  # [ROWS]
     # .cg: the router's stores, read through L2
     x = tl.load(sel.logits_ptr + token.to(tl.int64) * SEL.E + rows[:, None] * 0 + cols[None, :],
                 mask=(cols < SEL.E)[None, :], other=0.0, cache_modifier=".cg")  # [ROWS, BLOCK_E], one row ROWS times
+    if SCALED:
+        x = x * scale[:, None]
     top_w, top_i = softmax_topk(x, cols < SEL.E, SEL.K, SEL.RENORMALIZE, SEL.ROWS, SEL.BLOCK_E)  # slots < K
     pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]: row 0's pick of the slot
     expert = tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
@@ -426,8 +452,11 @@ def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes):
 @triton.jit
 def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,  # noqa: E741
                      stride_we, stride_wn, stride_wh, stride_it, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr):
-    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot`` of ``expert``."""
+                     EVEN_K: tl.constexpr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr, norm_ptr=None, inv_rms=None,
+                     NORM_H: tl.constexpr = 0, INTERPRET: tl.constexpr = False):
+    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot`` of ``expert``
+    (NORM_H = H > 0: of x's row normalised by inv_rms [1] and the RMSNorm weight at norm_ptr, rounded as the norm
+    kernels round it)."""
     pid_n = tl.program_id(1)
     token = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -442,7 +471,7 @@ def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H,
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs)  # [BLOCK_K]
             g = tl.load(g_ptrs)
             u = tl.load(u_ptrs)
         else:
@@ -450,7 +479,11 @@ def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H,
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)[None, :]
+        if NORM_H > 0:
+            x = _normalise(x[None, :], norm_ptr, kb * BLOCK_K + offs_k, inv_rms, NORM_H, INTERPRET)  # [1, BLOCK_K]
+        else:
+            x = x[None, :]
+        x = x.to(tl.float32)
         acc_g += g.to(tl.float32) * x
         acc_u += u.to(tl.float32) * x
         x_ptrs += BLOCK_K * stride_xh
@@ -662,6 +695,22 @@ class TopkSelect(NamedTuple):
 
     logits: torch.Tensor
     renormalize: bool
+    # With an RMSNorm (its weight [H] and eps), the experts' x is the un-normalised row and the logits are the
+    # router's before its 1/rms (kernels/o_proj_router.py): the gemv path's GEMM 1 normalises x and scales the
+    # logits itself; other paths get both done first (``prenormalised``).
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def prenormalised(self, x: torch.Tensor) -> tuple[torch.Tensor, TopkSelect]:
+        """(x normalised [T, H], the select on the logits times each row's 1/rms), in plain torch; (x, self) where
+        the select carries no norm."""
+        if self.norm_weight is None:
+            return x, self
+        from moerun.ops.norm import rms_norm_reference
+
+        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)  # [T, 1]
+        x_normed, _ = rms_norm_reference(x, self.norm_weight, self.eps)
+        return x_normed, TopkSelect(self.logits * inv_rms, self.renormalize)
 
     def fill(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, triton_kernel: bool = True) -> None:
         """The picks written into the buffers: by the router's softmax + top-k kernel (kernels/router.py: ties to
@@ -678,7 +727,12 @@ class TopkSelect(NamedTuple):
         topk_weights and runs num_warps warps."""
         E = self.logits.shape[1]
         shape = TopkShape(E, triton.next_power_of_2(E), k, bool(self.renormalize), num_warps)
-        return dict(sel=TopkOperands(self.logits, topk_weights), SEL=shape, SELECT=True)
+        args = dict(sel=TopkOperands(self.logits, topk_weights), SEL=shape, SELECT=True)
+        if self.norm_weight is not None:
+            H = self.norm_weight.shape[0]
+            args.update(norm_ptr=self.norm_weight, eps=self.eps, NORM_H=H, NORM_BLOCK=triton.next_power_of_2(H),
+                        INTERPRET=interpreting())  # fmt: skip
+        return args
 
     def check(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
         """Raises unless the logits are [T, num_experts] float32 and the buffers [T, k] float32 / int32, contiguous,
@@ -687,6 +741,9 @@ class TopkSelect(NamedTuple):
         if self.logits.shape != (T, num_experts) or self.logits.dtype != torch.float32:
             raise ValueError(f"logits must be [{T}, {num_experts}] float32, got {tuple(self.logits.shape)} "
                              f"{self.logits.dtype}")  # fmt: skip
+        if self.norm_weight is not None and (self.norm_weight.dim() != 1 or not self.norm_weight.is_contiguous()):
+            raise ValueError(f"the select's RMSNorm weight must be a contiguous [H] vector, got "
+                             f"{tuple(self.norm_weight.shape)}")  # fmt: skip
         if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32 or not (
                 topk_ids.is_contiguous() and topk_weights.is_contiguous()) or k > num_experts:  # fmt: skip
             raise ValueError("with the top-k picked from logits, topk_weights / topk_ids must be contiguous float32 / "
@@ -737,6 +794,8 @@ def _fused_moe_gemv(
     T, H = hidden.shape
     if select is not None and staged is not None:
         raise ValueError("the top-k picked in GEMM 1 and staged pairs do not go together: staging needs the picks")
+    if select is not None and select.norm_weight is not None and select.norm_weight.shape[0] != H:
+        raise ValueError(f"the select's RMSNorm weight has {select.norm_weight.shape[0]} values, x rows {H}")
     sel = {} if select is None else select.kernel_args(topk_weights, topk_ids.shape[1], cfg["num_warps"])
     k = topk_ids.shape[1]
     pairs = T * k
@@ -872,6 +931,7 @@ def run_fused_moe(
     if cfg["path"] == "gemv":
         return _fused_moe_gemv(x, w13, w2, I, topk_weights, topk_ids, cfg, out_dtype, staged, keep_float32, select)
     if select is not None:
+        x, select = select.prenormalised(x)
         select.fill(topk_weights, topk_ids)
     if staged is not None:
         staged.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from moerun.layers.linear import Linear, MergedLinear
 from moerun.layers.norm import RMSNorm
 from moerun.layers.rotary import RotaryEmbedding
 from moerun.ops.linear import gemv_applies
+
+if TYPE_CHECKING:
+    from moerun.kernels.quant.int8_dot import Int8Rows
 
 
 def decode_qk_in_attention() -> bool:
@@ -72,8 +76,10 @@ class Qwen3Attention(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         backend: str | None = None,
+        project: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm.forward_with_residual(x, residual)`` then ``forward``: (attention output [T, H], new residual).
+        """``norm.forward_with_residual(x, residual)`` then ``forward``: (attention output [T, H], new residual);
+        without ``project``, the output before o_proj [T, n_q * D] (for a consumer that applies it).
 
         At decode with a dense q|k|v weight the residual add and the norm run inside the q|k|v GEMV
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
@@ -83,13 +89,13 @@ class Qwen3Attention(nn.Module):
             qkv, residual = ops.rms_norm_linear(
                 x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias, backend=backend
             )  # [T, (n_q + 2 n_kv) D], [T, H]
-            return self._attend(qkv, batch, cache), residual
+            return self._attend(qkv, batch, cache, project), residual
         pad = None if batch.is_prefill else self.qkv_proj.int8_input_pad(x, backend)
         if pad is not None:  # GGUF q|k|v whose decode kernels round x to int8: the norm hands it over rounded
             h, residual, h_int8 = ops.rms_norm_int8(x, norm.weight, norm.eps, residual, pad)
-            return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache), residual
+            return self._attend(self.qkv_proj(h, x_int8=h_int8), batch, cache, project), residual
         h, residual = norm.forward_with_residual(x, residual)
-        return self.forward(h, batch, cache), residual
+        return self._attend(self.qkv_proj(h), batch, cache, project), residual
 
     def _fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                    backend: str | None) -> bool:  # fmt: skip
@@ -101,8 +107,9 @@ class Qwen3Attention(nn.Module):
         # the residual has the model's dtype where x may be an MoE's float32 sums
         return gemv_applies(x if residual is None else residual, self.qkv_proj.weight, x.shape[0])
 
-    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H]."""
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache, project: bool = True) -> torch.Tensor:
+        """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H] (without
+        ``project``: the attention's output [T, n_q * D], o_proj left to the caller)."""
         T, D = qkv.shape[0], self.head_dim
         cos, sin = self.rotary.cos_sin(qkv.device, qkv.dtype)
         if not batch.is_prefill and qkv.device.type == "cuda" and decode_qk_in_attention():
@@ -112,7 +119,7 @@ class Qwen3Attention(nn.Module):
                 batch.token_slots, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
                 self.scale, self.n_q, self.n_kv, k_pad=pad,
             )  # [T, n_q, D]
-            return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
+            return self._project(out.reshape(T, self.n_q * D), out_int8, project)
         # a prompt's normed, rotated k also comes back, so that its attention need not read the cache
         k_new = torch.empty(T, self.n_kv, D, dtype=qkv.dtype, device=qkv.device) if batch.is_prefill else None
         # per-head q/k norm, rotary, and the k/v write into the cache, in one op
@@ -128,12 +135,17 @@ class Qwen3Attention(nn.Module):
             if pad is not None:  # GGUF o_proj whose decode kernel rounds x to int8: attention hands it over rounded
                 out, out_int8 = ops.decode_attention_int8(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids,
                                                           batch.seq_lens, self.scale, pad)  # fmt: skip
-                return self.o_proj(out.reshape(T, self.n_q * D), x_int8=out_int8)
+                return self._project(out.reshape(T, self.n_q * D), out_int8, project)
             out = ops.decode_attention(q, cache.k[self.layer], cache.v[self.layer], batch.slot_ids, batch.seq_lens,
                                        self.scale)
         else:
             out = self._decode_eager(q, batch, cache)
-        return self.o_proj(out.reshape(T, self.n_q * D))
+        return self._project(out.reshape(T, self.n_q * D), None, project)
+
+    def _project(self, out: torch.Tensor, out_int8: Int8Rows | None, project: bool) -> torch.Tensor:
+        """o_proj of the attention's output [T, n_q * D] (its int8 rows beside it for a GGUF o_proj), or the output
+        itself without ``project``."""
+        return self.o_proj(out, x_int8=out_int8) if project else out
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, batch: ForwardBatch,
                  cache: KVCache) -> torch.Tensor:

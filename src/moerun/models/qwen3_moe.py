@@ -39,9 +39,16 @@ class Qwen3MoeDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output before the residual add, the residual stream so far)."""
         # Each norm is fused into the op after it where a kernel exists (decode: q|k|v GEMV, router).
+        moe = self.mlp if isinstance(self.mlp, SparseMoeBlock) else None
+        post_norm, o_proj = self.post_attention_layernorm, self.self_attn.o_proj
+        if moe is not None and moe.routes_in_o_proj(x if residual is None else residual, o_proj, post_norm):
+            # o_proj and the router in one launch, the norm inside the experts' GEMM 1
+            a, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache,
+                                                            project=False)  # fmt: skip
+            return moe.forward_from_attention(a, residual, o_proj, post_norm)
         h, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache)
-        if isinstance(self.mlp, SparseMoeBlock):
-            return self.mlp.forward_fused_norm(h, residual, self.post_attention_layernorm)
+        if moe is not None:
+            return moe.forward_fused_norm(h, residual, post_norm)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return self.mlp(h), residual
 

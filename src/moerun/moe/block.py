@@ -4,6 +4,8 @@
 the Triton backend these and the whole router run as one kernel (ops.route_fused). For a single token, unless
 MOERUN_TOPK_IN_GEMM1=0 (read at each call, so at a graph's capture), resident experts (dense or quantized) take
 the router's logits instead and their GEMM 1 picks the routing (ops.route_fused_logits, fused_moe's ``select``).
+With MOERUN_ROUTER_IN_OPROJ=1 (off until measured) dense experts go one step further (``forward_from_attention``):
+the router's logits come out of the o_proj launch (ops.o_proj_router) and GEMM 1 normalises the rows itself.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from moerun.moe.experts import Experts
 from moerun.moe.offload.offloaded_experts import OffloadedExperts
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import (
-    ROUTE_FUSED_MAX_TOKENS, route_fused, route_fused_int8, route_fused_int8_logits, route_fused_logits,
+    ROUTE_FUSED_MAX_TOKENS, o_proj_router, route_fused, route_fused_int8, route_fused_int8_logits,
+    route_fused_logits,
 )
+from moerun.ops.moe_reference import router_rows
 
 # Tokens up to which GEMM 1 picks the routing (_selects_in_experts). On an H100 (benchmarks/RESULTS.md) a batch-1
 # step gained 0.03 ms (bf16) and 0.03-0.05 ms (Q4_K_M); batches of 4, 8 and 16 lost 1-2% (every GEMM 1 program
@@ -107,6 +111,33 @@ class SparseMoeBlock(nn.Module):
         select = TopkSelect(logits, self.renormalize)
         out = self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, select=select, **keep)
         return out, residual
+
+    def routes_in_o_proj(self, rows: torch.Tensor, o_proj: Linear, norm: RMSNorm) -> bool:
+        """Whether the block takes the attention's output before o_proj (``forward_from_attention``) for a step of
+        these rows [T, H] (the residual stream, in the model dtype): MOERUN_ROUTER_IN_OPROJ=1 (read at each call,
+        so at a graph's capture), dense resident experts that pick the routing in GEMM 1, a dense o_proj without
+        bias, and the fused router's conditions."""
+        if os.environ.get("MOERUN_ROUTER_IN_OPROJ", "0") != "1" or not self._selects_in_experts(rows.shape[0]):
+            return False
+        if "q_w13" in self.experts.__dict__ or "q_weight" in o_proj.__dict__ or o_proj.bias is not None:
+            return False
+        return o_proj.weight.dtype == rows.dtype and self._routes_fused(rows, norm)
+
+    def forward_from_attention(self, a: torch.Tensor, residual: torch.Tensor, o_proj: Linear,
+                               norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``forward_fused_norm(o_proj(a), residual, norm)`` for a [T, Q] the attention's output before o_proj
+        (``routes_in_o_proj``): o_proj and the router's logits in one launch (ops.o_proj_router), the norm inside
+        GEMM 1, which picks the routing (TopkSelect with the norm) -> (block output, new residual)."""
+        rows = self.__dict__.get("_router_rows")  # [E, Q + H], made once (on the first call, outside any graph)
+        if rows is None or rows.device != a.device:
+            rows = self.__dict__["_router_rows"] = router_rows(self.gate.weight, norm.weight, o_proj.weight)
+        from moerun.kernels.fused_moe import TopkSelect
+
+        h, logits = o_proj_router(a, residual, o_proj.weight, rows, backend=self.experts.backend)  # [T, H], [T, E]
+        topk_weights = torch.empty(a.shape[0], self.top_k, dtype=torch.float32, device=a.device)  # [T, k]
+        topk_ids = torch.empty(a.shape[0], self.top_k, dtype=torch.int32, device=a.device)  # [T, k]
+        select = TopkSelect(logits, self.renormalize, norm.weight, norm.eps)
+        return self.experts(h, topk_weights, topk_ids, select=select, keep_float32=True), h
 
     def _routes_fused(self, x: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether routing runs as the one fused kernel: the Triton backend, few tokens, dense weights of x's dtype."""

@@ -7,7 +7,8 @@ import torch
 
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe_reference import (
-    fused_moe_reference, route_fused_logits_reference, route_fused_reference, route_reference,
+    fused_moe_reference, o_proj_router_reference, route_fused_logits_reference, route_fused_reference,
+    route_reference,
 )
 
 # Up to this many tokens, route_fused's one kernel beats RMSNorm + router GEMM + softmax/top-k; beyond it each
@@ -67,6 +68,19 @@ def route_fused_logits(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     return route_fused_logits_triton(x, residual, norm_weight, eps, gate_weight)
 
 
+def o_proj_router(a: torch.Tensor, residual: torch.Tensor, o_weight: torch.Tensor, rows: torch.Tensor,
+                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """o_proj and the router's logits in one launch (kernels/o_proj_router.py): a [T, Q] attention output,
+    residual [T, H], o_weight [H, Q], rows = router_rows(gate, norm weight, o_weight) [E, Q + H] -> (h = residual +
+    o_proj(a) [T, H], the new residual stream; z [T, E] float32, the router's logits times rms(h)), for GEMM 1 to
+    normalise h and scale z itself (fused_moe's select with the norm)."""
+    if pick_backend(backend, a.device, "MoE") == "torch":
+        return o_proj_router_reference(a, residual, o_weight, rows)
+    from moerun.kernels.o_proj_router import o_proj_router_triton
+
+    return o_proj_router_triton(a, residual, o_weight, rows)
+
+
 def route_fused_int8_logits(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                             gate_weight: torch.Tensor,
                             k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Int8Rows]:  # fmt: skip
@@ -113,10 +127,14 @@ def fused_moe(
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         if select is not None:
+            hidden, select = select.prenormalised(hidden)
             select.fill(topk_weights, topk_ids, triton_kernel=False)
         return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
+
+        if select is not None and select.norm_weight is not None:  # (its kernels take normalised rows)
+            hidden, select = select.prenormalised(hidden)
 
         return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8, num_experts=num_experts,
                                    keep_float32=keep_float32, select=select)  # fmt: skip

@@ -46,6 +46,25 @@ def route_fused_logits_reference(
     return x_normed, residual_out, F.linear(x_normed, gate_weight).float()
 
 
+def router_rows(gate_weight: torch.Tensor, norm_weight: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
+    """The router seen through o_proj and the residual stream (kernels/o_proj_router.py): [M | W_r * g] [E, Q + H]
+    in the weights' dtype, M = (W_r * g) W_o [E, Q] made in float32 and rounded once; gate_weight W_r [E, H],
+    norm_weight g [H] (the RMSNorm in front of the router), o_weight W_o [H, Q]."""
+    scaled = gate_weight.float() * norm_weight.float()  # [E, H]
+    through_o = scaled @ o_weight.float()  # [E, Q]
+    return torch.cat([through_o, scaled], dim=1).to(o_weight.dtype).contiguous()
+
+
+def o_proj_router_reference(a: torch.Tensor, residual: torch.Tensor, o_weight: torch.Tensor,
+                            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(residual + F.linear(a, o_weight) [T, H] in the model dtype (o_proj's output rounded, then added as the
+    norm adds it), a @ M^T + residual @ (W_r * g)^T [T, E] float32) for rows = router_rows(...) [E, Q + H]."""
+    Q = a.shape[1]
+    h = F.linear(a, o_weight) + residual  # [T, H]
+    z = a.float() @ rows[:, :Q].float().T + residual.float() @ rows[:, Q:].float().T  # [T, E]
+    return h, z
+
+
 def fused_moe_reference(
     hidden: torch.Tensor,
     w13: torch.Tensor,

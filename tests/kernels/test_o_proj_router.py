@@ -88,9 +88,11 @@ def test_gemm1_normalises_its_rows(seed, config, dtype) -> None:
     from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
 
     T, H, E, I, k = 2, 40, 13, 24, 3  # noqa: E741
-    h = (3.0 * torch.randn(T, H)).to(dtype).to(DEVICE)
+    # a residual stream of rms about 50 (deep layers' are large): logits before the 1/rms spread over hundreds,
+    # where a softmax of them would underflow to ties
+    h = (50.0 * torch.randn(T, H)).to(dtype).to(DEVICE)
     norm_weight = (1.0 + 0.2 * torch.randn(H)).to(dtype).to(DEVICE)
-    logits = 4.0 * torch.randn(T, E, device=DEVICE)  # before the 1/rms
+    logits = 200.0 * torch.randn(T, E, device=DEVICE)  # before the 1/rms
     w13 = (torch.randn(E, 2 * I, H) / H**0.5).to(dtype).to(DEVICE)
     w2 = (torch.randn(E, H, I) / I**0.5).to(dtype).to(DEVICE)
     cfg = tile_configs.normalize(CONFIGS[config])

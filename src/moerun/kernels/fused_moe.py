@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.gemv import _normalise, _rsqrt_mean
+from moerun.kernels.gemv import _rsqrt_mean
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.router import route_triton, softmax_topk
@@ -383,12 +383,14 @@ def _gemm1_gemv_kernel(
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
-    # NORM_H > 0 (with SELECT): x is the un-normalised row [H] (NORM_H = H, NORM_BLOCK the next power of two);
-    # each program normalises it (norm_ptr: the RMSNorm weight [H]) and scales the logits by its 1/rms first
+    # NORM_H = H > 0 (with SELECT): x is the un-normalised row [H] and the logits are before its 1/rms. The picks
+    # come from their values (a positive scale keeps the order; no softmax, which could underflow them to ties);
+    # each program multiplies x by the RMSNorm weight (norm_ptr) and its products by the 1/rms that the row's sum
+    # of squares, taken in the same loop, gives at the end; the programs of N-tile 0 then write the slot's weight,
+    # the softmax of the logits times that 1/rms.
     norm_ptr=None,
     eps=0.0,
     NORM_H: tl.constexpr = 0,
-    NORM_BLOCK: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False,
 ):
     launch_dependents(PDL)
@@ -396,50 +398,49 @@ def _gemm1_gemv_kernel(
     if ZERO_BLOCK > 0:
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
-    inv_rms = _row_inv_rms(x_ptr, slot // top_k, stride_xt, stride_xh, eps, NORM_H, NORM_BLOCK, INTERPRET)  # [1]
-    if SELECT:
-        expert = select_slot(sel, SEL, ids_ptr, slot, tl.program_id(1) == 0, inv_rms, NORM_H > 0)
+    if NORM_H > 0:  # (SELECT)
+        row, top_z, pick, expert = _pick_by_value(sel, SEL, slot)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + slot, expert)
+    elif SELECT:
+        expert = select_slot(sel, SEL, ids_ptr, slot, tl.program_id(1) == 0)
     else:
         expert = tl.load(ids_ptr + slot)
     if PART == 0:
-        _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
-                         stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K, INDIRECT,
-                         ALIGN, norm_ptr, inv_rms, NORM_H, INTERPRET)  # fmt: skip
+        inv_rms = _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I,
+                                   stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K,
+                                   EVEN_K, INDIRECT, ALIGN, norm_ptr, eps, NORM_H, INTERPRET)  # fmt: skip
+        if NORM_H > 0:
+            if tl.program_id(1) == 0:
+                tl.store(sel.weights_ptr + slot, _scaled_weight(row, top_z, pick, inv_rms, SEL))
     else:
         if (tl.load(part_ptr + slot) != 0) == (PART == 2):
             _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
                              stride_xh, stride_we, stride_wn, stride_wh, stride_it, BLOCK_N, BLOCK_K, EVEN_K,
-                             INDIRECT, ALIGN, norm_ptr, inv_rms, NORM_H, INTERPRET)  # fmt: skip
+                             INDIRECT, ALIGN)  # fmt: skip
 
 
 @triton.jit
-def _row_inv_rms(x_ptr, token, stride_xt, stride_xh, eps, NORM_H: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """1 / rms of x's row ``token`` [NORM_H] as the RMSNorm kernels compute it -> [1] float32 (NORM_BLOCK: the next
-    power of two >= NORM_H); a [1] placeholder where NORM_H is 0."""
-    if NORM_H > 0:
-        cols = tl.arange(0, NORM_BLOCK)  # [NORM_BLOCK]
-        h = tl.load(x_ptr + token.to(tl.int64) * stride_xt + cols[None, :] * stride_xh,
-                    mask=(cols < NORM_H)[None, :], other=0.0).to(tl.float32)  # [1, NORM_BLOCK]
-        return _rsqrt_mean(tl.sum(h * h, axis=1), eps, NORM_H, INTERPRET)  # [1]
-    return tl.full([1], 1.0, tl.float32)
-
-
-@triton.jit
-def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes, scale=None, SCALED: tl.constexpr = False):
-    """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
-    [E] (times ``scale`` [1] where SCALED), by the router's softmax + top-k (kernels/router.py); where ``writes``,
-    the slot's id and weight are stored too (sel: TopkOperands, SEL: TopkShape). The logits go in as ROWS equal
-    rows (ROWS = the program's warps), so that each warp holds a whole row and the top-k's reductions stay inside a
-    warp, with no shared-memory round trips between warps."""
+def _logits_rows(sel, SEL: tl.constexpr, slot):
+    """The router logits [E] of token-slot ``slot``'s token as ROWS equal rows [ROWS, BLOCK_E] (ROWS = the
+    program's warps), so that each warp holds a whole row and reductions over it stay inside a warp, with no
+    shared-memory round trips between warps; columns past E read 0."""
     token = slot // SEL.K
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
     rows = tl.arange(0, SEL.ROWS)  # [ROWS]
     # .cg: the router's stores, read through L2
-    x = tl.load(sel.logits_ptr + token.to(tl.int64) * SEL.E + rows[:, None] * 0 + cols[None, :],
-                mask=(cols < SEL.E)[None, :], other=0.0, cache_modifier=".cg")  # [ROWS, BLOCK_E], one row ROWS times
-    if SCALED:
-        x = x * scale[:, None]
+    return tl.load(sel.logits_ptr + token.to(tl.int64) * SEL.E + rows[:, None] * 0 + cols[None, :],
+                   mask=(cols < SEL.E)[None, :], other=0.0, cache_modifier=".cg")  # [ROWS, BLOCK_E]
+
+
+@triton.jit
+def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes):
+    """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
+    [E], by the router's softmax + top-k (kernels/router.py); where ``writes``, the slot's id and weight are
+    stored too (sel: TopkOperands, SEL: TopkShape)."""
+    cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
+    rows = tl.arange(0, SEL.ROWS)  # [ROWS]
+    x = _logits_rows(sel, SEL, slot)  # [ROWS, BLOCK_E], one row ROWS times
     top_w, top_i = softmax_topk(x, cols < SEL.E, SEL.K, SEL.RENORMALIZE, SEL.ROWS, SEL.BLOCK_E)  # slots < K
     pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]: row 0's pick of the slot
     expert = tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
@@ -450,13 +451,57 @@ def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes, scale=None, SCALE
 
 
 @triton.jit
+def _pick_by_value(sel, SEL: tl.constexpr, slot):
+    """select_slot's pick from the logits' values (the K largest, ties to the lowest index): (the logits [ROWS,
+    BLOCK_E], the K largest in columns < K [ROWS, BLOCK_E], the mask of the slot's column in row 0, its expert)."""
+    cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
+    rows = tl.arange(0, SEL.ROWS)  # [ROWS]
+    x = tl.where((cols < SEL.E)[None, :], _logits_rows(sel, SEL, slot), float("-inf"))  # [ROWS, BLOCK_E]
+    top_z, top_i = _top_k_values(x, SEL.K, SEL.ROWS, SEL.BLOCK_E)
+    pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]
+    return x, top_z, pick, tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
+
+
+@triton.jit
+def _top_k_values(x, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The K largest of each row of x [ROWS, BLOCK_E] (ties to the lowest index) -> (values, ids), slot j in column
+    j < K (-inf and 0 past K), in x's layout as softmax_topk keeps them."""
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    top_z = tl.full([ROWS, BLOCK_E], float("-inf"), tl.float32)
+    top_i = tl.zeros([ROWS, BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(x, axis=1)  # [ROWS]
+        best_i = tl.min(tl.where(x == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [ROWS]
+        top_z = tl.where(cols[None, :] == j, best[:, None], top_z)
+        top_i = tl.where(cols[None, :] == j, best_i[:, None], top_i)
+        x = tl.where(cols[None, :] == best_i[:, None], float("-inf"), x)
+    return top_z, top_i
+
+
+@triton.jit
+def _scaled_weight(x, top_z, pick, scale, SEL: tl.constexpr):
+    """The routing weight of the pick ``pick`` selects (_pick_by_value's) under the logits x times scale [1]: the
+    router's softmax of them (renormalised over the K picks where SEL.RENORMALIZE)."""
+    cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
+    xs = x * scale[:, None]  # [ROWS, BLOCK_E]; -inf past E
+    x_max = tl.max(xs, axis=1)  # [ROWS]
+    num = tl.exp(top_z * scale[:, None] - x_max[:, None])  # [ROWS, BLOCK_E]: the picks' in columns < K
+    num = tl.where(cols[None, :] < SEL.K, num, 0.0)
+    if SEL.RENORMALIZE:
+        total = tl.sum(num, axis=1)  # [ROWS]
+    else:
+        total = tl.sum(tl.exp(xs - x_max[:, None]), axis=1)
+    return tl.sum(tl.sum(tl.where(pick, num / total[:, None], 0.0), axis=1), axis=0)
+
+
+@triton.jit
 def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H, I, stride_xt, stride_xh,  # noqa: E741
                      stride_we, stride_wn, stride_wh, stride_it, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr, norm_ptr=None, inv_rms=None,
+                     EVEN_K: tl.constexpr, INDIRECT: tl.constexpr, ALIGN: tl.constexpr, norm_ptr=None, eps=0.0,
                      NORM_H: tl.constexpr = 0, INTERPRET: tl.constexpr = False):
-    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot`` of ``expert``
-    (NORM_H = H > 0: of x's row normalised by inv_rms [1] and the RMSNorm weight at norm_ptr, rounded as the norm
-    kernels round it)."""
+    """One program of _gemm1_gemv_kernel: an N-tile of SiLU(gate) * up for token-slot ``slot`` of ``expert``.
+    With NORM_H = H > 0, of RMSNorm(x's row): x times the norm weight at norm_ptr in the loop, the products times
+    the 1/rms of the row's sum of squares (taken in the same loop) at the end; returns that 1/rms [1] float32."""
     pid_n = tl.program_id(1)
     token = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -469,6 +514,7 @@ def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H,
     # Partial products stay 2-D across the K loop; one cross-lane reduction at the end instead of one per step.
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)  # (NORM_H) the row's squares
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs)  # [BLOCK_K]
@@ -479,18 +525,24 @@ def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H,
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)[None, :]  # [1, BLOCK_K]
         if NORM_H > 0:
-            x = _normalise(x[None, :], norm_ptr, kb * BLOCK_K + offs_k, inv_rms, NORM_H, INTERPRET)  # [1, BLOCK_K]
-        else:
-            x = x[None, :]
-        x = x.to(tl.float32)
+            sq += x * x
+            k = kb * BLOCK_K + offs_k
+            x = x * tl.load(norm_ptr + k, mask=k < NORM_H, other=0.0).to(tl.float32)[None, :]
         acc_g += g.to(tl.float32) * x
         acc_u += u.to(tl.float32) * x
         x_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
-    act = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BLOCK_N]
+    gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)  # [BLOCK_N]
+    inv_rms = tl.full([1], 1.0, tl.float32)
+    if NORM_H > 0:
+        inv_rms = _rsqrt_mean(tl.sum(sq, axis=1), eps, NORM_H, INTERPRET)  # [1]
+        gate, up = gate * inv_rms, up * inv_rms
+    act = _silu_mul(gate, up)
     tl.store(inter_ptr + slot.to(tl.int64) * stride_it + offs_n, act.to(inter_ptr.dtype.element_ty), mask=offs_n < I)
+    return inv_rms
 
 
 @triton.jit
@@ -730,8 +782,7 @@ class TopkSelect(NamedTuple):
         args = dict(sel=TopkOperands(self.logits, topk_weights), SEL=shape, SELECT=True)
         if self.norm_weight is not None:
             H = self.norm_weight.shape[0]
-            args.update(norm_ptr=self.norm_weight, eps=self.eps, NORM_H=H, NORM_BLOCK=triton.next_power_of_2(H),
-                        INTERPRET=interpreting())  # fmt: skip
+            args.update(norm_ptr=self.norm_weight, eps=self.eps, NORM_H=H, INTERPRET=interpreting())
         return args
 
     def check(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.gemv import _rsqrt_mean
+from moerun.kernels.gemv import rsqrt_mean
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.router import route_triton, softmax_topk
@@ -538,7 +538,7 @@ def _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert, inter_ptr, slot, top_k, H,
     gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)  # [BLOCK_N]
     inv_rms = tl.full([1], 1.0, tl.float32)
     if NORM_H > 0:
-        inv_rms = _rsqrt_mean(tl.sum(sq, axis=1), eps, NORM_H, INTERPRET)  # [1]
+        inv_rms = rsqrt_mean(tl.sum(sq, axis=1), eps, NORM_H, INTERPRET)  # [1]
         gate, up = gate * inv_rms, up * inv_rms
     act = _silu_mul(gate, up)
     tl.store(inter_ptr + slot.to(tl.int64) * stride_it + offs_n, act.to(inter_ptr.dtype.element_ty), mask=offs_n < I)

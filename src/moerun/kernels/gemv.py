@@ -233,11 +233,11 @@ def _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K: tl.constex
         h = _residual_sum_tile(x_ptr, res_ptr, t, k, mask, stride_xt, stride_rt, HAS_RESIDUAL, INTERPRET)
         hf = h.to(tl.float32)
         sq += hf * hf
-    return _rsqrt_mean(tl.sum(sq, axis=1), eps, K, INTERPRET)
+    return rsqrt_mean(tl.sum(sq, axis=1), eps, K, INTERPRET)
 
 
 @triton.jit
-def _rsqrt_mean(total, eps, K: tl.constexpr, INTERPRET: tl.constexpr):
+def rsqrt_mean(total, eps, K: tl.constexpr, INTERPRET: tl.constexpr):
     """1 / sqrt(total / K + eps) of row sums of squares total [BLOCK_T], the mean finished as torch's is."""
     if INTERPRET:
         mean = total / K  # torch on the CPU divides the sum
@@ -326,7 +326,7 @@ def _gemv_kernel(
         h_row = _residual_sum_tile(x_ptr, res_ptr, t, k_row, t_mask[:, None] & (k_row < K)[None, :], stride_xt,
                                    stride_rt, HAS_RESIDUAL, INTERPRET)  # [BLOCK_T, BLOCK_K]
         hf_row = h_row.to(tl.float32)
-        inv_rms = _rsqrt_mean(tl.sum(hf_row * hf_row, axis=1), eps, K, INTERPRET)  # [BLOCK_T]
+        inv_rms = rsqrt_mean(tl.sum(hf_row * hf_row, axis=1), eps, K, INTERPRET)  # [BLOCK_T]
     elif HAS_NORM:
         inv_rms = _inv_rms(x_ptr, res_ptr, t, t_mask, stride_xt, stride_rt, eps, K, HAS_RESIDUAL, BLOCK_T,
                            NORM_BLOCK_K, INTERPRET)  # [BLOCK_T]

@@ -81,7 +81,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gemm1_normalises_its_rows(seed, config, dtype) -> None:
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalised", "softmax-weights"])
+def test_gemm1_normalises_its_rows(seed, config, dtype, renormalize) -> None:
     # fused_moe on the un-normalised rows with a select that carries the norm: GEMM 1 (gemv path) normalises them
     # and scales the logits itself, other paths get both done first; the routing and output of the normalised
     # rows with the scaled logits handed in
@@ -96,13 +97,14 @@ def test_gemm1_normalises_its_rows(seed, config, dtype) -> None:
     w13 = (torch.randn(E, 2 * I, H) / H**0.5).to(dtype).to(DEVICE)
     w2 = (torch.randn(E, H, I) / I**0.5).to(dtype).to(DEVICE)
     cfg = tile_configs.normalize(CONFIGS[config])
-    normed, scaled = TopkSelect(logits, True, norm_weight, EPS).prenormalised(h)
+    normed, scaled = TopkSelect(logits, renormalize, norm_weight, EPS).prenormalised(h)
     torch.testing.assert_close(normed, rms_norm_reference(h, norm_weight, EPS)[0], rtol=0, atol=0)
-    want_w, want_ids = route_reference(scaled.logits, k, True)
+    want_w, want_ids = route_reference(scaled.logits, k, renormalize)
     want = fused_moe_triton(normed, w13, w2, want_w, want_ids.to(torch.int32), config=cfg)
     weights = torch.full((T, k), -1.0, device=DEVICE)
     ids = torch.full((T, k), -1, dtype=torch.int32, device=DEVICE)
-    got = fused_moe_triton(h, w13, w2, weights, ids, config=cfg, select=TopkSelect(logits, True, norm_weight, EPS))
+    select = TopkSelect(logits, renormalize, norm_weight, EPS)
+    got = fused_moe_triton(h, w13, w2, weights, ids, config=cfg, select=select)
     assert torch.equal(ids, want_ids.to(torch.int32)), f"seed={seed}: {ids.tolist()} against {want_ids.tolist()}"
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
     # a normalised value may round one step the other way where 1/rms differs in its last bit

@@ -32,7 +32,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.gemv import rsqrt_mean
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.router import route_triton, softmax_topk
+from moerun.kernels.router import route_triton, softmax_topk, top_k_columns
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
@@ -457,25 +457,9 @@ def _pick_by_value(sel, SEL: tl.constexpr, slot):
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
     rows = tl.arange(0, SEL.ROWS)  # [ROWS]
     x = tl.where((cols < SEL.E)[None, :], _logits_rows(sel, SEL, slot), float("-inf"))  # [ROWS, BLOCK_E]
-    top_z, top_i = _top_k_values(x, SEL.K, SEL.ROWS, SEL.BLOCK_E)
+    top_z, top_i = top_k_columns(x, SEL.K, SEL.ROWS, SEL.BLOCK_E)
     pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]
     return x, top_z, pick, tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
-
-
-@triton.jit
-def _top_k_values(x, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The K largest of each row of x [ROWS, BLOCK_E] (ties to the lowest index) -> (values, ids), slot j in column
-    j < K (-inf and 0 past K), in x's layout as softmax_topk keeps them."""
-    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    top_z = tl.full([ROWS, BLOCK_E], float("-inf"), tl.float32)
-    top_i = tl.zeros([ROWS, BLOCK_E], dtype=tl.int32)
-    for j in tl.static_range(K):
-        best = tl.max(x, axis=1)  # [ROWS]
-        best_i = tl.min(tl.where(x == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [ROWS]
-        top_z = tl.where(cols[None, :] == j, best[:, None], top_z)
-        top_i = tl.where(cols[None, :] == j, best_i[:, None], top_i)
-        x = tl.where(cols[None, :] == best_i[:, None], float("-inf"), x)
-    return top_z, top_i
 
 
 @triton.jit
@@ -485,7 +469,7 @@ def _scaled_weight(x, top_z, pick, scale, SEL: tl.constexpr):
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
     xs = x * scale[:, None]  # [ROWS, BLOCK_E]; -inf past E
     x_max = tl.max(xs, axis=1)  # [ROWS]
-    num = tl.exp(top_z * scale[:, None] - x_max[:, None])  # [ROWS, BLOCK_E]: the picks' in columns < K
+    num = tl.exp(top_z * scale[:, None] - x_max[:, None])  # [ROWS, BLOCK_E]: the picks' in columns < K (0 past)
     num = tl.where(cols[None, :] < SEL.K, num, 0.0)
     if SEL.RENORMALIZE:
         total = tl.sum(num, axis=1)  # [ROWS]

@@ -197,7 +197,7 @@ def _sm_count(index: int) -> int:
 
 
 @triton.jit
-def _weight_tile(w_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def weight_tile(w_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Weight rows w_rows [BLOCK_N, 1] at columns [k0, k0 + BLOCK_K) -> [BLOCK_N, BLOCK_K]; unmasked when
     every K block is full, so the loads stay 16-byte vectors."""
     k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -318,7 +318,7 @@ def _gemv_kernel(
         acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
         # the weight tile of the next step is loaded one step ahead (the first before the 1/rms pass), so two
         # tiles are in flight per program; the last step re-reads its own tile instead of masking the load
-        w_next = _weight_tile(w_rows, k_start, K, BLOCK_K, EVEN_K)
+        w_next = weight_tile(w_rows, k_start, K, BLOCK_K, EVEN_K)
     wait_for_previous(PDL)  # x and the residual come from the previous kernel (weights did not)
     if ONE_TILE:
         # the whole row is the one K step's tile: x + residual read once (not again in the loop)
@@ -335,11 +335,11 @@ def _gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         if USE_DOT:
-            w = _weight_tile(w_rows, k0, K, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]; num_stages pipelines it
+            w = weight_tile(w_rows, k0, K, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]; num_stages pipelines it
         else:
             w = w_next
             if K_SPLIT > BLOCK_K:  # a split of one step has nothing to load ahead
-                w_next = _weight_tile(w_rows, tl.minimum(k0 + BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
+                w_next = weight_tile(w_rows, tl.minimum(k0 + BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
         if EVEN_K:
             a_mask = t_mask[:, None]
         else:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.gemv import get_config
+from moerun.kernels.gemv import get_config, weight_tile
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import residual_sum, round_to
@@ -38,7 +38,7 @@ def _rows_times(w_rows, w_first, x_ptr, t, t_mask, stride_xt, K: tl.constexpr, B
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         w = w_next
-        w_next = _tile(w_rows, tl.minimum(k0 + BLOCK_K, last), K, BLOCK_K, EVEN_K)  # the last re-reads its own
+        w_next = weight_tile(w_rows, tl.minimum(k0 + BLOCK_K, last), K, BLOCK_K, EVEN_K)  # the last re-reads its own
         if EVEN_K:
             x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_xt + k[None, :], mask=t_mask[:, None], other=0.0)
         else:
@@ -46,15 +46,6 @@ def _rows_times(w_rows, w_first, x_ptr, t, t_mask, stride_xt, K: tl.constexpr, B
                         mask=t_mask[:, None] & (k < K)[None, :], other=0.0)  # fmt: skip
         acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_T, BLOCK_N, BLOCK_K]
     return tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]
-
-
-@triton.jit
-def _tile(w_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Columns [k0, k0 + BLOCK_K) of the rows w_rows [BLOCK_N, 1] -> [BLOCK_N, BLOCK_K] (zeros past K)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        return tl.load(w_rows + k[None, :])
-    return tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -89,7 +80,7 @@ def _o_proj_router_kernel(
         n = (pid - r_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of h
         n_mask = n < H
         w_rows = wo_ptr + (n % H).to(tl.int64)[:, None] * Q  # [BLOCK_N, 1]; rows past H re-read and are dropped
-        w_first = _tile(w_rows, 0, Q, BLOCK_K, Q % BLOCK_K == 0)
+        w_first = weight_tile(w_rows, 0, Q, BLOCK_K, Q % BLOCK_K == 0)
         wait_for_previous(PDL)  # a and r come from the kernels before (the weights did not)
         o = _rows_times(w_rows, w_first, a_ptr, t, t_mask, stride_at, Q, BLOCK_T, BLOCK_N, BLOCK_K, Q % BLOCK_K == 0)
         mask = t_mask[:, None] & n_mask[None, :]
@@ -100,11 +91,11 @@ def _o_proj_router_kernel(
     else:
         e = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] experts
         m_rows = rows_ptr + (e % E).to(tl.int64)[:, None] * (Q + H)  # [BLOCK_R, 1]
-        m_first = _tile(m_rows, 0, Q, BLOCK_K, Q % BLOCK_K == 0)
+        m_first = weight_tile(m_rows, 0, Q, BLOCK_K, Q % BLOCK_K == 0)
         wait_for_previous(PDL)
         z = _rows_times(m_rows, m_first, a_ptr, t, t_mask, stride_at, Q, BLOCK_T, BLOCK_R, BLOCK_K, Q % BLOCK_K == 0)
         g_rows = m_rows + Q
-        z += _rows_times(g_rows, _tile(g_rows, 0, H, BLOCK_K, H % BLOCK_K == 0), r_ptr, t, t_mask, stride_rt, H,
+        z += _rows_times(g_rows, weight_tile(g_rows, 0, H, BLOCK_K, H % BLOCK_K == 0), r_ptr, t, t_mask, stride_rt, H,
                          BLOCK_T, BLOCK_R, BLOCK_K, H % BLOCK_K == 0)  # fmt: skip
         z_mask = t_mask[:, None] & (e < E)[None, :]
         tl.store(z_ptr + t.to(tl.int64)[:, None] * stride_zt + e[None, :], z, mask=z_mask)

@@ -21,27 +21,33 @@ def softmax_topk(
     in column j < K (the others 0). They keep the logits' layout: each pick's maximum, reduced from a row, goes
     back into it for free, where a [BLOCK_T, K] result would take a move through shared memory and two barriers
     a slot."""
-    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     x = tl.where(col_ok[None, :], x, float("-inf"))
     x_max = tl.max(x, axis=1)  # [BLOCK_T]
     num = tl.exp(x - x_max[:, None])
     probs = num / tl.sum(num, axis=1)[:, None]  # [BLOCK_T, BLOCK_E]
     # Padding columns drop below any real probability so they are never selected.
     probs = tl.where(col_ok[None, :], probs, -1.0)
-
-    top_w = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-    for j in tl.static_range(K):
-        best = tl.max(probs, axis=1)  # [BLOCK_T]
-        # Lowest index among the maxima, matching torch.topk on distinct values.
-        best_i = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [BLOCK_T]
-        top_w = tl.where(cols[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(cols[None, :] == j, best_i[:, None], top_i)
-        probs = tl.where(cols[None, :] == best_i[:, None], -2.0, probs)
-
+    top_w, top_i = top_k_columns(probs, K, BLOCK_T, BLOCK_E)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     return top_w, top_i
+
+
+@triton.jit
+def top_k_columns(x, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The K largest of each row of x [BLOCK_T, BLOCK_E] (ties to the lowest index, as torch.topk on distinct
+    values; columns to skip must hold less than any candidate) -> (values, ids), both [BLOCK_T, BLOCK_E] with slot
+    j in column j < K (the others 0), in x's layout (see softmax_topk)."""
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    top_x = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(x, axis=1)  # [BLOCK_T]
+        best_i = tl.min(tl.where(x == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [BLOCK_T]
+        top_x = tl.where(cols[None, :] == j, best[:, None], top_x)
+        top_i = tl.where(cols[None, :] == j, best_i[:, None], top_i)
+        x = tl.where(cols[None, :] == best_i[:, None], float("-inf"), x)  # picked: below anything left
+    return top_x, top_i
 
 
 @triton.jit(do_not_specialize=["T"])

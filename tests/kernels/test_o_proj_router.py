@@ -126,7 +126,7 @@ def test_a_select_with_a_norm_of_another_width_is_refused() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_block_from_attention_matches_o_proj_then_the_fused_router(seed, monkeypatch, dtype) -> None:
-    # MOERUN_ROUTER_IN_OPROJ=1: the block takes the attention's output, runs o_proj with the router's logits and
+    # at one token (unless MOERUN_ROUTER_IN_OPROJ=0) the block takes the attention's output, runs o_proj with the router's logits and
     # normalises inside GEMM 1: the same routing, output and new residual as o_proj + forward_fused_norm
     from test_route_fused import small_block
 
@@ -135,9 +135,10 @@ def test_block_from_attention_matches_o_proj_then_the_fused_router(seed, monkeyp
     with torch.no_grad():
         o_proj.weight.copy_(torch.randn(40, 72) / 72**0.5)
     a, residual = torch.randn(1, 72).to(dtype).to(DEVICE), torch.randn(1, 40).to(dtype).to(DEVICE)
-    assert not block.routes_in_o_proj(residual, o_proj, norm), "on without the switch"
-    monkeypatch.setenv("MOERUN_ROUTER_IN_OPROJ", "1")
-    assert block.routes_in_o_proj(residual, o_proj, norm)
+    monkeypatch.setenv("MOERUN_ROUTER_IN_OPROJ", "0")
+    assert not block.routes_in_o_proj(residual, o_proj, norm), "on with the switch at 0"
+    monkeypatch.delenv("MOERUN_ROUTER_IN_OPROJ")
+    assert block.routes_in_o_proj(residual, o_proj, norm), "off by default"
     assert not block.routes_in_o_proj(residual.expand(2, -1), o_proj, norm), "one token only (the top-k in GEMM 1)"
     picks = []
     real = block.experts.forward

@@ -6,7 +6,7 @@ M = (W_r * g) W_o, an [E, Q] matrix made once (moe/block.py). A launch of this k
 writes h = r + o_proj(a) (the new residual stream), and beside them, in programs of their own, the router's rows
 [M | W_r * g] against [a | r], writing the logits before the 1/rms; GEMM 1 then normalises h itself and scales the
 logits (kernels/fused_moe.TopkSelect with the norm). The router's launch, a latency-bound chain of loads between
-o_proj and GEMM 1, is then not run (moe/block.py; off until measured, MOERUN_ROUTER_IN_OPROJ=1).
+o_proj and GEMM 1, is then not run (moe/block.py, on by default at one token; MOERUN_ROUTER_IN_OPROJ=0 turns it off).
 
 Grid: ceil(E / BLOCK_R) router programs first (their rows are 1.5 times o_proj's long: fewer rows each, and a
 start ahead of o_proj's programs, keep them from being the launch's tail), then ceil(H / BLOCK_N) o_proj programs;

@@ -4,8 +4,9 @@
 the Triton backend these and the whole router run as one kernel (ops.route_fused). For a single token, unless
 MOERUN_TOPK_IN_GEMM1=0 (read at each call, so at a graph's capture), resident experts (dense or quantized) take
 the router's logits instead and their GEMM 1 picks the routing (ops.route_fused_logits, fused_moe's ``select``).
-With MOERUN_ROUTER_IN_OPROJ=1 (off until measured) dense experts go one step further (``forward_from_attention``):
-the router's logits come out of the o_proj launch (ops.o_proj_router) and GEMM 1 normalises the rows itself.
+For a single token dense resident experts go one step further (``forward_from_attention``; MOERUN_ROUTER_IN_OPROJ=0
+turns it off): the router's logits come out of the o_proj launch (ops.o_proj_router) and GEMM 1 normalises the rows
+itself.
 """
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ class SparseMoeBlock(nn.Module):
 
     def routes_in_o_proj(self, rows: torch.Tensor, o_proj: Linear, norm: RMSNorm) -> bool:
         """Whether the block takes the attention's output before o_proj (``forward_from_attention``) for a step of
-        these rows [T, H] (the residual stream, in the model dtype): MOERUN_ROUTER_IN_OPROJ=1 (read at each call,
-        so at a graph's capture), dense resident experts that pick the routing in GEMM 1, a dense o_proj without
+        these rows [T, H] (the residual stream, in the model dtype): unless MOERUN_ROUTER_IN_OPROJ=0 (read at each
+        call, so at a graph's capture), dense resident experts that pick the routing in GEMM 1, a dense o_proj without
         bias, and the fused router's conditions."""
-        if os.environ.get("MOERUN_ROUTER_IN_OPROJ", "0") != "1" or not self._selects_in_experts(rows.shape[0]):
+        if os.environ.get("MOERUN_ROUTER_IN_OPROJ", "1") == "0" or not self._selects_in_experts(rows.shape[0]):
             return False
         if "q_w13" in self.experts.__dict__ or "q_weight" in o_proj.__dict__ or o_proj.bias is not None:
             return False

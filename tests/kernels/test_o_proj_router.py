@@ -126,8 +126,9 @@ def test_a_select_with_a_norm_of_another_width_is_refused() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_block_from_attention_matches_o_proj_then_the_fused_router(seed, monkeypatch, dtype) -> None:
-    # at one token (unless MOERUN_ROUTER_IN_OPROJ=0) the block takes the attention's output, runs o_proj with the router's logits and
-    # normalises inside GEMM 1: the same routing, output and new residual as o_proj + forward_fused_norm
+    # at one token (unless MOERUN_ROUTER_IN_OPROJ=0) the block takes the attention's output, runs o_proj with the
+    # router's logits and normalises inside GEMM 1: the same routing, output and new residual as o_proj +
+    # forward_fused_norm
     from test_route_fused import small_block
 
     block, norm = small_block(dtype)

@@ -167,6 +167,52 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
 
 
 @triton.jit
+def _rounded_plane(x_row, norm_ptr, e, K, EVEN_K: tl.constexpr):
+    """One 32-value block read as four byte planes: v_b = x * norm weight at elements e + b ([.., G, 8] each), and
+    (the int8 word of each 4 elements [.., G, 8], the block's scale [.., G], the sum of its x^ [.., G]), rounded
+    as quantize_store rounds (which v's positive scale leaves unchanged, up to float rounding)."""
+    if EVEN_K:
+        v0 = tl.load(x_row + e).to(tl.float32) * tl.load(norm_ptr + e).to(tl.float32)
+        v1 = tl.load(x_row + e + 1).to(tl.float32) * tl.load(norm_ptr + e + 1).to(tl.float32)
+        v2 = tl.load(x_row + e + 2).to(tl.float32) * tl.load(norm_ptr + e + 2).to(tl.float32)
+        v3 = tl.load(x_row + e + 3).to(tl.float32) * tl.load(norm_ptr + e + 3).to(tl.float32)
+    else:
+        v0 = tl.load(x_row + e, mask=e < K, other=0.0).to(tl.float32) * tl.load(
+            norm_ptr + e, mask=e < K, other=0.0).to(tl.float32)  # fmt: skip
+        v1 = tl.load(x_row + e + 1, mask=e + 1 < K, other=0.0).to(tl.float32) * tl.load(
+            norm_ptr + e + 1, mask=e + 1 < K, other=0.0).to(tl.float32)  # fmt: skip
+        v2 = tl.load(x_row + e + 2, mask=e + 2 < K, other=0.0).to(tl.float32) * tl.load(
+            norm_ptr + e + 2, mask=e + 2 < K, other=0.0).to(tl.float32)  # fmt: skip
+        v3 = tl.load(x_row + e + 3, mask=e + 3 < K, other=0.0).to(tl.float32) * tl.load(
+            norm_ptr + e + 3, mask=e + 3 < K, other=0.0).to(tl.float32)  # fmt: skip
+    amax = tl.max(tl.maximum(tl.maximum(tl.abs(v0), tl.abs(v1)), tl.maximum(tl.abs(v2), tl.abs(v3))), axis=3)
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, :, :, None]  # [.., G, 1]
+    s0, s1, s2, s3 = v0 * inv, v1 * inv, v2 * inv, v3 * inv
+    q0 = (s0 + tl.where(s0 >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
+    q1 = (s1 + tl.where(s1 >= 0, 0.5, -0.5)).to(tl.int32)
+    q2 = (s2 + tl.where(s2 >= 0, 0.5, -0.5)).to(tl.int32)
+    q3 = (s3 + tl.where(s3 >= 0, 0.5, -0.5)).to(tl.int32)
+    word = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
+    d = amax / 127.0
+    return word, d, d * tl.sum(q0 + q1 + q2 + q3, axis=3).to(tl.float32)
+
+
+@triton.jit
+def xq_tiles_rounded(QT: tl.constexpr, x_row, norm_ptr, K, g4, j4, EVEN_K: tl.constexpr):
+    """xq_tiles made in the program from a row of x times the RMSNorm weight (before the norm's 1/rms, which scales
+    the products afterwards): for the types whose groups are whole 32-value blocks (Q8_0, and the pair layout of
+    xq_tiles' second branch)."""
+    tl.static_assert(not ((QT == 14 or QT == 10) or QT == 11), "xq_tiles_rounded: groups of 16-value halves")
+    if QT == 8:  # block g: elements 32g + 4j + b
+        xa, da, X0 = _rounded_plane(x_row, norm_ptr, 32 * g4 + 4 * j4, K, EVEN_K)
+        xb, db, X1 = xa, da, X0
+    else:  # pair g, plane p: elements 64g + 32p + 4j + b
+        xa, da, X0 = _rounded_plane(x_row, norm_ptr, 64 * g4 + 4 * j4, K, EVEN_K)
+        xb, db, X1 = _rounded_plane(x_row, norm_ptr, 64 * g4 + 32 + 4 * j4, K, EVEN_K)
+    return xa, xb, da, db, X0, X1
+
+
+@triton.jit
 def q8_dot(QT: tl.constexpr, codes, high, sub, scale, rows4, rows3, g4, g3, j4, KQ, ok4, ok3, xa, xb, da, db, X0,
            X1, EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """Sums over the chunk's groups of each row's weights times int8 x (xq_tiles): [R0, R1] float32 (every packed

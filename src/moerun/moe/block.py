@@ -120,8 +120,9 @@ class SparseMoeBlock(nn.Module):
     def routes_in_o_proj(self, rows: torch.Tensor, o_proj: Linear, norm: RMSNorm) -> bool:
         """Whether the block takes the attention's output before o_proj (``forward_from_attention``) for a step of
         these rows [T, H] (the residual stream, in the model dtype): unless MOERUN_ROUTER_IN_OPROJ=0 (read at each
-        call, so at a graph's capture), dense resident experts that pick the routing in GEMM 1, a dense o_proj without
-        bias, and the fused router's conditions."""
+        call, so at a graph's capture), resident experts that pick the routing in GEMM 1, an o_proj without bias,
+        the fused router's conditions, and dense weights, or GGUF o_proj and experts where their kernels take it and
+        MOERUN_ROUTER_IN_OPROJ_QUANT=1."""
         if os.environ.get("MOERUN_ROUTER_IN_OPROJ", "1") == "0" or not self._selects_in_experts(rows.shape[0]):
             return False
         if o_proj.bias is not None or not self._routes_fused(rows, norm):

@@ -83,6 +83,18 @@ def dp4a(a, b, EMULATE_DP4A: tl.constexpr):
 
 
 @triton.jit
+def _inv_step(amax):
+    """127 / amax, the factor that takes a block of largest magnitude amax to int8 steps (0 for a zero block)."""
+    return tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+
+
+@triton.jit
+def _round_away(scaled):
+    """float32 -> int32, rounded half away from zero (|scaled| <= 127 here)."""
+    return (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)
+
+
+@triton.jit
 def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     """Quantize v [BLOCK] float32, the values of elements start + [0, BLOCK) of a row (start a multiple of 32), and
     store their int8 words at xq_row, block scales at dx_row and the sums of 16 of x^ at xs_row, for the elements
@@ -90,9 +102,7 @@ def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
     amax = tl.max(tl.abs(blocks), axis=1)  # [B]
     d = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    scaled = blocks * inv[:, None]
-    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
+    q = _round_away(blocks * _inv_step(amax)[:, None])  # [B, 32], |q| <= 127
     quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
     word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
     offs_w = start // 4 + tl.arange(0, BLOCK // 4)
@@ -167,31 +177,26 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
 
 
 @triton.jit
+def _normed_load(x_row, norm_ptr, e, K, EVEN_K: tl.constexpr):
+    """x times the norm weight at elements e, float32 (0 past K unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(x_row + e).to(tl.float32) * tl.load(norm_ptr + e).to(tl.float32)
+    x = tl.load(x_row + e, mask=e < K, other=0.0).to(tl.float32)
+    return x * tl.load(norm_ptr + e, mask=e < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rounded_plane(x_row, norm_ptr, e, K, EVEN_K: tl.constexpr):
     """One 32-value block read as four byte planes: v_b = x * norm weight at elements e + b ([.., G, 8] each), and
     (the int8 word of each 4 elements [.., G, 8], the block's scale [.., G], the sum of its x^ [.., G]), rounded
     as quantize_store rounds (which v's positive scale leaves unchanged, up to float rounding)."""
-    if EVEN_K:
-        v0 = tl.load(x_row + e).to(tl.float32) * tl.load(norm_ptr + e).to(tl.float32)
-        v1 = tl.load(x_row + e + 1).to(tl.float32) * tl.load(norm_ptr + e + 1).to(tl.float32)
-        v2 = tl.load(x_row + e + 2).to(tl.float32) * tl.load(norm_ptr + e + 2).to(tl.float32)
-        v3 = tl.load(x_row + e + 3).to(tl.float32) * tl.load(norm_ptr + e + 3).to(tl.float32)
-    else:
-        v0 = tl.load(x_row + e, mask=e < K, other=0.0).to(tl.float32) * tl.load(
-            norm_ptr + e, mask=e < K, other=0.0).to(tl.float32)  # fmt: skip
-        v1 = tl.load(x_row + e + 1, mask=e + 1 < K, other=0.0).to(tl.float32) * tl.load(
-            norm_ptr + e + 1, mask=e + 1 < K, other=0.0).to(tl.float32)  # fmt: skip
-        v2 = tl.load(x_row + e + 2, mask=e + 2 < K, other=0.0).to(tl.float32) * tl.load(
-            norm_ptr + e + 2, mask=e + 2 < K, other=0.0).to(tl.float32)  # fmt: skip
-        v3 = tl.load(x_row + e + 3, mask=e + 3 < K, other=0.0).to(tl.float32) * tl.load(
-            norm_ptr + e + 3, mask=e + 3 < K, other=0.0).to(tl.float32)  # fmt: skip
+    v0 = _normed_load(x_row, norm_ptr, e, K, EVEN_K)
+    v1 = _normed_load(x_row, norm_ptr, e + 1, K, EVEN_K)
+    v2 = _normed_load(x_row, norm_ptr, e + 2, K, EVEN_K)
+    v3 = _normed_load(x_row, norm_ptr, e + 3, K, EVEN_K)
     amax = tl.max(tl.maximum(tl.maximum(tl.abs(v0), tl.abs(v1)), tl.maximum(tl.abs(v2), tl.abs(v3))), axis=3)
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, :, :, None]  # [.., G, 1]
-    s0, s1, s2, s3 = v0 * inv, v1 * inv, v2 * inv, v3 * inv
-    q0 = (s0 + tl.where(s0 >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
-    q1 = (s1 + tl.where(s1 >= 0, 0.5, -0.5)).to(tl.int32)
-    q2 = (s2 + tl.where(s2 >= 0, 0.5, -0.5)).to(tl.int32)
-    q3 = (s3 + tl.where(s3 >= 0, 0.5, -0.5)).to(tl.int32)
+    inv = _inv_step(amax)[:, :, :, None]  # [.., G, 1]
+    q0, q1, q2, q3 = _round_away(v0 * inv), _round_away(v1 * inv), _round_away(v2 * inv), _round_away(v3 * inv)
     word = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
     d = amax / 127.0
     return word, d, d * tl.sum(q0 + q1 + q2 + q3, axis=3).to(tl.float32)

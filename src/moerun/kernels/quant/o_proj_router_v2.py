@@ -27,8 +27,7 @@ from moerun.kernels.tile_configs import Config
 
 @triton.jit
 def _o_proj_router_v2_kernel(
-    a_ptr,  # [T, Q] attention output (model dtype; unused: o_proj and the router read its int8 rows)
-    xq_ptr,  # [T, Q_pad / 4] its int8 words
+    xq_ptr,  # [T, Q_pad / 4] the attention output's int8 words
     a8_ptr,  # the same words as int8 bytes [T, Q_pad], element order
     xs_ptr,  # [T, Q_pad / 16] float32 sums of 16
     dx_ptr,  # [T, Q_pad / 32] float32 scales
@@ -41,7 +40,6 @@ def _o_proj_router_v2_kernel(
     E,
     KQ,
     X_WORDS,
-    stride_at,
     stride_a8,
     stride_qt,
     stride_st,
@@ -78,7 +76,8 @@ def _o_proj_router_v2_kernel(
     else:
         wait_for_previous(PDL)
         row = m.to(tl.int64)
-        _matmul_v2_rows(a_ptr + row * stride_at, xq_ptr + row * stride_qt, xs_ptr + row * stride_st,
+        # (on int8 x the rows read xq, dx and xs alone: the words stand in for x's row)
+        _matmul_v2_rows(xq_ptr + row * stride_qt, xq_ptr + row * stride_qt, xs_ptr + row * stride_st,
                         dx_ptr + row * stride_dt, h_ptr + row * stride_ht, h_ptr, wc, wh, ws, wd, pid - r_tiles, H, Q,
                         KQ, 0, X_WORDS, QT, WPG, False, BLOCK_N, BLOCK_G, FULL, REM, LOG_BG, EVEN_K, False, True,
                         EMULATE_DP4A, r_ptr + row * stride_rt, True, INTERPRET)  # fmt: skip
@@ -104,8 +103,8 @@ def o_proj_router_v2(a: torch.Tensor, a_int8: Int8Rows, residual: torch.Tensor, 
     xq, dx, xs = a_int8
     a8 = xq.view(torch.int8)  # [T, Q_pad]
     _o_proj_router_v2_kernel[grid](
-        a, xq, a8, xs, dx, residual, router_rows, h, z, *part_arrays(w), T, E, w.kq,
-        w.k_pad // positions_per_word(w.qtype), a.stride(0), a8.stride(0), xq.stride(0), xs.stride(0), dx.stride(0),
+        xq, a8, xs, dx, residual, router_rows, h, z, *part_arrays(w), T, E, w.kq,
+        w.k_pad // positions_per_word(w.qtype), a8.stride(0), xq.stride(0), xs.stride(0), dx.stride(0),
         residual.stride(0), h.stride(0), z.stride(0), H=H, Q=Q, QT=int(w.qtype), WPG=words_per_group(w.qtype),
         BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_R=block_r,
         BLOCK_KR=min(1024, triton.next_power_of_2(min(H, Q))), EVEN_K=w.k_pad == Q,

@@ -236,6 +236,10 @@ def _cases() -> dict[str, Callable[[], None]]:
             fused_moe_quant(x1, q4, q6_down, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
                             {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True,
                                                                                            norm_w, 1e-6))),
+        "quant MoE, decode, Q3_K gate|up normalising its rows (16-value halves of a block)": lambda: (
+            fused_moe_quant(x1, low_bits[0], low_down[0], torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
+                            {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True,
+                                                                                           norm_w, 1e-6))),
         "route_fused_int8_logits, one token (one-warp programs)": lambda: route_fused_int8_logits_triton(
             x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), H, SINGLE_TOKEN_CONFIG),
         "quant MoE, decode, GEMM 2 per pair with atomic sums (sum2), float and int8 intermediate": lambda: [

@@ -662,7 +662,7 @@ def int8_input_pad(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight,
 
 def normalises_rows(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> bool:
     """Whether fused_moe_quant (no config given, no tables) normalises hidden [T, H] itself under a TopkSelect
-    carrying the RMSNorm (gemv_v2's GEMM 1 rounding x to int8 from whole 32-value blocks), rather than in torch."""
+    carrying the RMSNorm (gemv_v2's GEMM 1 rounding x to int8 itself), rather than in torch."""
     gate, up = split_gate_up(w13)
     return normalises_x(_kernel_config(None, gate[0], up[0], w2, w2.shape[0], k, T, indirect=False), gate[0].qtype)
 

@@ -56,8 +56,6 @@ V2_TYPES = PACKED_TYPES  # every type with a repacked layout
 # The float-x variant reads these; the others take int8 x only (config key x_q8; as a down projection GEMM 1 writes
 # its intermediate as int8 for them, whatever inter_q8 says).
 FLOAT_X_TYPES = (QuantType.Q4_K, QuantType.Q6_K, QuantType.Q8_0)
-# groups of 16-value halves of a 32-value int8 block (xq_tiles' third branch): no int8 x rounded inside GEMM 1
-HALF_GROUP_TYPES = (QuantType.Q6_K, QuantType.Q3_K, QuantType.Q2_K)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
 PartTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down: [E, 4] int64 array addresses
 
@@ -680,8 +678,8 @@ def x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
 
 def normalises_x(cfg: Config, qtype: QuantType) -> bool:
     """Whether gemv_v2's GEMM 1 with this config takes x un-normalised with a TopkSelect carrying the RMSNorm (int8
-    x rounded in the program: x_q8, and a type whose groups are whole 32-value blocks)."""
-    return cfg["path"] == "gemv_v2" and bool(cfg.get("x_q8")) and qtype in V2_TYPES and qtype not in HALF_GROUP_TYPES
+    x rounded in the program: x_q8)."""
+    return cfg["path"] == "gemv_v2" and bool(cfg.get("x_q8")) and qtype in V2_TYPES
 
 
 def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
@@ -715,8 +713,8 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
     groups1 = gw.k_pad // group_elems(gw.qtype)
     if select is not None and select.norm_weight is not None:  # x un-normalised: GEMM 1 rounds x * norm weight
         if not normalises_x(cfg, gw.qtype):
-            raise ValueError(f"GEMM 1 normalises x only on int8 x (x_q8) and for types read in whole 32-value "
-                             f"blocks, not {gw.qtype.name} with this config")  # fmt: skip
+            raise ValueError(f"GEMM 1 normalises x only on int8 x (x_q8), not {gw.qtype.name} with this "
+                             f"config")  # fmt: skip
         xp, xs, dx = x, x, x
         flags = {"XP": False, "XQ8": True, "EMULATE_DP4A": emulate_dp4a()}
     else:

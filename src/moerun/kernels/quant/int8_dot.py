@@ -203,17 +203,40 @@ def _rounded_plane(x_row, norm_ptr, e, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _rounded_half(x_row, norm_ptr, e, e_other, K, EVEN_K: tl.constexpr):
+    """_rounded_plane for one 16-value half of a 32-value block (elements e + b, [.., G, 4] each; the block's other
+    half at e_other + b, read for the block's scale only): (words [.., G, 4], the block's scale [.., G], the sum of
+    this half's x^ [.., G]), the same values as the whole block's rounding gives this half."""
+    v0 = _normed_load(x_row, norm_ptr, e, K, EVEN_K)
+    v1 = _normed_load(x_row, norm_ptr, e + 1, K, EVEN_K)
+    v2 = _normed_load(x_row, norm_ptr, e + 2, K, EVEN_K)
+    v3 = _normed_load(x_row, norm_ptr, e + 3, K, EVEN_K)
+    m = tl.maximum(tl.maximum(tl.abs(v0), tl.abs(v1)), tl.maximum(tl.abs(v2), tl.abs(v3)))
+    for b in tl.static_range(4):
+        m = tl.maximum(m, tl.abs(_normed_load(x_row, norm_ptr, e_other + b, K, EVEN_K)))
+    amax = tl.max(m, axis=3)
+    inv = _inv_step(amax)[:, :, :, None]  # [.., G, 1]
+    q0, q1, q2, q3 = _round_away(v0 * inv), _round_away(v1 * inv), _round_away(v2 * inv), _round_away(v3 * inv)
+    word = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
+    d = amax / 127.0
+    return word, d, d * tl.sum(q0 + q1 + q2 + q3, axis=3).to(tl.float32)
+
+
+@triton.jit
 def xq_tiles_rounded(QT: tl.constexpr, x_row, norm_ptr, K, g4, j4, EVEN_K: tl.constexpr):
     """xq_tiles made in the program from a row of x times the RMSNorm weight (before the norm's 1/rms, which scales
-    the products afterwards): for the types whose groups are whole 32-value blocks (Q8_0, and the pair layout of
-    xq_tiles' second branch)."""
-    tl.static_assert(not ((QT == 14 or QT == 10) or QT == 11), "xq_tiles_rounded: groups of 16-value halves")
+    the products afterwards), for each of its three layouts."""
     if QT == 8:  # block g: elements 32g + 4j + b
         xa, da, X0 = _rounded_plane(x_row, norm_ptr, 32 * g4 + 4 * j4, K, EVEN_K)
         xb, db, X1 = xa, da, X0
-    else:  # pair g, plane p: elements 64g + 32p + 4j + b
+    elif not ((QT == 14 or QT == 10) or QT == 11):  # pair g, plane p: elements 64g + 32p + 4j + b
         xa, da, X0 = _rounded_plane(x_row, norm_ptr, 64 * g4 + 4 * j4, K, EVEN_K)
         xb, db, X1 = _rounded_plane(x_row, norm_ptr, 64 * g4 + 32 + 4 * j4, K, EVEN_K)
+    else:  # group (q, h) = (g // 2, g % 2), plane p: elements 64q + 32p + 16h + 4j + b (j < 4), block 2q + p
+        e = 64 * (g4 // 2) + 16 * (g4 % 2) + 4 * j4
+        e_other = 64 * (g4 // 2) + 16 * (1 - g4 % 2) + 4 * j4
+        xa, da, X0 = _rounded_half(x_row, norm_ptr, e, e_other, K, EVEN_K)
+        xb, db, X1 = _rounded_half(x_row, norm_ptr, e + 32, e_other + 32, K, EVEN_K)
     return xa, xb, da, db, X0, X1
 
 

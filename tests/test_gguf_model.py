@@ -174,29 +174,6 @@ def test_read_only_types_on_cuda_graphs(hf_checkpoint, tmp_path, base_type):
         assert relative_error(eager.logits(ids).float().cpu(), cpu.logits(ids).float()) <= 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_quantized_router_in_o_proj_gives_the_same_tokens(hf_checkpoint, tmp_path, monkeypatch):
-    # MOERUN_ROUTER_IN_OPROJ_QUANT=1: a GGUF o_proj computes the router's logits in its launch and GEMM 1 rounds
-    # the un-normalised rows to int8 itself; float32 greedy tokens in CUDA graphs as without (the codes differ
-    # only where a value sits within float rounding of a half step)
-    from moerun.ops import quant as quant_ops
-
-    path = write(hf_checkpoint, tmp_path / "m.gguf", "Q4_K_M")
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = [[random.randrange(362) for _ in range(n)] for n in (9, 30)]
-    calls = []
-    real = quant_ops.o_proj_router_quant
-    monkeypatch.setattr(quant_ops, "o_proj_router_quant", lambda *a: calls.append(1) or real(*a))
-    outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOERUN_ROUTER_IN_OPROJ_QUANT", flag)
-        llm = LLM(str(path), device="cuda", max_model_len=128, cuda_graphs=True, dtype="float32")
-        outs[flag] = [[o.token_ids for o in llm.generate([p], params)] for p in prompts]
-        del llm
-    assert calls, "the quantized o_proj + router launch did not run"
-    assert outs["0"] == outs["1"]
-
-
 def test_cli_generate_and_inspect_gguf(hf_checkpoint, tmp_path, capsys):
     path = write(hf_checkpoint, tmp_path / "m.gguf", "Q4_K_M")
     assert main(["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "5", "--device", "cpu"]) == 0

@@ -102,8 +102,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         route_fused_triton,
     )
     from moerun.kernels.o_proj_router import o_proj_router_triton
-    from moerun.kernels.quant.int8_dot import Int8Rows
-    from moerun.kernels.quant.o_proj_router_v2 import o_proj_router_v2
     from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
@@ -116,7 +114,6 @@ def _cases() -> dict[str, Callable[[], None]]:
     w1, w64 = torch.rand(1, k), torch.rand(64, k)
     w13, w2 = torch.randn(E, 2 * I, H, dtype=bf16), torch.randn(E, H, I, dtype=bf16)
     q4 = [pack(random_quantized(QuantType.Q4_K, (E, I, H), "cpu")) for _ in range(2)]
-    q_oproj = pack(random_quantized(QuantType.Q4_K, (H, 2 * H), "cpu"))
     q6_down = pack(random_quantized(QuantType.Q6_K, (E, H, I), "cpu"))
     qk, v = (pack(random_quantized(t, (n, H), "cpu")) for t, n in ((QuantType.Q4_K, 64), (QuantType.Q6_K, 32)))
     n_q, n_kv, D, L = 8, 2, 64, 64
@@ -232,14 +229,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, decode, int8 x, the top-k picked in GEMM 1": lambda: fused_moe_quant(
             x1, q4, q6_down, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
             {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True)),
-        "quant MoE, decode, int8 x rounded in GEMM 1 from rows it normalises, the top-k picked there": lambda: (
-            fused_moe_quant(x1, q4, q6_down, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
-                            {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True,
-                                                                                           norm_w, 1e-6))),
-        "quant MoE, decode, Q3_K gate|up normalising its rows (16-value halves of a block)": lambda: (
-            fused_moe_quant(x1, low_bits[0], low_down[0], torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
-                            {**v2_moe, "x_q8": True, "sum2": "atomic"}, select=TopkSelect(torch.randn(1, E), True,
-                                                                                           norm_w, 1e-6))),
         "route_fused_int8_logits, one token (one-warp programs)": lambda: route_fused_int8_logits_triton(
             x1, x1, norm_w, 1e-6, torch.randn(E, H, dtype=bf16), H, SINGLE_TOKEN_CONFIG),
         "quant MoE, decode, GEMM 2 per pair with atomic sums (sum2), float and int8 intermediate": lambda: [
@@ -308,10 +297,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         "fused_moe, decode, the top-k picked in GEMM 1 on rows it normalises": lambda: fused_moe_triton(
             x1, w13, w2, torch.empty(1, k), torch.empty(1, k, dtype=torch.int32),
             select=TopkSelect(torch.randn(1, E), True, norm_w, 1e-6)),
-        "quantized o_proj (Q4_K) + the router's logits": lambda: o_proj_router_v2(
-            torch.randn(1, 2 * H, dtype=bf16), Int8Rows.empty(1, 2 * H, torch.device("cpu")), x1, q_oproj,
-            torch.randn(E, 3 * H, dtype=bf16), {"path": "gemv_v2", "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4,
-                                                "num_stages": 1, "x_q8": True}),
         "o_proj + the router's logits": lambda: o_proj_router_triton(
             torch.randn(1, 2 * H, dtype=bf16), x1, torch.randn(H, 2 * H, dtype=bf16),
             torch.randn(E, 3 * H, dtype=bf16)),

@@ -124,20 +124,6 @@ def test_a_select_with_a_norm_of_another_width_is_refused() -> None:
                          config=tile_configs.normalize(CONFIGS["gemv-atomic"]))  # fmt: skip
 
 
-def recorded_picks(block, monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (weights, ids) each call of the block's experts leaves in its routing buffers, in call order."""
-    picks = []
-    real = block.experts.forward
-
-    def recording(x, topk_weights, topk_ids, **kw):
-        out = real(x, topk_weights, topk_ids, **kw)
-        picks.append((topk_weights.clone(), topk_ids.clone()))
-        return out
-
-    monkeypatch.setattr(block.experts, "forward", recording)
-    return picks
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_block_from_attention_matches_o_proj_then_the_fused_router(seed, monkeypatch, dtype) -> None:
     # at one token (unless MOERUN_ROUTER_IN_OPROJ=0) the block takes the attention's output, runs o_proj with the
@@ -155,7 +141,15 @@ def test_block_from_attention_matches_o_proj_then_the_fused_router(seed, monkeyp
     monkeypatch.delenv("MOERUN_ROUTER_IN_OPROJ")
     assert block.routes_in_o_proj(residual, o_proj, norm), "off by default"
     assert not block.routes_in_o_proj(residual.expand(2, -1), o_proj, norm), "one token only (the top-k in GEMM 1)"
-    picks = recorded_picks(block, monkeypatch)
+    picks = []
+    real = block.experts.forward
+
+    def recording(x, topk_weights, topk_ids, **kw):
+        out = real(x, topk_weights, topk_ids, **kw)
+        picks.append((topk_weights.clone(), topk_ids.clone()))
+        return out
+
+    monkeypatch.setattr(block.experts, "forward", recording)
     got, got_res = block.forward_from_attention(a, residual, o_proj, norm)
     want, want_res = block.forward_fused_norm(o_proj(a), residual, norm)
     assert got.dtype == want.dtype

@@ -29,12 +29,9 @@ MAX_TOKENS = 16  # the token rows are one tile
 
 @triton.jit
 def _rows_times(w_rows, w_first, x_ptr, t, t_mask, stride_xt, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, dx_ptr=None, stride_dt=0,
-                SCALED: tl.constexpr = False):  # fmt: skip
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """w_rows [BLOCK_N, 1] (K-contiguous rows of K) times the token rows t of x [T, K] -> [BLOCK_T, BLOCK_N] float32;
-    w_first: the rows' first tile, loaded by the caller (each step loads the next tile before its products). With
-    SCALED, x is int8 values times a scale per 32 (dx_ptr [T, K_pad / 32]): int8_dot's rows, bytes in element
-    order."""
+    w_first: the rows' first tile, loaded by the caller (each step loads the next tile before its products)."""
     acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_next = w_first
     last = ((K + BLOCK_K - 1) // BLOCK_K - 1) * BLOCK_K  # first column of the last tile
@@ -47,11 +44,7 @@ def _rows_times(w_rows, w_first, x_ptr, t, t_mask, stride_xt, K: tl.constexpr, B
         else:
             x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_xt + k[None, :],
                         mask=t_mask[:, None] & (k < K)[None, :], other=0.0)  # fmt: skip
-        x = x.to(tl.float32)
-        if SCALED:
-            x *= tl.load(dx_ptr + t.to(tl.int64)[:, None] * stride_dt + k[None, :] // 32, mask=t_mask[:, None],
-                         other=0.0)  # fmt: skip
-        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_T, BLOCK_N, BLOCK_K]
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_T, BLOCK_N, BLOCK_K]
     return tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]
 
 
@@ -96,30 +89,16 @@ def _o_proj_router_kernel(
         h = residual_sum(o, r, INTERPRET)
         tl.store(h_ptr + t.to(tl.int64)[:, None] * stride_ht + n[None, :], h, mask=mask)
     else:
-        router_logits_tile(pid, a_ptr, r_ptr, rows_ptr, z_ptr, t, t_mask, E, stride_at, stride_rt, stride_zt, H, Q,
-                           BLOCK_T, BLOCK_R, BLOCK_K, PDL)  # fmt: skip
-
-
-@triton.jit
-def router_logits_tile(pid, a_ptr, r_ptr, rows_ptr, z_ptr, t, t_mask, E, stride_at, stride_rt, stride_zt,
-                       H: tl.constexpr, Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, dx_ptr=None, stride_dt=0,
-                       A_INT8: tl.constexpr = False):  # fmt: skip
-    """Router program ``pid``: the logits before the 1/rms of experts [pid * BLOCK_R, +BLOCK_R) for the token rows
-    t, [M | W_r * g] (rows_ptr, [E, Q + H]) against [a | r], into z [T, E]; its first weight tile is loaded before
-    the wait for the kernels that made a and r. A_INT8: a is int8 rows (bytes at a_ptr, scales at dx_ptr), the
-    values a quantized o_proj multiplies."""
-    e = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] experts
-    m_rows = rows_ptr + (e % E).to(tl.int64)[:, None] * (Q + H)  # [BLOCK_R, 1]
-    m_first = weight_tile(m_rows, 0, Q, BLOCK_K, Q % BLOCK_K == 0)
-    wait_for_previous(PDL)
-    z = _rows_times(m_rows, m_first, a_ptr, t, t_mask, stride_at, Q, BLOCK_T, BLOCK_R, BLOCK_K, Q % BLOCK_K == 0,
-                    dx_ptr, stride_dt, A_INT8)  # fmt: skip
-    g_rows = m_rows + Q
-    z += _rows_times(g_rows, weight_tile(g_rows, 0, H, BLOCK_K, H % BLOCK_K == 0), r_ptr, t, t_mask, stride_rt, H,
-                     BLOCK_T, BLOCK_R, BLOCK_K, H % BLOCK_K == 0)  # fmt: skip
-    z_mask = t_mask[:, None] & (e < E)[None, :]
-    tl.store(z_ptr + t.to(tl.int64)[:, None] * stride_zt + e[None, :], z, mask=z_mask)
+        e = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] experts
+        m_rows = rows_ptr + (e % E).to(tl.int64)[:, None] * (Q + H)  # [BLOCK_R, 1]
+        m_first = weight_tile(m_rows, 0, Q, BLOCK_K, Q % BLOCK_K == 0)
+        wait_for_previous(PDL)
+        z = _rows_times(m_rows, m_first, a_ptr, t, t_mask, stride_at, Q, BLOCK_T, BLOCK_R, BLOCK_K, Q % BLOCK_K == 0)
+        g_rows = m_rows + Q
+        z += _rows_times(g_rows, weight_tile(g_rows, 0, H, BLOCK_K, H % BLOCK_K == 0), r_ptr, t, t_mask, stride_rt, H,
+                         BLOCK_T, BLOCK_R, BLOCK_K, H % BLOCK_K == 0)  # fmt: skip
+        z_mask = t_mask[:, None] & (e < E)[None, :]
+        tl.store(z_ptr + t.to(tl.int64)[:, None] * stride_zt + e[None, :], z, mask=z_mask)
 
 
 def o_proj_router_triton(a: torch.Tensor, residual: torch.Tensor, o_weight: torch.Tensor,

@@ -79,8 +79,7 @@ class Qwen3Attention(nn.Module):
         project: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm.forward_with_residual(x, residual)`` then ``forward``: (attention output [T, H], new residual);
-        without ``project``, the output before o_proj [T, n_q * D] and its int8 rows where the attention rounded
-        them for a GGUF o_proj (else None), as a pair (for a consumer that applies o_proj).
+        without ``project``, the output before o_proj [T, n_q * D] (for a consumer that applies it).
 
         At decode with a dense q|k|v weight the residual add and the norm run inside the q|k|v GEMV
         (``ops.rms_norm_linear``): on CUDA when few enough tokens, or anywhere with backend="triton". With GGUF
@@ -108,10 +107,9 @@ class Qwen3Attention(nn.Module):
         # the residual has the model's dtype where x may be an MoE's float32 sums
         return gemv_applies(x if residual is None else residual, self.qkv_proj.weight, x.shape[0])
 
-    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache,
-                project: bool = True) -> torch.Tensor | tuple[torch.Tensor, Int8Rows | None]:  # fmt: skip
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache, project: bool = True) -> torch.Tensor:
         """q|k|v [T, (n_q + 2 n_kv) D] -> q/k norm, rotary, cache write, attention, o_proj -> [T, H] (without
-        ``project``: the attention's output [T, n_q * D] and its int8 rows or None, o_proj left to the caller)."""
+        ``project``: the attention's output [T, n_q * D], o_proj left to the caller)."""
         T, D = qkv.shape[0], self.head_dim
         cos, sin = self.rotary.cos_sin(qkv.device, qkv.dtype)
         if not batch.is_prefill and qkv.device.type == "cuda" and decode_qk_in_attention():
@@ -144,11 +142,10 @@ class Qwen3Attention(nn.Module):
             out = self._decode_eager(q, batch, cache)
         return self._project(out.reshape(T, self.n_q * D), None, project)
 
-    def _project(self, out: torch.Tensor, out_int8: Int8Rows | None,
-                 project: bool) -> torch.Tensor | tuple[torch.Tensor, Int8Rows | None]:  # fmt: skip
-        """o_proj of the attention's output [T, n_q * D] (its int8 rows beside it for a GGUF o_proj), or without
-        ``project`` the output itself and those rows."""
-        return self.o_proj(out, x_int8=out_int8) if project else (out, out_int8)
+    def _project(self, out: torch.Tensor, out_int8: Int8Rows | None, project: bool) -> torch.Tensor:
+        """o_proj of the attention's output [T, n_q * D] (its int8 rows beside it for a GGUF o_proj), or the output
+        itself without ``project``."""
+        return self.o_proj(out, x_int8=out_int8) if project else out
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, batch: ForwardBatch,
                  cache: KVCache) -> torch.Tensor:

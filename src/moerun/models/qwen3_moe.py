@@ -43,9 +43,9 @@ class Qwen3MoeDecoderLayer(nn.Module):
         post_norm, o_proj = self.post_attention_layernorm, self.self_attn.o_proj
         if moe is not None and moe.routes_in_o_proj(x if residual is None else residual, o_proj, post_norm):
             # o_proj and the router in one launch, the norm inside the experts' GEMM 1
-            (a, a_int8), residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch,
-                                                                      cache, project=False)  # fmt: skip
-            return moe.forward_from_attention(a, residual, o_proj, post_norm, a_int8)
+            a, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache,
+                                                            project=False)  # fmt: skip
+            return moe.forward_from_attention(a, residual, o_proj, post_norm)
         h, residual = self.self_attn.forward_fused_norm(x, residual, self.input_layernorm, batch, cache)
         if moe is not None:
             return moe.forward_fused_norm(h, residual, post_norm)

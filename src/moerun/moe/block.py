@@ -12,7 +12,6 @@ itself.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +29,6 @@ from moerun.ops.moe import (
     route_fused_logits,
 )
 from moerun.ops.moe_reference import router_rows
-
-if TYPE_CHECKING:
-    from moerun.kernels.quant.int8_dot import Int8Rows
 
 # Tokens up to which GEMM 1 picks the routing (_selects_in_experts). On an H100 (benchmarks/RESULTS.md) a batch-1
 # step gained 0.03 ms (bf16) and 0.03-0.05 ms (Q4_K_M); batches of 4, 8 and 16 lost 1-2% (every GEMM 1 program
@@ -120,46 +116,25 @@ class SparseMoeBlock(nn.Module):
     def routes_in_o_proj(self, rows: torch.Tensor, o_proj: Linear, norm: RMSNorm) -> bool:
         """Whether the block takes the attention's output before o_proj (``forward_from_attention``) for a step of
         these rows [T, H] (the residual stream, in the model dtype): unless MOERUN_ROUTER_IN_OPROJ=0 (read at each
-        call, so at a graph's capture), resident experts that pick the routing in GEMM 1, an o_proj without bias,
-        the fused router's conditions, and dense weights, or GGUF o_proj and experts where their kernels take it and
-        MOERUN_ROUTER_IN_OPROJ_QUANT=1."""
+        call, so at a graph's capture), dense resident experts that pick the routing in GEMM 1, a dense o_proj without
+        bias, and the fused router's conditions."""
         if os.environ.get("MOERUN_ROUTER_IN_OPROJ", "1") == "0" or not self._selects_in_experts(rows.shape[0]):
             return False
-        if o_proj.bias is not None or not self._routes_fused(rows, norm):
+        if "q_w13" in self.experts.__dict__ or "q_weight" in o_proj.__dict__ or o_proj.bias is not None:
             return False
-        q_w13, q_o = self.experts.__dict__.get("q_w13"), o_proj.__dict__.get("q_weight")
-        if q_w13 is None and q_o is None:
-            return o_proj.weight.dtype == rows.dtype
-        # GGUF weights (MOERUN_ROUTER_IN_OPROJ_QUANT=1, off until measured): both quantized, a gemv_v2 o_proj on
-        # int8 rows and a GEMM 1 that normalises the rows itself
-        from moerun.ops.quant import moe_normalises_rows, o_proj_router_applies
+        return o_proj.weight.dtype == rows.dtype and self._routes_fused(rows, norm)
 
-        return (os.environ.get("MOERUN_ROUTER_IN_OPROJ_QUANT", "0") == "1" and q_w13 is not None and q_o is not None
-                and o_proj_router_applies(rows.shape[0], q_o)
-                and moe_normalises_rows(rows, q_w13, self.experts.__dict__["q_w2"], self.top_k))  # fmt: skip
-
-    def forward_from_attention(self, a: torch.Tensor, residual: torch.Tensor, o_proj: Linear, norm: RMSNorm,
-                               a_int8: Int8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward_from_attention(self, a: torch.Tensor, residual: torch.Tensor, o_proj: Linear,
+                               norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``forward_fused_norm(o_proj(a), residual, norm)`` for a [T, Q] the attention's output before o_proj
-        (``routes_in_o_proj``): o_proj and the router's logits in one launch (ops.o_proj_router, or for a GGUF
-        o_proj ops.quant.o_proj_router_quant over a_int8, a's int8 rows, made here where the attention did not),
-        the norm inside GEMM 1, which picks the routing (TopkSelect with the norm) -> (block output, new residual)."""
-        q_o = o_proj.__dict__.get("q_weight")
+        (``routes_in_o_proj``): o_proj and the router's logits in one launch (ops.o_proj_router), the norm inside
+        GEMM 1, which picks the routing (TopkSelect with the norm) -> (block output, new residual)."""
         rows = self.__dict__.get("_router_rows")  # [E, Q + H], made once (on the first call, outside any graph)
         if rows is None or rows.device != a.device:
-            o_weight = o_proj.weight if q_o is None else q_o.dequantize(a.dtype)  # [H, Q]
-            rows = self.__dict__["_router_rows"] = router_rows(self.gate.weight, norm.weight, o_weight)
+            rows = self.__dict__["_router_rows"] = router_rows(self.gate.weight, norm.weight, o_proj.weight)
         from moerun.kernels.fused_moe import TopkSelect
 
-        if q_o is None:
-            h, logits = o_proj_router(a, residual, o_proj.weight, rows, backend=self.experts.backend)  # [T, H], [T, E]
-        else:
-            from moerun.kernels.quant.int8_dot import quantize_x
-            from moerun.ops.quant import o_proj_router_quant, packed_parts
-
-            if a_int8 is None:
-                a_int8 = quantize_x(a, packed_parts(q_o)[0].k_pad)
-            h, logits = o_proj_router_quant(a, a_int8, residual, q_o, rows)
+        h, logits = o_proj_router(a, residual, o_proj.weight, rows, backend=self.experts.backend)  # [T, H], [T, E]
         topk_weights = torch.empty(a.shape[0], self.top_k, dtype=torch.float32, device=a.device)  # [T, k]
         topk_ids = torch.empty(a.shape[0], self.top_k, dtype=torch.int32, device=a.device)  # [T, k]
         select = TopkSelect(logits, self.renormalize, norm.weight, norm.eps)

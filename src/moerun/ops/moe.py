@@ -133,6 +133,9 @@ def fused_moe(
     if not isinstance(w13, torch.Tensor):
         from moerun.ops.quant import fused_moe_quantized
 
+        if select is not None and select.norm_weight is not None:  # (its kernels take normalised rows)
+            hidden, select = select.prenormalised(hidden)
+
         return fused_moe_quantized(hidden, w13, w2, topk_weights, topk_ids, x_int8=x_int8, num_experts=num_experts,
                                    keep_float32=keep_float32, select=select)  # fmt: skip
     from moerun.kernels.fused_moe import fused_moe_triton

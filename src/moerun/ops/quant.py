@@ -185,8 +185,7 @@ def fused_moe_quantized(
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
 
     if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
-        if select is not None:  # (a select with the RMSNorm: the rows normalised first)
-            hidden, select = select.prenormalised(hidden)
+        if select is not None:
             select.fill(topk_weights, topk_ids)
         if tables is not None:
             raise ValueError("experts through address tables need the fused quantized kernels")
@@ -198,7 +197,6 @@ def fused_moe_quantized(
                                x_int8=x_int8, num_experts=num_experts, keep_float32=keep_float32,
                                select=select)  # fmt: skip
     if select is not None:
-        hidden, select = select.prenormalised(hidden)
         select.fill(topk_weights, topk_ids)
     if tables is not None:
         raise ValueError("experts through address tables need the fused quantized kernels")
@@ -472,44 +470,6 @@ def moe_int8_input_pad(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) ->
     if not fused_kernels_apply(p13, p2):
         return None
     return pad_of(p13, p2[0], k, hidden.shape[0])
-
-
-def moe_normalises_rows(hidden: torch.Tensor, w13: Weight, w2: Weight, k: int) -> bool:
-    """Whether the fused quantized MoE normalises hidden [T, H] itself under a TopkSelect carrying the RMSNorm
-    (kernels/quant/gemv_v2.py) for T tokens, k slots. Triton path only."""
-    from moerun.kernels.quant.fused_moe_quant import normalises_rows
-
-    if not (has_kernel_layout(w13) and has_kernel_layout(w2)):
-        return False
-    p13, p2 = packed_parts(w13), packed_parts(w2)
-    return fused_kernels_apply(p13, p2) and normalises_rows(p13, p2[0], k, hidden.shape[0])
-
-
-def o_proj_router_applies(T: int, o_weight: Weight) -> bool:
-    """Whether o_proj_router_quant takes this GGUF o_proj for T tokens: one repacked part of a gemv_v2 type whose
-    config at T rows is gemv_v2 on int8 x."""
-    from moerun.kernels.quant.configs import get_matmul_config
-    from moerun.kernels.quant.gemv_v2 import V2_TYPES
-
-    if not has_kernel_layout(o_weight):
-        return False
-    parts = packed_parts(o_weight)
-    if len(parts) != 1 or parts[0].is_dense or parts[0].qtype not in V2_TYPES:
-        return False
-    cfg = get_matmul_config(parts[0].qtype.name, parts[0].n, parts[0].k, T)
-    return cfg.get("path") == "gemv_v2" and bool(cfg.get("x_q8"))
-
-
-def o_proj_router_quant(a: torch.Tensor, a_int8: Int8Rows, residual: torch.Tensor, o_weight: Weight,
-                        rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """ops.o_proj_router for a GGUF o_proj (o_proj_router_applies), on the Triton path: a [T, Q] the attention's
-    output with a_int8 its int8 rows, residual [T, H], rows = router_rows(gate, norm weight, o_proj dequantised)
-    -> (h = residual + o_proj(a) [T, H], z [T, E] float32, the router's logits times rms(h))."""
-    from moerun.kernels.quant.configs import get_matmul_config
-    from moerun.kernels.quant.o_proj_router_v2 import o_proj_router_v2
-
-    (w,) = packed_parts(o_weight)
-    return o_proj_router_v2(a, a_int8, residual, w, rows, get_matmul_config(w.qtype.name, w.n, w.k, a.shape[0]))
 
 
 def int8_roundings(layers: nn.Module, rows: int, k: int) -> tuple[bool, ...]:

@@ -37,9 +37,7 @@ from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_ste
 from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported, x_planes
 from moerun.kernels.quant.from_blocks import GroupBlocks
 from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_words64
-from moerun.kernels.quant.gemv_v2 import (
-    FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, normalises_x, part_bases, v2_supported,
-)
+from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
@@ -610,8 +608,6 @@ def fused_moe_quant(
     weights = topk_weights.contiguous()
     cfg = _kernel_config(config, gw, uw, w2, num_experts or E, k, T, indirect=part_tables is not None,
                          dense_out=out_dtype == x.dtype)  # fmt: skip
-    if select is not None and select.norm_weight is not None and not normalises_x(cfg, gw.qtype):
-        x, select = select.prenormalised(x)  # in torch: the paths below take normalised rows
     if select is not None and cfg["path"] != "gemv_v2":
         select.fill(weights, ids)
     if cfg["path"] == "dequant":
@@ -658,13 +654,6 @@ def int8_input_pad(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight,
     None."""
     gate, _ = split_gate_up(w13)
     return gate[0].k_pad if int8_roundings(w13, w2, k, T)[0] else None
-
-
-def normalises_rows(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> bool:
-    """Whether fused_moe_quant (no config given, no tables) normalises hidden [T, H] itself under a TopkSelect
-    carrying the RMSNorm (gemv_v2's GEMM 1 rounding x to int8 itself), rather than in torch."""
-    gate, up = split_gate_up(w13)
-    return normalises_x(_kernel_config(None, gate[0], up[0], w2, w2.shape[0], k, T, indirect=False), gate[0].qtype)
 
 
 def int8_roundings(w13: Sequence[PackedWeight] | PackedWeight, w2: PackedWeight, k: int, T: int) -> tuple[bool, bool]:

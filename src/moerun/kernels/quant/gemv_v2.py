@@ -40,15 +40,10 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import (
-    TopkSelect, _pick_by_value, _scaled_weight, _silu_mul, select_slot, zero_slice, zeroed_by_gemm1,
-)
-from moerun.kernels.gemv import rsqrt_mean
+from moerun.kernels.fused_moe import TopkSelect, _silu_mul, select_slot, zero_slice, zeroed_by_gemm1
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
-from moerun.kernels.quant.int8_dot import (
-    Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles, xq_tiles_rounded,
-)
+from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
 from moerun.kernels.tile_configs import Config
 
@@ -253,18 +248,13 @@ def _xp_tiles(QT: tl.constexpr, a, s_row, g3, ok4, ok3, WORDS):
 
 @triton.jit
 def x_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, K, X_WORDS, gi,
-            EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, XN8: tl.constexpr = False,
-            norm_ptr=None):  # fmt: skip
+            EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr):  # fmt: skip
     """x tiles of one row of x for groups gi [G]: int8 (XQ8: xp_row the int8 words, dx_row their scales; the
-    tuple is (xa, xb, da, db, -, -, -, -, X0, X1)), from the prepared position-major row (XP) or from x itself.
-    XN8 (with XQ8): the int8 tiles rounded here from x times the RMSNorm weight at norm_ptr (xq_tiles_rounded)."""
+    tuple is (xa, xb, da, db, -, -, -, -, X0, X1)), from the prepared position-major row (XP) or from x itself."""
     g4 = gi[None, None, :, None]  # [1, 1, G, 1]
     j4 = tl.arange(0, WPG)[None, None, None, :]  # [1, 1, 1, WPG]
     # One return: Triton wants every return of a function to have the same types, constexpr branches included.
-    if XN8:
-        xa, xb, da, db, X0, X1 = xq_tiles_rounded(QT, x_row, norm_ptr, K, g4, j4, EVEN_K)
-        out = (xa, xb, da, db, xa, xa, xa, xa, X0, X1)
-    elif XQ8:
+    if XQ8:
         xa, xb, da, db, X0, X1 = xq_tiles(QT, xp_row, dx_row, xs_row, g4, j4, gi[None, None, :])
         out = (xa, xb, da, db, xa, xa, xa, xa, X0, X1)
     elif XP:
@@ -297,13 +287,12 @@ def rows_chunk(QT: tl.constexpr, WPG: tl.constexpr, codes, high, sub, scale, row
 @triton.jit
 def _gemm1_chunk(QT: tl.constexpr, WPG: tl.constexpr, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd,
                  uc, uh, us, ud, rows_g, rows_u, ok, g0: tl.constexpr, G: tl.constexpr, KQ, EVEN_K: tl.constexpr,
-                 XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr, XN8: tl.constexpr = False,
-                 norm_ptr=None):  # fmt: skip
+                 XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
     """(gate, up) partial sums [BLOCK_N] over groups [g0, g0 + G) of the rows (rows where ok is false read
     nothing)."""
     gi = g0 + tl.arange(0, G)  # [G]
     x0, x1, x2, x3, x4, x5, x6, x7, X0, X1 = x_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gi, EVEN_K,
-                                                     XP, XQ8, XN8, norm_ptr)  # fmt: skip
+                                                     XP, XQ8)  # fmt: skip
     dg = rows_chunk(QT, WPG, gc, gh, gs, gd, rows_g, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
                     EMULATE_DP4A)  # fmt: skip
     du = rows_chunk(QT, WPG, uc, uh, us, ud, rows_u, ok, g0, G, KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8,
@@ -363,14 +352,6 @@ def _gemm1_v2_kernel(
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,
-    # NORM_H = H > 0 (with SELECT and XQ8): x is the un-normalised row and the logits are before its 1/rms, as in
-    # kernels/fused_moe.py's GEMM 1: picks by value, x times the RMSNorm weight rounded to int8 here block by block
-    # (a block's codes do not change with a positive scale), the products times the row's 1/rms at the end.
-    norm_ptr=None,
-    eps=0.0,
-    NORM_H: tl.constexpr = 0,
-    NORM_BLOCK: tl.constexpr = 1024,
-    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     launch_dependents(PDL)
     wait_for_previous(PDL)  # (and only then the zeroing: the buffer's memory may have served a kernel before)
@@ -378,12 +359,7 @@ def _gemm1_v2_kernel(
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if NORM_H > 0:
-        z_row, top_z, pick, expert = _pick_by_value(sel, SEL, slot)
-        if pid_n == 0:
-            tl.store(ids_ptr + slot, expert)
-        expert = expert.to(tl.int64)
-    elif SELECT:
+    if SELECT:
         expert = select_slot(sel, SEL, ids_ptr, slot, pid_n == 0).to(tl.int64)
     else:
         expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -407,27 +383,16 @@ def _gemm1_v2_kernel(
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(FULL):
         dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us, ud,
-                              rows_g, rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP, XQ8, EMULATE_DP4A, NORM_H > 0,
-                              norm_ptr)  # fmt: skip
+                              rows_g, rows_u, ok, c * BLOCK_G, BLOCK_G, KQ, EVEN_K, XP, XQ8, EMULATE_DP4A)  # fmt: skip
         acc_g += dg
         acc_u += du
     for b in tl.static_range(LOG_BG):
         if (REM >> b) & 1:
             dg, du = _gemm1_chunk(QT, WPG, x_row, xp_row, xs_row, dx_row, H, X_WORDS, gc, gh, gs, gd, uc, uh, us,
                                   ud, rows_g, rows_u, ok, FULL * BLOCK_G + (REM & ((1 << b) - 1)), 1 << b, KQ, EVEN_K,
-                                  XP, XQ8, EMULATE_DP4A, NORM_H > 0, norm_ptr)  # fmt: skip
+                                  XP, XQ8, EMULATE_DP4A)  # fmt: skip
             acc_g += dg
             acc_u += du
-    if NORM_H > 0:  # the row's 1/rms (its values were just read: L1), then the slot's weight from the scaled logits
-        sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-        for k0 in range(0, NORM_H, NORM_BLOCK):
-            kk = k0 + tl.arange(0, NORM_BLOCK)
-            h = tl.load(x_row + kk, mask=kk < NORM_H, other=0.0).to(tl.float32)  # [NORM_BLOCK]
-            sq += h * h
-        inv_rms = rsqrt_mean(tl.sum(sq, axis=0)[None], eps, NORM_H, INTERPRET)  # [1]
-        acc_g, acc_u = acc_g * inv_rms, acc_u * inv_rms
-        if pid_n == 0:
-            tl.store(sel.weights_ptr + slot, _scaled_weight(z_row, top_z, pick, inv_rms, SEL))
     # Rounded to the activation dtype, as the reference's intermediate is.
     act = tl.where(ok, _silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
     i_row = inter_ptr + slot.to(tl.int64) * stride_it
@@ -676,12 +641,6 @@ def x_operands(x: torch.Tensor, qtype: QuantType, k_pad: int, cfg: Config,
     return x, x, x, {"XP": False}
 
 
-def normalises_x(cfg: Config, qtype: QuantType) -> bool:
-    """Whether gemv_v2's GEMM 1 with this config takes x un-normalised with a TopkSelect carrying the RMSNorm (int8
-    x rounded in the program: x_q8)."""
-    return cfg["path"] == "gemv_v2" and bool(cfg.get("x_q8")) and qtype in V2_TYPES
-
-
 def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor,
                       ids: torch.Tensor, cfg: Config, out_dtype: torch.dtype, tables: PartTables | None = None,
                       x_int8: Int8Rows | None = None, select: TopkSelect | None = None) -> torch.Tensor:  # fmt: skip
@@ -711,14 +670,7 @@ def fused_moe_gemv_v2(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeigh
         i_words = i_pad // positions_per_word(w2.qtype)
         bn1 = max(16, cfg["BLOCK_N"] // 16 * 16)
     groups1 = gw.k_pad // group_elems(gw.qtype)
-    if select is not None and select.norm_weight is not None:  # x un-normalised: GEMM 1 rounds x * norm weight
-        if not normalises_x(cfg, gw.qtype):
-            raise ValueError(f"GEMM 1 normalises x only on int8 x (x_q8), not {gw.qtype.name} with this "
-                             f"config")  # fmt: skip
-        xp, xs, dx = x, x, x
-        flags = {"XP": False, "XQ8": True, "EMULATE_DP4A": emulate_dp4a()}
-    else:
-        xp, xs, dx, flags = x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
+    xp, xs, dx, flags = x_operands(x, gw.qtype, gw.k_pad, cfg, x_int8)
     pdl = quant_pdl_mode(x.device, T)
     grid1 = (slots, triton.cdiv(I, bn1))
     pairs2 = cfg.get("sum2") == "atomic"

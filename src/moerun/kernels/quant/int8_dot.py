@@ -83,18 +83,6 @@ def dp4a(a, b, EMULATE_DP4A: tl.constexpr):
 
 
 @triton.jit
-def _inv_step(amax):
-    """127 / amax, the factor that takes a block of largest magnitude amax to int8 steps (0 for a zero block)."""
-    return tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-
-
-@triton.jit
-def _round_away(scaled):
-    """float32 -> int32, rounded half away from zero (|scaled| <= 127 here)."""
-    return (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)
-
-
-@triton.jit
 def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     """Quantize v [BLOCK] float32, the values of elements start + [0, BLOCK) of a row (start a multiple of 32), and
     store their int8 words at xq_row, block scales at dx_row and the sums of 16 of x^ at xs_row, for the elements
@@ -102,7 +90,9 @@ def quantize_store(v, BLOCK: tl.constexpr, start, xq_row, dx_row, xs_row, end):
     blocks = tl.reshape(v, [BLOCK // 32, 32])  # [B, 32]
     amax = tl.max(tl.abs(blocks), axis=1)  # [B]
     d = amax / 127.0
-    q = _round_away(blocks * _inv_step(amax)[:, None])  # [B, 32], |q| <= 127
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    scaled = blocks * inv[:, None]
+    q = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
     quads = tl.reshape(q & 0xFF, [BLOCK // 4, 4])  # [BLOCK / 4, 4] bytes
     word = tl.sum(quads << (8 * tl.arange(0, 4))[None, :], axis=1)  # disjoint bits: the sum is the or
     offs_w = start // 4 + tl.arange(0, BLOCK // 4)
@@ -173,70 +163,6 @@ def xq_tiles(QT: tl.constexpr, xq_row, dx_row, xs_row, g4, j4, g3):
         first3 = 4 * (g3 // 2) + g3 % 2
         X0 = tl.load(xs_row + first3)
         X1 = tl.load(xs_row + first3 + 2)
-    return xa, xb, da, db, X0, X1
-
-
-@triton.jit
-def _normed_load(x_row, norm_ptr, e, K, EVEN_K: tl.constexpr):
-    """x times the norm weight at elements e, float32 (0 past K unless EVEN_K)."""
-    if EVEN_K:
-        return tl.load(x_row + e).to(tl.float32) * tl.load(norm_ptr + e).to(tl.float32)
-    x = tl.load(x_row + e, mask=e < K, other=0.0).to(tl.float32)
-    return x * tl.load(norm_ptr + e, mask=e < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _rounded_plane(x_row, norm_ptr, e, K, EVEN_K: tl.constexpr):
-    """One 32-value block read as four byte planes: v_b = x * norm weight at elements e + b ([.., G, 8] each), and
-    (the int8 word of each 4 elements [.., G, 8], the block's scale [.., G], the sum of its x^ [.., G]), rounded
-    as quantize_store rounds (which v's positive scale leaves unchanged, up to float rounding)."""
-    v0 = _normed_load(x_row, norm_ptr, e, K, EVEN_K)
-    v1 = _normed_load(x_row, norm_ptr, e + 1, K, EVEN_K)
-    v2 = _normed_load(x_row, norm_ptr, e + 2, K, EVEN_K)
-    v3 = _normed_load(x_row, norm_ptr, e + 3, K, EVEN_K)
-    amax = tl.max(tl.maximum(tl.maximum(tl.abs(v0), tl.abs(v1)), tl.maximum(tl.abs(v2), tl.abs(v3))), axis=3)
-    inv = _inv_step(amax)[:, :, :, None]  # [.., G, 1]
-    q0, q1, q2, q3 = _round_away(v0 * inv), _round_away(v1 * inv), _round_away(v2 * inv), _round_away(v3 * inv)
-    word = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
-    d = amax / 127.0
-    return word, d, d * tl.sum(q0 + q1 + q2 + q3, axis=3).to(tl.float32)
-
-
-@triton.jit
-def _rounded_half(x_row, norm_ptr, e, e_other, K, EVEN_K: tl.constexpr):
-    """_rounded_plane for one 16-value half of a 32-value block (elements e + b, [.., G, 4] each; the block's other
-    half at e_other + b, read for the block's scale only): (words [.., G, 4], the block's scale [.., G], the sum of
-    this half's x^ [.., G]), the same values as the whole block's rounding gives this half."""
-    v0 = _normed_load(x_row, norm_ptr, e, K, EVEN_K)
-    v1 = _normed_load(x_row, norm_ptr, e + 1, K, EVEN_K)
-    v2 = _normed_load(x_row, norm_ptr, e + 2, K, EVEN_K)
-    v3 = _normed_load(x_row, norm_ptr, e + 3, K, EVEN_K)
-    m = tl.maximum(tl.maximum(tl.abs(v0), tl.abs(v1)), tl.maximum(tl.abs(v2), tl.abs(v3)))
-    for b in tl.static_range(4):
-        m = tl.maximum(m, tl.abs(_normed_load(x_row, norm_ptr, e_other + b, K, EVEN_K)))
-    amax = tl.max(m, axis=3)
-    inv = _inv_step(amax)[:, :, :, None]  # [.., G, 1]
-    q0, q1, q2, q3 = _round_away(v0 * inv), _round_away(v1 * inv), _round_away(v2 * inv), _round_away(v3 * inv)
-    word = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
-    d = amax / 127.0
-    return word, d, d * tl.sum(q0 + q1 + q2 + q3, axis=3).to(tl.float32)
-
-
-@triton.jit
-def xq_tiles_rounded(QT: tl.constexpr, x_row, norm_ptr, K, g4, j4, EVEN_K: tl.constexpr):
-    """xq_tiles made in the program from a row of x times the RMSNorm weight (before the norm's 1/rms, which scales
-    the products afterwards), for each of its three layouts."""
-    if QT == 8:  # block g: elements 32g + 4j + b
-        xa, da, X0 = _rounded_plane(x_row, norm_ptr, 32 * g4 + 4 * j4, K, EVEN_K)
-        xb, db, X1 = xa, da, X0
-    elif not ((QT == 14 or QT == 10) or QT == 11):  # pair g, plane p: elements 64g + 32p + 4j + b
-        xa, da, X0 = _rounded_plane(x_row, norm_ptr, 64 * g4 + 4 * j4, K, EVEN_K)
-        xb, db, X1 = _rounded_plane(x_row, norm_ptr, 64 * g4 + 32 + 4 * j4, K, EVEN_K)
-    else:  # group (q, h) = (g // 2, g % 2), plane p: elements 64q + 32p + 16h + 4j + b (j < 4), block 2q + p
-        e = 64 * (g4 // 2) + 16 * (g4 % 2) + 4 * j4
-        e_other = 64 * (g4 // 2) + 16 * (1 - g4 % 2) + 4 * j4
-        xa, da, X0 = _rounded_half(x_row, norm_ptr, e, e_other, K, EVEN_K)
-        xb, db, X1 = _rounded_half(x_row, norm_ptr, e + 32, e_other + 32, K, EVEN_K)
     return xa, xb, da, db, X0, X1
 
 

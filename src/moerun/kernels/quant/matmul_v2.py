@@ -16,7 +16,6 @@ from moerun.kernels.quant.gemv_v2 import (
 )
 from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.rmsnorm import residual_sum, round_to
 from moerun.kernels.tile_configs import Config
 
 # --------------------------------------------------------------------------------------------- device code
@@ -26,11 +25,8 @@ from moerun.kernels.tile_configs import Config
 def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, wd, pid_n, N, K, KQ, col_off,
                     X_WORDS, QT: tl.constexpr, WPG: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_G: tl.constexpr, FULL: tl.constexpr, REM: tl.constexpr, LOG_BG: tl.constexpr,
-                    EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr,
-                    res_row=None, HAS_RES: tl.constexpr = False, INTERPRET: tl.constexpr = False):  # fmt: skip
-    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part; with HAS_RES
-    y = res + x @ W^T (res_row: the same columns of a residual row; the product rounded to y's dtype first, then
-    added as the norm kernels add)."""
+                    EVEN_K: tl.constexpr, XP: tl.constexpr, XQ8: tl.constexpr, EMULATE_DP4A: tl.constexpr):  # fmt: skip
+    """Columns col_off + [pid_n * BLOCK_N, +BLOCK_N) of one row of y = x @ W^T for one weight part."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs_n < N
     rows = tl.where(ok, offs_n, 0).to(tl.int64)
@@ -50,9 +46,6 @@ def _matmul_v2_rows(x_row, xp_row, xs_row, dx_row, y_row, bias_ptr, wc, wh, ws, 
                               KQ, x0, x1, x2, x3, x4, x5, x6, x7, X0, X1, XQ8, EMULATE_DP4A)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col_off + offs_n, mask=ok, other=0.0).to(tl.float32)
-    if HAS_RES:
-        r = tl.load(res_row + col_off + offs_n, mask=ok, other=0.0)  # [BLOCK_N]
-        acc = residual_sum(round_to(acc, r.dtype, INTERPRET), r, INTERPRET)
     tl.store(y_row + col_off + offs_n, acc.to(y_row.dtype.element_ty), mask=ok)
 
 

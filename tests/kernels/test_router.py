@@ -7,7 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from moerun.kernels.router import route_triton  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from moerun.kernels.router import route_triton, top_k_columns  # noqa: E402
 from moerun.ops import moe as moe_ops  # noqa: E402
 from moerun.ops.moe_reference import route_reference  # noqa: E402
 
@@ -68,3 +71,34 @@ def test_route_ties_pick_lowest_index() -> None:
     assert ids[0].tolist() == [0, 1, 2, 3]
     assert ids[1].tolist() == [5, 9, 0, 1]
     torch.testing.assert_close(weights[0], torch.full((4,), 1 / 13, device=DEVICE))
+
+
+@triton.jit
+def _top_k_kernel(x_ptr, v_ptr, i_ptr, E, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """top_k_columns of rows [BLOCK_T, E] (columns past E: -inf) -> values, ids [BLOCK_T, K]."""
+    rows = tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(x_ptr + rows[:, None] * E + cols[None, :], mask=(cols < E)[None, :], other=float("-inf"))
+    top_x, top_i = top_k_columns(x, K, BLOCK_T, BLOCK_E)
+    out = rows[:, None] * K + cols[None, :]
+    tl.store(v_ptr + out, top_x, mask=(cols < K)[None, :])
+    tl.store(i_ptr + out, top_i, mask=(cols < K)[None, :])
+
+
+def test_top_k_columns_orders_by_value_then_lowest_index(seed: int) -> None:
+    # the top-k itself (GEMM 1 picks by value from raw logits): negative values, repeated values, -0.0 beside 0.0
+    # (equal: the lower column first), -inf; against a stable sort by value
+    T, E, K = 4, 50, 8
+    x = torch.randint(-6, 6, (T, E)).float() * 0.75  # many repeats, negatives
+    x[0, 3], x[0, 1] = -0.0, 0.0
+    x[1, :] = -0.0
+    x[1, 7] = 0.0
+    x[2, 10:20] = float("-inf")
+    x[3] = -torch.rand(E) * 1e30
+    x = x.to(DEVICE)
+    values = torch.empty(T, K, device=DEVICE)
+    ids = torch.empty(T, K, dtype=torch.int32, device=DEVICE)
+    _top_k_kernel[(1,)](x, values, ids, E, K=K, BLOCK_T=T, BLOCK_E=64)
+    want = torch.sort(-x.cpu(), dim=1, stable=True).indices[:, :K]  # -(-0.0) == -(0.0): stable keeps column order
+    assert torch.equal(ids.cpu().long(), want), f"seed={seed}: {ids.tolist()} against {want.tolist()}"
+    assert torch.equal(values.cpu(), torch.gather(x.cpu(), 1, want)), f"seed={seed}"

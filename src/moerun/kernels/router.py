@@ -39,35 +39,15 @@ def top_k_columns(x, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constex
     values; columns to skip must hold less than any candidate) -> (values, ids), both [BLOCK_T, BLOCK_E] with slot
     j in column j < K (the others 0), in x's layout (see softmax_topk)."""
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    # One int64 key a column, ordered as (value, then the lower column): a pick is one max reduction, not two.
-    key = _order_key(x, cols[None, :], BLOCK_E)  # [BLOCK_T, BLOCK_E]
     top_x = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(key, axis=1)  # [BLOCK_T]
-        best_x, best_i = _key_value(best, BLOCK_E)
-        top_x = tl.where(cols[None, :] == j, best_x[:, None], top_x)
+        best = tl.max(x, axis=1)  # [BLOCK_T]
+        best_i = tl.min(tl.where(x == best[:, None], cols[None, :], BLOCK_E), axis=1)  # [BLOCK_T]
+        top_x = tl.where(cols[None, :] == j, best[:, None], top_x)
         top_i = tl.where(cols[None, :] == j, best_i[:, None], top_i)
-        key = tl.where(key == best[:, None], -(2**63), key)  # picked: the least int64, below anything left
+        x = tl.where(cols[None, :] == best_i[:, None], float("-inf"), x)  # picked: below anything left
     return top_x, top_i
-
-
-@triton.jit
-def _order_key(x, cols, BLOCK_E: tl.constexpr):
-    """int64 keys of float32 x at columns cols whose order is x's, equal values ordered by the lower column first:
-    x's bits made monotone (negative values' magnitude bits flipped; -0.0 taken as 0.0) in the high word, BLOCK_E - 1
-    - column in the low word."""
-    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (mono.to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key, BLOCK_E: tl.constexpr):
-    """_order_key's inverse: (the float32 value, the column) of keys."""
-    mono = (key >> 32).to(tl.int32)
-    bits = mono ^ ((mono >> 31) & 0x7FFFFFFF)
-    return bits.to(tl.float32, bitcast=True), BLOCK_E - 1 - key.to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["T"])

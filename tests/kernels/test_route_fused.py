@@ -356,8 +356,9 @@ def test_route_fused_int8_rows_are_the_quantized_normed_rows(seed, H, split) -> 
         assert torch.equal(got, want), f"seed={seed}"
 
 
-def quantized_block(qtype: str, H: int, I: int) -> tuple[SparseMoeBlock, RMSNorm]:  # noqa: E741
-    """A float32 MoE block (E = 6, k = 2) with random quantized experts of qtype, and its RMSNorm, on the device."""
+def quantized_block(qtype: str, H: int, I: int,  # noqa: E741
+                    dtype: torch.dtype = torch.float32) -> tuple[SparseMoeBlock, RMSNorm]:  # fmt: skip
+    """A MoE block (E = 6, k = 2) of dtype with random quantized experts of qtype, and its RMSNorm, on the device."""
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.layers.quantized import QuantizedWeight, set_quantized
 
@@ -365,11 +366,10 @@ def quantized_block(qtype: str, H: int, I: int) -> tuple[SparseMoeBlock, RMSNorm
     cfg = ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=H, num_layers=1, num_heads=2,
         num_kv_heads=1, head_dim=8, intermediate_size=64, moe_intermediate_size=I, num_experts=E,
-        num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64,
-        dtype=torch.float32,
+        num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=EPS, max_position_embeddings=64, dtype=dtype,
     )  # fmt: skip
-    block = SparseMoeBlock(cfg, 0, backend="triton").to(DEVICE)
-    norm = RMSNorm(H, EPS).to(DEVICE)
+    block = SparseMoeBlock(cfg, 0, backend="triton").to(DEVICE, dtype)
+    norm = RMSNorm(H, EPS).to(DEVICE, dtype)
     with torch.no_grad():
         block.gate.weight.copy_(torch.randn(E, H) / H**0.5)
         norm.weight.copy_(1.0 + 0.2 * torch.randn(H))
@@ -437,9 +437,11 @@ def test_route_fused_logits_are_the_routers(seed, dtype, T) -> None:
 
 @pytest.mark.parametrize("config", ["gemv-atomic", "gemv-sum", "gemv-fused", "tile"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_gemm1_picks_the_routers_top_k(seed, config, T) -> None:
+@pytest.mark.parametrize("keyed", [False, True], ids=["float", "bf16-keys"])
+def test_gemm1_picks_the_routers_top_k(seed, config, T, keyed) -> None:
     # fused_moe with select: the gemv path's GEMM 1 picks the routing from the logits and writes it (other paths
-    # have it written first); the same routing and the same output as the router's picks handed in
+    # have it written first); the same routing and the same output as the router's picks handed in (keyed: told
+    # that the logits are bfloat16 values, GEMM 1 orders them by one key a column)
     from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
     from moerun.kernels.router_fused import route_fused_logits_triton
 
@@ -460,7 +462,7 @@ def test_gemm1_picks_the_routers_top_k(seed, config, T) -> None:
     want = fused_moe_triton(normed, w13, w2, want_w, want_ids, config=cfg)
     weights = torch.full((T, 3), -1.0, device=DEVICE)
     ids = torch.full((T, 3), -1, dtype=torch.int32, device=DEVICE)
-    got = fused_moe_triton(normed, w13, w2, weights, ids, config=cfg, select=TopkSelect(logits, True))
+    got = fused_moe_triton(normed, w13, w2, weights, ids, config=cfg, select=TopkSelect(logits, True, bf16=keyed))
     assert torch.equal(ids, want_ids), f"seed={seed}: {ids.tolist()} against {want_ids.tolist()}"
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7, msg=lambda m: f"seed={seed}: {m}")
     if config != "tile" or interpreting():  # the tile path's atomics add in no fixed order on a GPU
@@ -517,15 +519,17 @@ def test_block_with_the_top_k_in_gemm1_matches_the_router_path(seed, monkeypatch
     torch.testing.assert_close(got_torch.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype, dtype", [("Q4_K", torch.float32), ("Q8_0", torch.float32), ("Q4_K", torch.bfloat16)],
+                         ids=str)  # fmt: skip
 @pytest.mark.parametrize("path", ["gemv_v2", "tile"])
-def test_quantized_experts_pick_the_routers_top_k(seed, monkeypatch, qtype, path) -> None:
+def test_quantized_experts_pick_the_routers_top_k(seed, monkeypatch, qtype, dtype, path) -> None:
     # MOERUN_TOPK_IN_GEMM1=1 on quantized experts: the router stops at its logits (still rounding the normed rows
     # to int8 for them) and gemv_v2's GEMM 1 picks the routing (other paths get it written first); the same output
+    # (bfloat16: GEMM 1 orders the logits by one key a column)
     from moerun.kernels.quant import fused_moe_quant
 
     H = 256
-    block, norm = quantized_block(qtype, H, 256)  # (K-quant rows: multiples of 256)
+    block, norm = quantized_block(qtype, H, 256, dtype)  # (K-quant rows: multiples of 256)
     configs = {"gemv_v2": {"path": "gemv_v2", "BLOCK_N": 16 if DEVICE.type == "cuda" else 64, "BLOCK_K": 256,
                            "BLOCK_N2": 16, "BLOCK_K2": 256, "x_q8": True},
                "tile": {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}}  # fmt: skip
@@ -534,7 +538,7 @@ def test_quantized_experts_pick_the_routers_top_k(seed, monkeypatch, qtype, path
     calls = []
     monkeypatch.setattr(block_module, "route_fused_int8_logits",
                         lambda *a: calls.append(1) or moe_ops.route_fused_int8_logits(*a))  # fmt: skip
-    x, residual = torch.randn(2, H, device=DEVICE), torch.randn(2, H, device=DEVICE)
+    x, residual = torch.randn(2, H, device=DEVICE, dtype=dtype), torch.randn(2, H, device=DEVICE, dtype=dtype)
     monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "0")
     want, want_res = block.forward_fused_norm(x, residual, norm)
     monkeypatch.setenv("MOERUN_TOPK_IN_GEMM1", "1")

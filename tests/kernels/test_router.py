@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from moerun.kernels.router import route_triton, top_k_columns  # noqa: E402
+from moerun.kernels.router import pick_of_top_k, route_triton, top_k_columns  # noqa: E402
 from moerun.ops import moe as moe_ops  # noqa: E402
 from moerun.ops.moe_reference import route_reference  # noqa: E402
 
@@ -102,3 +102,42 @@ def test_top_k_columns_orders_by_value_then_lowest_index(seed: int) -> None:
     want = torch.sort(-x.cpu(), dim=1, stable=True).indices[:, :K]  # -(-0.0) == -(0.0): stable keeps column order
     assert torch.equal(ids.cpu().long(), want), f"seed={seed}: {ids.tolist()} against {want.tolist()}"
     assert torch.equal(values.cpu(), torch.gather(x.cpu(), 1, want)), f"seed={seed}"
+
+
+@triton.jit
+def _pick_kernel(x_ptr, i_ptr, v_ptr, sum_ptr, E, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BF16: tl.constexpr):
+    """Program s: pick_of_top_k's pick s of rows [ROWS, E] (columns past E: -inf) -> ids, values, sums [ROWS, K]."""
+    s = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(x_ptr + rows[:, None] * E + cols[None, :], mask=(cols < E)[None, :], other=float("-inf"))
+    col, value, largest, pick_sum, _, _ = pick_of_top_k(x, s, K, ROWS, BLOCK_E, BF16)
+    tl.store(i_ptr + rows * K + s, col)
+    tl.store(v_ptr + rows * K + s, value)
+    tl.store(sum_ptr + rows * K + s, pick_sum * tl.exp(largest))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_pick_of_top_k_orders_by_value_then_lowest_index(seed: int, bf16: bool) -> None:
+    # each pick alone, as a GEMM 1 program takes its slot's: the order of the test above (ties spanning several
+    # picks, -0.0 beside 0.0, -inf among the picks); bf16: values a bfloat16 holds, ordered by one key a column
+    T, E, K = 8, 50, 8
+    x = torch.randint(-4, 4, (T, E)).float() * 0.75  # many repeats: ties across picks
+    x[0, 3], x[0, 1] = -0.0, 0.0
+    x[1, :] = -0.0
+    x[1, 7] = 0.0
+    x[2, :46] = float("-inf")  # four finite values, then -inf picks
+    x[3] = -torch.rand(E) * 1e30
+    x[4:] = torch.randn(4, E)  # distinct values: the sums of the picks' exponentials below
+    if bf16:
+        x = x.to(torch.bfloat16).float()
+    x = x.to(DEVICE)
+    ids = torch.empty(T, K, dtype=torch.int32, device=DEVICE)
+    values, sums = torch.empty(T, K, device=DEVICE), torch.empty(T, K, device=DEVICE)
+    _pick_kernel[(K,)](x, ids, values, sums, E, K=K, ROWS=T, BLOCK_E=64, BF16=bf16)
+    want = torch.sort(-x.cpu(), dim=1, stable=True).indices[:, :K]
+    assert torch.equal(ids.cpu().long(), want), f"seed={seed}: {ids.tolist()} against {want.tolist()}"
+    assert torch.equal(values.cpu(), torch.gather(x.cpu(), 1, want)), f"seed={seed}"
+    want_sum = torch.gather(x.cpu(), 1, want)[4:].double().exp().sum(dim=1, keepdim=True)  # [4, 1]
+    torch.testing.assert_close(sums.cpu()[4:].double(), want_sum.expand(4, K), rtol=1e-5, atol=0)

@@ -32,7 +32,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.gemv import rsqrt_mean
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.router import route_triton, softmax_topk, top_k_columns
+from moerun.kernels.router import pick_of_top_k, route_triton
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
@@ -399,7 +399,7 @@ def _gemm1_gemv_kernel(
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     if NORM_H > 0:  # (SELECT)
-        row, top_z, pick, expert = _pick_by_value(sel, SEL, slot)
+        row, value, top_v, takes, expert = _pick_by_value(sel, SEL, slot)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + slot, expert)
     elif SELECT:
@@ -412,7 +412,7 @@ def _gemm1_gemv_kernel(
                                    EVEN_K, INDIRECT, ALIGN, norm_ptr, eps, NORM_H, INTERPRET)  # fmt: skip
         if NORM_H > 0:
             if tl.program_id(1) == 0:
-                tl.store(sel.weights_ptr + slot, _scaled_weight(row, top_z, pick, inv_rms, SEL))
+                tl.store(sel.weights_ptr + slot, _scaled_weight(row, value, top_v, takes, inv_rms, SEL))
     else:
         if (tl.load(part_ptr + slot) != 0) == (PART == 2):
             _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,
@@ -436,46 +436,50 @@ def _logits_rows(sel, SEL: tl.constexpr, slot):
 @triton.jit
 def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes):
     """The expert of token-slot ``slot`` (token slot // K, its slot % K-th pick) from the token's router logits
-    [E], by the router's softmax + top-k (kernels/router.py); where ``writes``, the slot's id and weight are
-    stored too (sel: TopkOperands, SEL: TopkShape)."""
+    [E], by the router's softmax + top-k (kernels/router.py: picks by logit, ties to the lowest index, weights in
+    its float32 steps); where ``writes``, the slot's id and weight are stored too (sel: TopkOperands, SEL:
+    TopkShape). The weight needs no reduction after the picks where SEL.RENORMALIZE, and comes out of the warps'
+    rows (equal) in the same exchange as the expert: one barrier before the loads that need the expert."""
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
-    rows = tl.arange(0, SEL.ROWS)  # [ROWS]
-    x = _logits_rows(sel, SEL, slot)  # [ROWS, BLOCK_E], one row ROWS times
-    top_w, top_i = softmax_topk(x, cols < SEL.E, SEL.K, SEL.RENORMALIZE, SEL.ROWS, SEL.BLOCK_E)  # slots < K
-    pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]: row 0's pick of the slot
-    expert = tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
+    x = tl.where((cols < SEL.E)[None, :], _logits_rows(sel, SEL, slot), float("-inf"))  # [ROWS, BLOCK_E]
+    col, value, largest, pick_sum, _, _ = pick_of_top_k(x, slot % SEL.K, SEL.K, SEL.ROWS, SEL.BLOCK_E, SEL.BF16)
+    if SEL.RENORMALIZE:
+        weight = tl.exp(value - largest) / pick_sum  # [ROWS]
+    else:
+        weight = tl.exp(value - largest) / tl.sum(tl.exp(x - largest[:, None]), axis=1)
+    both = (col.to(tl.int64) << 32) | (weight.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)  # [ROWS]
+    both = tl.max(both, axis=0)  # (the rows are equal)
+    expert = (both >> 32).to(tl.int32)
     if writes:
         tl.store(ids_ptr + slot, expert)
-        tl.store(sel.weights_ptr + slot, tl.sum(tl.sum(tl.where(pick, top_w, 0.0), axis=1), axis=0))
+        tl.store(sel.weights_ptr + slot, both.to(tl.int32).to(tl.float32, bitcast=True))
     return expert
 
 
 @triton.jit
 def _pick_by_value(sel, SEL: tl.constexpr, slot):
-    """select_slot's pick from the logits' values (the K largest, ties to the lowest index): (the logits [ROWS,
-    BLOCK_E], the K largest in columns < K [ROWS, BLOCK_E], the mask of the slot's column in row 0, its expert)."""
+    """select_slot's pick from the logits' values (the K largest, ties to the lowest index), for logits to be
+    scaled later: (the logits [ROWS, BLOCK_E], the pick's value [ROWS], the distinct values and the picks each
+    covers [ROWS, BLOCK_E] (pick_of_top_k's), the slot's expert)."""
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
-    rows = tl.arange(0, SEL.ROWS)  # [ROWS]
     x = tl.where((cols < SEL.E)[None, :], _logits_rows(sel, SEL, slot), float("-inf"))  # [ROWS, BLOCK_E]
-    top_z, top_i = top_k_columns(x, SEL.K, SEL.ROWS, SEL.BLOCK_E)
-    pick = (rows[:, None] == 0) & (cols[None, :] == slot % SEL.K)  # [ROWS, BLOCK_E]
-    return x, top_z, pick, tl.sum(tl.sum(tl.where(pick, top_i, 0), axis=1), axis=0)
+    col, value, _, _, top_v, takes = pick_of_top_k(x, slot % SEL.K, SEL.K, SEL.ROWS, SEL.BLOCK_E, SEL.BF16)
+    return x, value, top_v, takes, tl.max(col, axis=0)  # (the rows are equal)
 
 
 @triton.jit
-def _scaled_weight(x, top_z, pick, scale, SEL: tl.constexpr):
-    """The routing weight of the pick ``pick`` selects (_pick_by_value's) under the logits x times scale [1]: the
+def _scaled_weight(x, value, top_v, takes, scale, SEL: tl.constexpr):
+    """The routing weight of the pick of ``value`` (_pick_by_value's) under the logits x times scale [1]: the
     router's softmax of them (renormalised over the K picks where SEL.RENORMALIZE)."""
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
     xs = x * scale[:, None]  # [ROWS, BLOCK_E]; -inf past E
     x_max = tl.max(xs, axis=1)  # [ROWS]
-    num = tl.exp(top_z * scale[:, None] - x_max[:, None])  # [ROWS, BLOCK_E]: the picks' in columns < K (0 past)
-    num = tl.where(cols[None, :] < SEL.K, num, 0.0)
-    if SEL.RENORMALIZE:
-        total = tl.sum(num, axis=1)  # [ROWS]
+    if SEL.RENORMALIZE:  # the K picks' exponentials: each distinct value times the picks it covers
+        num = tl.exp(top_v * scale[:, None] - x_max[:, None]) * takes.to(tl.float32)  # [ROWS, BLOCK_E]
+        total = tl.sum(tl.where(cols[None, :] < SEL.K, num, 0.0), axis=1)  # [ROWS]
     else:
         total = tl.sum(tl.exp(xs - x_max[:, None]), axis=1)
-    return tl.sum(tl.sum(tl.where(pick, num / total[:, None], 0.0), axis=1), axis=0)
+    return tl.max(tl.exp(value * scale - x_max) / total, axis=0)
 
 
 @triton.jit
@@ -721,6 +725,7 @@ class TopkShape(NamedTuple):
     K: int  # top_k
     RENORMALIZE: bool
     ROWS: int  # the launch's warps: select_slot's copies of the logits
+    BF16: bool = False  # the logits hold bfloat16 values exactly (router/pick_of_top_k's one key a column)
 
 
 class TopkSelect(NamedTuple):
@@ -736,6 +741,9 @@ class TopkSelect(NamedTuple):
     # logits itself; other paths get both done first (``prenormalised``).
     norm_weight: torch.Tensor | None = None
     eps: float = 0.0
+    # The logits hold bfloat16 values exactly (a bfloat16 router's, rounded as F.linear returns them): GEMM 1 then
+    # orders them by one key a column (kernels/router.pick_of_top_k). Ignored with the norm.
+    bf16: bool = False
 
     def prenormalised(self, x: torch.Tensor) -> tuple[torch.Tensor, TopkSelect]:
         """(x normalised [T, H], the select on the logits times each row's 1/rms), in plain torch; (x, self) where
@@ -762,7 +770,8 @@ class TopkSelect(NamedTuple):
         """The select keyword arguments of a GEMM 1 kernel (select_slot's) that writes the weights into
         topk_weights and runs num_warps warps."""
         E = self.logits.shape[1]
-        shape = TopkShape(E, triton.next_power_of_2(E), k, bool(self.renormalize), num_warps)
+        shape = TopkShape(E, triton.next_power_of_2(E), k, bool(self.renormalize), num_warps,
+                          bool(self.bf16) and self.norm_weight is None)
         args = dict(sel=TopkOperands(self.logits, topk_weights), SEL=shape, SELECT=True)
         if self.norm_weight is not None:
             H = self.norm_weight.shape[0]

@@ -109,7 +109,7 @@ class SparseMoeBlock(nn.Module):
                                                             backend=self.experts.backend)  # fmt: skip
         topk_weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32, device=x.device)  # [T, k]
         topk_ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int32, device=x.device)  # [T, k]
-        select = TopkSelect(logits, self.renormalize)
+        select = TopkSelect(logits, self.renormalize, bf16=self.gate.weight.dtype == torch.bfloat16)  # (rounded)
         out = self.experts(x_normed, topk_weights, topk_ids, x_int8=x_int8, select=select, **keep)
         return out, residual
 

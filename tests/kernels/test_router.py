@@ -141,3 +141,17 @@ def test_pick_of_top_k_orders_by_value_then_lowest_index(seed: int, bf16: bool) 
     assert torch.equal(values.cpu(), torch.gather(x.cpu(), 1, want)), f"seed={seed}"
     want_sum = torch.gather(x.cpu(), 1, want)[4:].double().exp().sum(dim=1, keepdim=True)  # [4, 1]
     torch.testing.assert_close(sums.cpu()[4:].double(), want_sum.expand(4, K), rtol=1e-5, atol=0)
+
+
+def test_pick_of_top_k_with_fewer_values_than_picks(seed: int) -> None:
+    # every column equal, no padding column: the first pick removes them all, the later ones find only removed
+    # keys; the picks are the first K columns, and the sum of their exponentials stays finite (K)
+    E, K = 16, 4
+    x = torch.full((2, E), 0.5).to(DEVICE)
+    x[1] = -2.25
+    ids = torch.empty(2, K, dtype=torch.int32, device=DEVICE)
+    values, sums = torch.empty(2, K, device=DEVICE), torch.empty(2, K, device=DEVICE)
+    _pick_kernel[(K,)](x, ids, values, sums, E, K=K, ROWS=2, BLOCK_E=E, BF16=False)
+    assert ids.cpu().tolist() == [[0, 1, 2, 3]] * 2, f"seed={seed}: {ids.tolist()}"
+    assert torch.equal(values.cpu(), x.cpu()[:, :K]), f"seed={seed}"
+    torch.testing.assert_close(sums.cpu(), (K * x.cpu()[:, :1].exp()).expand(2, K))

@@ -103,14 +103,14 @@ def pick_of_top_k(x, s, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constex
             count = tl.full([ROWS], 1, tl.int32)
         else:
             v = _order_key(best).to(tl.float32, bitcast=True)
-            count = tl.sum(hit.to(tl.int32), axis=1)  # (once only -inf is left, removed columns too: harmless)
+            count = tl.sum(hit.to(tl.int32), axis=1)  # (with every column removed, all of them: take is 0 then)
         mine = (before <= s) & (s < before + count)
         mine_key = tl.where(mine, best, mine_key)
         place = tl.where(mine, s - before, place)
         take = tl.minimum(tl.maximum(K - before, 0), count)  # [ROWS]
         if j == 0:
             largest = v
-        pick_sum += take.to(tl.float32) * tl.exp(v - largest)
+        pick_sum += tl.where(take > 0, take.to(tl.float32) * tl.exp(v - largest), 0.0)  # (v of a removed key: NaN)
         top_v = tl.where(cols[None, :] == j, v[:, None], top_v)
         takes = tl.where(cols[None, :] == j, take[:, None], takes)
         before += count

@@ -476,7 +476,7 @@ def _scaled_weight(x, value, top_v, takes, scale, SEL: tl.constexpr):
     x_max = tl.max(xs, axis=1)  # [ROWS]
     if SEL.RENORMALIZE:  # the K picks' exponentials: each distinct value times the picks it covers
         num = tl.exp(top_v * scale[:, None] - x_max[:, None]) * takes.to(tl.float32)  # [ROWS, BLOCK_E]
-        total = tl.sum(tl.where((cols[None, :] < SEL.K) & (takes > 0), num, 0.0), axis=1)  # [ROWS]
+        total = tl.sum(tl.where(cols[None, :] < SEL.K, num, 0.0), axis=1)  # [ROWS]
     else:
         total = tl.sum(tl.exp(xs - x_max[:, None]), axis=1)
     return tl.max(tl.exp(value * scale - x_max) / total, axis=0)
@@ -725,7 +725,7 @@ class TopkShape(NamedTuple):
     K: int  # top_k
     RENORMALIZE: bool
     ROWS: int  # the launch's warps: select_slot's copies of the logits
-    BF16: bool = False  # the logits hold bfloat16 values exactly (router/pick_of_top_k's one key a column)
+    BF16: bool = False  # the logits hold bfloat16 values exactly (kernels/router.pick_of_top_k: one key a column)
 
 
 class TopkSelect(NamedTuple):

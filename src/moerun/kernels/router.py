@@ -74,7 +74,8 @@ def pick_of_top_k(x, s, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constex
     """Pick s (0 <= s < K) of the K largest of each row of x [ROWS, BLOCK_E], in top_k_columns' order (by value,
     ties to the lowest index; columns to skip hold -inf) -> (its column [ROWS] int32, its value [ROWS], the row's
     largest [ROWS], the sum over the K picks of exp(value - largest) in pick order [ROWS], the row's distinct values
-    from the largest in columns j < K [ROWS, BLOCK_E], how many of the K picks each one covers [ROWS, BLOCK_E]).
+    from the largest in columns j < K [ROWS, BLOCK_E] (the largest where a column covers no pick), how many of the
+    K picks each one covers [ROWS, BLOCK_E]).
 
     From one pick to the next the chain is one integer max over a warp's row (a single warp instruction on sm_80
     and later, where a float max takes five shuffles), on int32 keys in the values' order. BF16 (x holds bfloat16
@@ -103,14 +104,16 @@ def pick_of_top_k(x, s, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constex
             count = tl.full([ROWS], 1, tl.int32)
         else:
             v = _order_key(best).to(tl.float32, bitcast=True)
-            count = tl.sum(hit.to(tl.int32), axis=1)  # (with every column removed, all of them: take is 0 then)
+            count = tl.sum(hit.to(tl.int32), axis=1)  # (with every column removed, all of them)
         mine = (before <= s) & (s < before + count)
         mine_key = tl.where(mine, best, mine_key)
         place = tl.where(mine, s - before, place)
         take = tl.minimum(tl.maximum(K - before, 0), count)  # [ROWS]
         if j == 0:
             largest = v
-        pick_sum += tl.where(take > 0, take.to(tl.float32) * tl.exp(v - largest), 0.0)  # (v of a removed key: NaN)
+        else:  # a pick past the K (with every column removed, v is NaN): the largest, finite, covering no pick
+            v = tl.where(take > 0, v, largest)
+        pick_sum += take.to(tl.float32) * tl.exp(v - largest)
         top_v = tl.where(cols[None, :] == j, v[:, None], top_v)
         takes = tl.where(cols[None, :] == j, take[:, None], takes)
         before += count

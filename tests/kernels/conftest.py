@@ -16,7 +16,10 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def seed() -> int:
-    """A fresh seed per test, applied to torch's generators; tests put it in failure messages."""
-    value = int.from_bytes(os.urandom(4), "little")
+    """A fresh seed per test, applied to torch's generators; tests put it in failure messages.
+
+    ``MOERUN_TEST_SEED=<n>`` replays a failure with the seed it printed.
+    """
+    value = int(os.environ.get("MOERUN_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(value)
     return value

@@ -67,10 +67,16 @@ def test_route_dispatch_triton(seed: int) -> None:
 def test_route_ties_pick_lowest_index() -> None:
     logits = torch.zeros(3, 13, device=DEVICE)
     logits[1, 5] = logits[1, 9] = 1.0  # row 1: a tie at the top between experts 5 and 9
+    logits[2, 1], logits[2, 6], logits[2, 12], logits[2, 10] = 1.5, 1.1, 0.8867, 0.8867  # row 2: a tie at pick 4
     weights, ids = route_triton(logits, 4, False)
     assert ids[0].tolist() == [0, 1, 2, 3]
     assert ids[1].tolist() == [5, 9, 0, 1]
+    assert ids[2].tolist() == [1, 6, 10, 12]
     torch.testing.assert_close(weights[0], torch.full((4,), 1 / 13, device=DEVICE))
+    for k in (3, 4):  # the torch reference breaks ties the same way, also where the tie straddles the last pick
+        ref_w, ref_ids = route_reference(logits, k, True)
+        assert torch.equal(ref_ids, route_triton(logits, k, True)[1]), f"k={k}: {ref_ids.tolist()}"
+        assert torch.equal(ref_ids, moe_ops.route(logits, k, True, backend="torch")[1]), f"k={k}"
 
 
 @triton.jit

@@ -13,9 +13,14 @@ from moerun.ops.norm import rms_norm_reference
 
 
 def route_reference(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in float32 over the experts, top-k, optional renormalisation to sum 1."""
+    """Softmax in float32 over the experts, top-k, optional renormalisation to sum 1.
+
+    Equal probabilities go to the lowest expert index first, as in the routing kernels (torch.topk leaves the
+    order of ties unspecified, and bfloat16 logits tie often enough to matter).
+    """
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
-    topk_weights, topk_ids = torch.topk(probs, k, dim=-1)  # [T, k]
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties keep ascending index order
+    topk_weights, topk_ids = order.values[..., :k], order.indices[..., :k]  # [T, k]
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids.to(torch.int32)
@@ -76,8 +81,8 @@ def fused_moe_reference(
 
     hidden [T, H], w13 [E, 2I, H] (gate rows first), w2 [E, H, I], topk_weights [T, k], topk_ids [T, k].
     w13 / w2 may also be quantized weights (anything with ``.shape`` and ``.expert(e, dtype)``); then only
-    the experts that receive tokens are dequantised. Each expert's GEMMs run in the dtype of the weights; the weighted sum over the k slots accumulates in
-    float32 and the result is cast to the dtype of ``hidden``.
+    the experts that receive tokens are dequantised. Each expert's GEMMs run in the dtype of the weights; the
+    weighted sum over the k slots accumulates in float32 and the result is cast to the dtype of ``hidden``.
     """
     T, H = hidden.shape
     E, two_i, _ = w13.shape

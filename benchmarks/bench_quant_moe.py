@@ -172,6 +172,21 @@ POOL: dict[str, Config] = {
     "k128x64m256s2": {**_dot("tile64", 128, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 2},
     "k64x64m128": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 128},
     "k64x64m256": {**_dot("tile64", 64, 64, 64, 8, 4, 4), "BLOCK_M2": 256, "num_stages2": 3},
+    # Short tail tiles (TAIL_M for GEMM 1's blocks of 128, TAIL_M2 for GEMM 2's of 256): an expert's last block with
+    # few token-slots multiplies only that many rows; the decode of the weight tile stays the same. Under uniform
+    # top-8 routing the products fall to 0.73x at M = 1024 (t64), 0.76x / 0.74x for GEMM 1 / 2 at 2048 (t32, t128)
+    # and 0.86x / 0.76x at 4096 (t32, t64) of the untailed tiles' (benchmarks/RESULTS.md, fortieth sitting).
+    "k128x64m256sot32": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
+                         "TAIL_M": 32, "TAIL_M2": 128},
+    "k128x64m256sot64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
+                         "TAIL_M": 64, "TAIL_M2": 128},
+    "k128x64m256sot32g1": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256,
+                           "num_stages2": 3, "TAIL_M": 32},
+    "k128x64m256sot128g2": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256,
+                            "num_stages2": 3, "TAIL_M2": 128},
+    "k128x64m256sot32t64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256,
+                            "num_stages2": 3, "TAIL_M": 32, "TAIL_M2": 64},
+    "k128x64sot64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "TAIL_M": 64, "TAIL_M2": 64},
     # Variants with fewer registers a thread, all slower on an H200 (us at M = 2048 / 4096 against k128x64m256so's
     # 733.6 / 1,214.0 for Q4_K_M, 777.5 / 1,260.5 for Q6_K; benchmarks/RESULTS.md, twenty-fourth sitting); for
     # --compare. The shipped tiles take 248-255 registers with no spill worth counting (sm_90, Triton 3.6, compiled

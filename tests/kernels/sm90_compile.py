@@ -252,6 +252,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, prefill, tile64 with GEMM 2 in blocks of 4 of GEMM 1's": lambda: fused_moe_quant(
             x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_M2": 256, "BLOCK_N": 64,
                                            "num_warps": 4, "num_stages": 4, "num_stages2": 3}),
+        "quant MoE, prefill, tile64 with short tail tiles (TAIL_M, TAIL_M2)": lambda: fused_moe_quant(
+            x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 128, "BLOCK_M2": 256, "BLOCK_N": 64,
+                                           "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "num_stages2": 3,
+                                           "reduce": "sum_out", "TAIL_M": 32, "TAIL_M2": 128}),
         "quant MoE, prefill, tile64 with registers capped (maxnreg)": lambda: fused_moe_quant(
             x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_M2": 256, "BLOCK_N": 64,
                                            "num_warps": 4, "num_stages": 4, "num_stages2": 3, "maxnreg": 168,

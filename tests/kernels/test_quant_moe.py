@@ -128,6 +128,41 @@ def test_tile_path_many_blocks_and_empty_experts(seed, path) -> None:
     check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, CONFIGS[path])
 
 
+# Blocks of 32 (GEMM 2: 64) token-slots; a block of at most 16 (GEMM 2: 32) runs as a tile of that many rows.
+TAILS = {"tile64": {**TILE64, "BLOCK_M": 32, "TAIL_M": 16},
+         "tile64-m2": {**TILE64, "BLOCK_M": 32, "TAIL_M": 16, "BLOCK_M2": 64, "TAIL_M2": 32, "reduce": "sum_out"},
+         "tile-m2": {**TILE, "BLOCK_M": 32, "TAIL_M": 16, "BLOCK_M2": 64, "TAIL_M2": 16, "reduce": "sum"},
+         "tile64-gemm2": {**TILE64, "BLOCK_M": 32, "TAIL_M2": 16}}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", list(TAILS))
+def test_short_tail_tiles(seed, monkeypatch, config) -> None:
+    # k = 1, one token a slot. Experts 0..6 get 33, 48, 49, 16, 1, 65 and 96 token-slots (expert 7 none): GEMM 1's
+    # last blocks of 1, 16 (= TAIL_M), 17 (> TAIL_M: the full tile), a lone 16 and a lone 1, then 1 and 32; with
+    # GEMM 2 in blocks of 64, its last blocks of 33, 48, 49, 16, 1, 1 and 32 (= TAIL_M2). Padding rows that GEMM 1
+    # skips stay unwritten (NaN here), and must not reach any output.
+    counts = [33, 48, 49, 16, 1, 65, 96]
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel())][:, None].to(DEVICE)  # [T, 1]
+    T, E, H, I = ids.shape[0], 8, 256, 256  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q4_K, QuantType.Q6_K)
+    weights = torch.rand(T, 1, device=DEVICE)
+    empty = torch.empty  # new bfloat16 buffers (the intermediate among them) start as NaN
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+                        if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
+    check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TAILS[config])
+
+
+def test_tail_tile_config_is_checked() -> None:
+    for key, tail in (("TAIL_M", 8), ("TAIL_M", 24), ("TAIL_M", 32), ("TAIL_M2", 64), ("TAIL_M2", 48)):
+        with pytest.raises(ValueError, match=key):  # below 16, not a power of two, not below its M-block
+            normalize_config({**TAILS["tile64-m2"], key: tail})
+    for path in (GEMV, GEMV_DOT):  # no M-blocks to shorten
+        with pytest.raises(ValueError, match="TAIL_M"):
+            normalize_config({**path, "TAIL_M": 16})
+    assert normalize_config(TAILS["tile64-m2"])["TAIL_M"] == 16
+
+
 @pytest.mark.parametrize("config", ["tile64", "tile64-m2"])
 @pytest.mark.parametrize("gate_t,H", [(QuantType.Q4_K, 256), (QuantType.Q8_0, 96)], ids=["Q4_K", "Q8_0"])
 def test_tile64_rows_that_need_padding(seed, gate_t, H, config) -> None:  # noqa: N803

@@ -12,7 +12,9 @@ slots GEMM 2 holds at once (a power of two; default all), `sum2` = "atomic" GEMM
 slot) pair and BLOCK_N2 rows instead, its rows added by float32 atomics into an output GEMM 1 zeroes (float32 sums
 in no fixed order), and `reduce` does not apply (GEMM 2 sums the slots).
 On the tile paths `BLOCK_M2` (default BLOCK_M) gives GEMM 2 M-blocks a power-of-two multiple of GEMM 1's: each
-expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens.
+expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens. `TAIL_M` (GEMM 1)
+and `TAIL_M2` (GEMM 2; 0 or a power of two >= 16 below that GEMM's M-block, default 0) run a block holding at
+most that many token-slots as a tile of that many rows (moe_tiles.py).
 Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type of
 the gate projection.
 """
@@ -55,6 +57,12 @@ def normalize_config(cfg: Config) -> Config:
         m1 = cfg.get("BLOCK_M", 16)
         if path not in ("tile", "tile64") or m2 < m1 or m2 % m1 or (m2 // m1) & (m2 // m1 - 1):
             raise ValueError(f"BLOCK_M2 must be a power-of-two multiple of BLOCK_M on the tile paths, got {cfg}")
+    for key, block in (("TAIL_M", cfg.get("BLOCK_M", 16)), ("TAIL_M2", m2 or cfg.get("BLOCK_M", 16))):
+        tail = cfg.get(key, 0)
+        if tail and (path not in ("tile", "tile64") or not isinstance(tail, int) or tail < 16 or tail & (tail - 1)
+                     or tail >= block):  # fmt: skip
+            raise ValueError(f"{key} must be 0 or a power of two >= 16 below its GEMM's M-block on the tile paths, "
+                             f"got {tail!r} on path {path!r} (M-block {block})")
     if cfg.get("sum2") not in (None, "atomic") or (cfg.get("sum2") and path != "gemv_v2"):
         raise ValueError(f"sum2 takes 'atomic' on the gemv_v2 path, got {cfg.get('sum2')!r} on path {path!r}")
     for key in ("maxnreg", "maxnreg2"):

@@ -8,7 +8,8 @@ epilogue, GEMM 2 over down with the routing weights, then the sum over the k slo
             activations padded to BLOCK_M columns: tensor cores take the multiply-adds off the FMA pipe.
   gemv_v2   decode, every packed type (gemv_v2.py; int8 x for those outside FLOAT_X_TYPES): int32 word loads,
             sub-block scales folded into per-group sums, the k-slot sum inside GEMM 2.
-  tile      prefill: token-slots sorted by expert and padded (align.py); each step decodes [BLOCK_N, 32] planes
+  tile      prefill (moe_tiles.py, as gemv_dot and tile64): token-slots sorted by expert and padded (align.py),
+            an expert's last block short tiles under TAIL_M / TAIL_M2; each step decodes [BLOCK_N, 32] planes
             that enter tl.dot as the left operand (out^T = W x^T), so decoded weights never leave registers.
   dequant   prefill: the layer's experts decoded to the activation dtype in one launch per part
             (decode.dequantize_triton, into a scratch buffer), then kernels/fused_moe.py's fused_moe_triton, whose
@@ -31,16 +32,17 @@ import triton.language as tl
 
 from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe import (
-    TopkSelect, _dot_precision, _finish, _new_acc, _silu_mul, _tile_pid, fused_moe_triton,
+    TopkSelect, _dot_precision, _finish, _new_acc, _silu_mul, fused_moe_triton,
 )
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
-from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported, x_planes
+from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported
 from moerun.kernels.quant.from_blocks import GroupBlocks
-from moerun.kernels.quant.from_groups import GROUP_TYPES, group_values64, group_words64
-from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, part_bases, v2_supported
+from moerun.kernels.quant.from_groups import GROUP_TYPES
+from moerun.kernels.quant.gemv_v2 import FLOAT_X_TYPES, PartTables, fused_moe_gemv_v2, v2_supported
 from moerun.kernels.quant.int8_dot import Int8Rows
+from moerun.kernels.quant.moe_tiles import gemm1_tile_kernel, gemm2_tile_kernel
 from moerun.kernels.quant.repack import PackedWeight
-from moerun.kernels.quant.tile64 import decode_pair64, tile64_supported
+from moerun.kernels.quant.tile64 import tile64_supported
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
@@ -163,244 +165,6 @@ def _gemm2_gemv_kernel(
         tl.store(out_ptr + slot.to(tl.int64) * stride_ot + offs_n, y, mask=offs_n < H)
 
 
-# -------------------------------------------------------------------------------------------------- tile
-
-
-@triton.jit
-def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr,
-                EXPERT_DIV: tl.constexpr):
-    """(expert, flat pair index, validity, row of the intermediate) of each column of M-block pid_m.
-
-    Sorted: block_expert_ptr holds the expert of each run of EXPERT_DIV blocks (-1 when unused; the runs were padded
-    to EXPERT_DIV * BLOCK_M rows) and the intermediate has one row per padded position. PER_SLOT: block pid_m is
-    token-slot pid_m alone (column 0; the others are masked), block_expert_ptr is the flat topk ids and the
-    intermediate has one row per slot.
-    """
-    cols = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    expert = tl.load(block_expert_ptr + pid_m // EXPERT_DIV).to(tl.int64)
-    if PER_SLOT:
-        row_ok = cols == 0
-        pair = tl.where(row_ok, pid_m, num_pairs)
-        irow = tl.where(row_ok, pid_m, 0)
-    else:
-        irow = pid_m * BLOCK_M + cols
-        pair = tl.load(sorted_ids_ptr + irow)
-        row_ok = pair < num_pairs
-    return expert, pair, row_ok, irow.to(tl.int64)
-
-
-# Sizes that follow the token count are not specialised on, so a new batch size reuses the compiled kernel.
-@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _gemm1_tile_kernel(
-    x_ptr,  # [T, H]
-    inter_ptr,  # [P, I] one row per padded sorted position (PER_SLOT: per token-slot)
-    sorted_ids_ptr,  # [P]
-    block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
-    gc, gh, gs, gd,
-    uc, uh, us, ud,
-    gt, ut,  # INDIRECT: [E, 4] int64 addresses of each expert's gate / up arrays (else dummies)
-    num_pairs,
-    top_k,
-    H,
-    I,  # noqa: E741
-    G_ROWS,
-    G_OFF,
-    U_ROWS,
-    U_OFF,
-    KQ,
-    num_pid_m,
-    stride_xt,
-    stride_it,
-    QG: tl.constexpr,
-    QU: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAIRS: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PER_SLOT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INDIRECT: tl.constexpr = False,  # experts found through gt / ut; rows count within an expert
-    PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
-    EXPERT_DIV: tl.constexpr = 1,  # runs padded to EXPERT_DIV blocks (GEMM 2's larger BLOCK_M)
-    GROUPS: tl.constexpr = False,  # gate and up grid types: gc / uc their GGUF blocks, gh / uh their tables
-    INTERPRET: tl.constexpr = False,
-):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    # Unused blocks (past the padded length too) have expert -1.
-    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT,
-                                             EXPERT_DIV)  # fmt: skip
-    if expert < 0:
-        return
-    if EXPERT_DIV > 1:
-        # A block of padding alone (runs put their pairs first): its rows are left unwritten, and GEMM 2 masks
-        # the outputs of those rows (each output column depends on its own intermediate row only).
-        if tl.load(sorted_ids_ptr + pid_m * BLOCK_M) >= num_pairs:
-            return
-    token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n = (offs_n % I).to(tl.int64)
-    if INDIRECT:
-        gc, gh, gs, gd = part_bases(gt, expert, gc, gh, gs, gd)
-        uc, uh, us, ud = part_bases(ut, expert, uc, uh, us, ud)
-        rows_g = (G_OFF + n)[:, None]  # [BLOCK_N, 1]
-        rows_u = (U_OFF + n)[:, None]
-    else:
-        rows_g = (expert * G_ROWS + G_OFF + n)[:, None]  # [BLOCK_N, 1]
-        rows_u = (expert * U_ROWS + U_OFF + n)[:, None]
-    lane_k = tl.arange(0, 32)  # [32]
-    lane = lane_k[None, :]  # [1, 32]
-    x_cols = x_ptr + token[None, :] * stride_xt  # [1, BLOCK_M]
-    cdt = x_ptr.dtype.element_ty
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # gate^T
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if GROUPS:  # a pair a step, its group words loaded one step ahead (their loads are too narrow to pipeline)
-        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
-        tl.assume(KQ > 0)
-        g0, g1, gsc, gdl = group_words64(QG, gc, gh, rows_g, 0, KQ)  # [8, BLOCK_N, 1] each
-        u0, u1, usc, udl = group_words64(QU, uc, uh, rows_u, 0, KQ)
-        for q in range(0, KQ):
-            g = group_values64(QG, g0, g1, gsc, gdl, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
-            u = group_values64(QU, u0, u1, usc, udl, INTERPRET).to(cdt).to(DOT_DTYPE)
-            g0, g1, gsc, gdl = group_words64(QG, gc, gh, rows_g, tl.minimum(q + 1, KQ - 1), KQ)
-            u0, u1, usc, udl = group_words64(QU, uc, uh, rows_u, tl.minimum(q + 1, KQ - 1), KQ)
-            k = q * 64 + offs_k  # [64, 1]
-            xt = tl.load(x_cols + k, mask=row_ok[None, :] & (k < H), other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
-            acc_g = tl.dot(g, xt, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(u, xt, acc_u, input_precision=DOT_PRECISION)
-    elif PAIR64:  # decoded weights rounded to the activation dtype, as dequantize(dtype) rounds them
-        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
-        tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
-        for q in range(0, KQ):
-            k = q * 64 + offs_k  # [64, 1]
-            g = decode_pair64(QG, gc, gh, gs, gd, rows_g, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
-            u = decode_pair64(QU, uc, uh, us, ud, rows_u, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)
-            xt = tl.load(x_cols + k, mask=row_ok[None, :] & (k < H), other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
-            acc_g = tl.dot(g, xt, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(u, xt, acc_u, input_precision=DOT_PRECISION)
-    else:  # two 32-wide planes a pair, each in its own tl.dot
-        tl.assume(KQ // PAIRS > 0)  # PAIRS divides KQ; as in the tile64 loop above
-        for it in range(0, KQ // PAIRS):
-            for j in tl.static_range(PAIRS):
-                q = it * PAIRS + j
-                xa, xb = x_planes(x_cols, q, lane_k, row_ok[None, :], H, EVEN_K)  # [32, BLOCK_M] each
-                g0, g1 = dequant_pair(QG, gc, gh, gs, gd, rows_g, q, lane, KQ)  # [BLOCK_N, 32] each
-                # Decoded weights are rounded to the activation dtype, as dequantize(dtype) rounds them.
-                xa = xa.to(DOT_DTYPE)
-                xb = xb.to(DOT_DTYPE)
-                acc_g = tl.dot(g0.to(cdt).to(DOT_DTYPE), xa, acc_g, input_precision=DOT_PRECISION)
-                acc_g = tl.dot(g1.to(cdt).to(DOT_DTYPE), xb, acc_g, input_precision=DOT_PRECISION)
-                u0, u1 = dequant_pair(QU, uc, uh, us, ud, rows_u, q, lane, KQ)
-                acc_u = tl.dot(u0.to(cdt).to(DOT_DTYPE), xa, acc_u, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(u1.to(cdt).to(DOT_DTYPE), xb, acc_u, input_precision=DOT_PRECISION)
-
-    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_M]
-    out_ptrs = inter_ptr + irow[None, :] * stride_it + offs_n[:, None]
-    if PER_SLOT:
-        tl.store(out_ptrs, act, mask=row_ok[None, :] & (offs_n[:, None] < I))
-    else:
-        # Padding rows had zero inputs, so they store zeros (GEMM 2 masks their outputs in any case).
-        tl.store(out_ptrs, act, mask=offs_n[:, None] < I)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _gemm2_tile_kernel(
-    inter_ptr,  # [P, I] (PER_SLOT: [T*k, I])
-    topk_w_ptr,  # [T*k]
-    out_ptr,  # [T, H] fp32 (ATOMIC) or [T*k, H] fp32 or in the output dtype ("sum_out")
-    sorted_ids_ptr,  # [P]
-    block_expert_ptr,  # [P / BLOCK_M] (PER_SLOT: flat topk ids [T*k])
-    wc, wh, ws, wd,
-    wt,  # INDIRECT: [E, 4] int64 addresses of each expert's down arrays (else a dummy)
-    num_pairs,
-    top_k,
-    H,
-    I,  # noqa: E741
-    KQ,
-    num_pid_m,
-    stride_it,
-    stride_ot,
-    QW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAIRS: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PER_SLOT: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INDIRECT: tl.constexpr = False,  # experts found through wt; rows count within an expert
-    PAIR64: tl.constexpr = False,  # tile64: a whole pair decoded a step (tile64.py; not with PER_SLOT)
-    GROUPS: tl.constexpr = False,  # down a grid type: wc its GGUF blocks, wh its table
-    INTERPRET: tl.constexpr = False,
-):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    expert, pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M, PER_SLOT, 1)
-    if expert < 0:
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    if INDIRECT:
-        wc, wh, ws, wd = part_bases(wt, expert, wc, wh, ws, wd)
-        rows = (offs_n % H).to(tl.int64)[:, None]  # [BLOCK_N, 1]
-    else:
-        rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
-    lane_k = tl.arange(0, 32)
-    lane = lane_k[None, :]
-    a_cols = inter_ptr + irow[None, :] * stride_it  # [1, BLOCK_M]
-    cdt = inter_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-    if GROUPS:  # as GEMM 1's
-        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
-        tl.assume(KQ > 0)
-        w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, 0, KQ)  # [8, BLOCK_N, 1] each
-        for q in range(0, KQ):
-            w = group_values64(QW, w0, w1, wsc, wdl, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
-            w0, w1, wsc, wdl = group_words64(QW, wc, wh, rows, tl.minimum(q + 1, KQ - 1), KQ)
-            k = q * 64 + offs_k  # [64, 1]
-            at = tl.load(a_cols + k, mask=k < I, other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
-            acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
-    elif PAIR64:
-        offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
-        tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
-        for q in range(0, KQ):
-            k = q * 64 + offs_k  # [64, 1]
-            w = decode_pair64(QW, wc, wh, ws, wd, rows, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BLOCK_N, 64]
-            # No row mask: an output column depends on its own intermediate row only, and padding's are masked.
-            at = tl.load(a_cols + k, mask=k < I, other=0.0).to(DOT_DTYPE)  # [64, BLOCK_M]
-            acc = tl.dot(w, at, acc, input_precision=DOT_PRECISION)
-    else:
-        tl.assume(KQ // PAIRS > 0)  # PAIRS divides KQ; as in the tile64 loop above
-        for it in range(0, KQ // PAIRS):
-            for j in tl.static_range(PAIRS):
-                q = it * PAIRS + j
-                k0 = (q * 64 + lane_k)[:, None]  # [32, 1]
-                if PER_SLOT:
-                    aa = tl.load(a_cols + k0, mask=row_ok[None, :] & (k0 < I), other=0.0)  # [32, BLOCK_M]
-                    ab = tl.load(a_cols + k0 + 32, mask=row_ok[None, :] & (k0 + 32 < I), other=0.0)
-                elif EVEN_K:
-                    # No row mask: an output column depends on its own intermediate row only, and padding's are masked.
-                    aa = tl.load(a_cols + k0)
-                    ab = tl.load(a_cols + k0 + 32)
-                else:
-                    aa = tl.load(a_cols + k0, mask=k0 < I, other=0.0)
-                    ab = tl.load(a_cols + k0 + 32, mask=k0 + 32 < I, other=0.0)
-                w0, w1 = dequant_pair(QW, wc, wh, ws, wd, rows, q, lane, KQ)
-                acc = tl.dot(w0.to(cdt).to(DOT_DTYPE), aa.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-                acc = tl.dot(w1.to(cdt).to(DOT_DTYPE), ab.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-
-    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
-    acc = acc * weight[None, :]
-    mask = row_ok[None, :] & (offs_n[:, None] < H)
-    if ATOMIC:
-        token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-        tl.atomic_add(out_ptr + token[None, :] * stride_ot + offs_n[:, None], acc, mask=mask, sem="relaxed")
-    else:
-        slot = tl.where(row_ok, pair, 0).to(tl.int64)
-        tl.store(out_ptr + slot[None, :] * stride_ot + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # ------------------------------------------------------------------------------------------------ host side
 
 
@@ -503,21 +267,22 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
                INDIRECT=tables is not None, PAIR64=cfg["path"] == "tile64", INTERPRET=interpreting())
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
-    _gemm1_tile_kernel[(num_pid_m * div * triton.cdiv(I, bn1),)](
+    gemm1_tile_kernel[(num_pid_m * div * triton.cdiv(I, bn1),)](
         x, inter, sorted_ids, block_expert, *gw.kernel_args(), *uw.kernel_args(),
         *(tables[:2] if tables else (ids, ids)), slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m * div,
         x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
         PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, EXPERT_DIV=div,
-        GROUPS=gw.qtype in GROUP_TYPES, **dot,
+        GROUPS=gw.qtype in GROUP_TYPES, TAIL_M=cfg["TAIL_M"], **dot,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **register_cap(cfg, ""),
     )  # fmt: skip
     acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
     bn2 = cfg["BLOCK_N2"]
-    _gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
+    gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
         inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(), tables[2] if tables else ids,
         slots, k, H, I, w2.kq, num_pid_m, inter.stride(0), acc.stride(0),
         QW=int(w2.qtype), BLOCK_M=block_m2, BLOCK_N=bn2, PAIRS=dot_steps(cfg["BLOCK_K2"], w2.kq),
-        GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, GROUPS=w2.qtype in GROUP_TYPES, **dot,
+        GROUP_M=group_m, EVEN_K=w2.k_pad == I, ATOMIC=atomic, GROUPS=w2.qtype in GROUP_TYPES,
+        TAIL_M=cfg.get("TAIL_M2", 0), **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], **register_cap(cfg, "2"),
     )  # fmt: skip
     return _finish(acc, T, k, H, atomic, out_dtype)

@@ -187,6 +187,14 @@ POOL: dict[str, Config] = {
     "k128x64m256sot32t64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256,
                             "num_stages2": 3, "TAIL_M": 32, "TAIL_M2": 64},
     "k128x64sot64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "TAIL_M": 64, "TAIL_M2": 64},
+    # GEMM 1's gate and up in programs of their own (split13): one accumulator a program, so blocks of 256 token-slots
+    # fit the registers of today's 128 and each decoded gate or up tile serves up to 256 (1.00 decodes a weight at
+    # M = 2048 instead of 1.48, 1.48 at 4096 instead of 2.49 under uniform routing); tails as above
+    "k256x64split": {**_dot("tile64", 256, 64, 64, 8, 4, 3, red="sum_out"), "split13": True},
+    "k256x64splt128": {**_dot("tile64", 256, 64, 64, 8, 4, 3, red="sum_out"), "split13": True, "TAIL_M": 128,
+                       "TAIL_M2": 128},
+    "k256x64splt64": {**_dot("tile64", 256, 64, 64, 8, 4, 3, red="sum_out"), "split13": True, "TAIL_M": 64,
+                      "TAIL_M2": 64},
     # Variants with fewer registers a thread, all slower on an H200 (us at M = 2048 / 4096 against k128x64m256so's
     # 733.6 / 1,214.0 for Q4_K_M, 777.5 / 1,260.5 for Q6_K; benchmarks/RESULTS.md, twenty-fourth sitting); for
     # --compare. The shipped tiles take 248-255 registers with no spill worth counting (sm_90, Triton 3.6, compiled

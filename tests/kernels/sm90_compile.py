@@ -256,6 +256,10 @@ def _cases() -> dict[str, Callable[[], None]]:
             x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 128, "BLOCK_M2": 256, "BLOCK_N": 64,
                                            "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "num_stages2": 3,
                                            "reduce": "sum_out", "TAIL_M": 32, "TAIL_M2": 128}),
+        "quant MoE, prefill, tile64 with gate and up in programs of their own (split13), same and mixed types":
+            lambda: [fused_moe_quant(x64, gu, q6_down, w64, ids64, {
+                "path": "tile64", "BLOCK_M": 256, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
+                "reduce": "sum_out", "split13": True, "TAIL_M": 128, "TAIL_M2": 128}) for gu in (q4, [q4[0], q5[1]])],
         "quant MoE, prefill, tile64 with registers capped (maxnreg)": lambda: fused_moe_quant(
             x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_M2": 256, "BLOCK_N": 64,
                                            "num_warps": 4, "num_stages": 4, "num_stages2": 3, "maxnreg": 168,

@@ -15,10 +15,11 @@ from moerun.kernels.quant.fused_moe_quant import fused_moe_quant, register_cap  
 from moerun.kernels.quant.repack import PACKED_TYPES, pack  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
 from moerun.kernels.router import route_triton  # noqa: E402
+from moerun.kernels.tickets import ticket_counters  # noqa: E402
 from moerun.layers.quantized import QuantizedWeight  # noqa: E402
 from moerun.ops import moe as moe_ops  # noqa: E402
 from moerun.ops.moe_reference import fused_moe_reference, route_reference  # noqa: E402
-from moerun.ops.quant import packed_parts  # noqa: E402
+from moerun.ops.quant import moe_tile_parts, packed_parts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_CUDA = DEVICE.type == "cuda"
@@ -151,6 +152,51 @@ def test_short_tail_tiles(seed, monkeypatch, config) -> None:
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
                         if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
     check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TAILS[config])
+
+
+# GEMM 1's gate and up in programs of their own (split13), in blocks twice as long as GEMM 1's usual
+SPLITS = {"tile64": {**TILE64, "split13": True},
+          "tile64-m2-tail": {**TILE64, "split13": True, "BLOCK_M": 32, "TAIL_M": 16, "BLOCK_M2": 64, "TAIL_M2": 32,
+                             "reduce": "sum_out"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", list(SPLITS))
+@pytest.mark.parametrize("up_t", [QuantType.Q4_K, QuantType.Q5_K], ids=["same-part", "Q5_K-up"])
+def test_split_gate_and_up_programs(seed, monkeypatch, config, up_t) -> None:
+    # Experts with 33, 48, 49, 16, 1, 65 and 96 token-slots (k = 1), as in the tail test. One part holds gate and
+    # up (one loop over the half's pointers) or two parts of different types (a loop each). In float32 each half's
+    # product is stored exactly, so the result is the unsplit kernel's to the bit; in bfloat16 against the reference.
+    counts = [33, 48, 49, 16, 1, 65, 96]
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel())][:, None].to(DEVICE)  # [T, 1]
+    T, E, H, I = ids.shape[0], 8, 256, 256  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, up_t, QuantType.Q6_K)
+    weights = torch.rand(T, 1, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    unsplit = {key: v for key, v in SPLITS[config].items() if key != "split13"}
+    got = fused_moe_quant(x, p13, p2, weights, ids, SPLITS[config])
+    assert torch.equal(got, fused_moe_quant(x, p13, p2, weights, ids, unsplit)), f"seed={seed}"
+    # every ticket counter is back to 0 for the next launch
+    assert not ticket_counters(x.device, 1, "quant_moe_split13")._base.any(), f"seed={seed}"
+    empty = torch.empty  # new bfloat16 buffers (intermediate, scratch) start as NaN
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+                        if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
+    check(seed, x.bfloat16(), w13, w2, weights, ids, SPLITS[config])
+
+
+def test_split_gate_and_up_is_checked(seed) -> None:
+    with pytest.raises(ValueError, match="split13"):
+        normalize_config({**TILE, "split13": True})
+    with pytest.raises(ValueError, match="split13"):
+        normalize_config({**TILE64, "split13": "yes"})
+    # grid types decode their groups on another step: no split of theirs
+    T, E, H, I = 5, 2, 256, 256  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.IQ2_XXS, QuantType.IQ2_XXS, QuantType.Q4_K)
+    weights, ids = random_routing(T, E, 1)
+    with pytest.raises(ValueError, match="split13"):
+        fused_moe_quant(torch.randn(T, H, device=DEVICE), *moe_tile_parts(w13, w2), weights, ids,
+                        {**TILE64, "split13": True})  # fmt: skip
 
 
 def test_tail_tile_config_is_checked() -> None:

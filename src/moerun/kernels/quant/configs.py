@@ -14,7 +14,9 @@ in no fixed order), and `reduce` does not apply (GEMM 2 sums the slots).
 On the tile paths `BLOCK_M2` (default BLOCK_M) gives GEMM 2 M-blocks a power-of-two multiple of GEMM 1's: each
 expert's run is padded to it, so GEMM 2 decodes a weight tile once for up to BLOCK_M2 tokens. `TAIL_M` (GEMM 1)
 and `TAIL_M2` (GEMM 2; 0 or a power of two >= 16 below that GEMM's M-block, default 0) run a block holding at
-most that many token-slots as a tile of that many rows (moe_tiles.py).
+most that many token-slots as a tile of that many rows (moe_tiles.py). `split13` (tile64 only) runs GEMM 1's gate
+and up rows in programs of their own, one accumulator each, so its M-blocks can be twice as long in the same
+registers; the second of a tile's two programs to finish writes silu(gate) * up.
 Tables live in kernels/configs as quant_<TYPE>_E=..,H=..,I=..,device=....json, keyed by M, TYPE being the type of
 the gate projection.
 """
@@ -63,6 +65,8 @@ def normalize_config(cfg: Config) -> Config:
                      or tail >= block):  # fmt: skip
             raise ValueError(f"{key} must be 0 or a power of two >= 16 below its GEMM's M-block on the tile paths, "
                              f"got {tail!r} on path {path!r} (M-block {block})")
+    if cfg.get("split13") not in (None, False, True) or (cfg.get("split13") and path != "tile64"):
+        raise ValueError(f"split13 takes True or False on the tile64 path, got {cfg.get('split13')!r} on {path!r}")
     if cfg.get("sum2") not in (None, "atomic") or (cfg.get("sum2") and path != "gemv_v2"):
         raise ValueError(f"sum2 takes 'atomic' on the gemv_v2 path, got {cfg.get('sum2')!r} on path {path!r}")
     for key in ("maxnreg", "maxnreg2"):

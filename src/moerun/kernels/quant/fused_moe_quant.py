@@ -43,6 +43,7 @@ from moerun.kernels.quant.int8_dot import Int8Rows
 from moerun.kernels.quant.moe_tiles import gemm1_tile_kernel, gemm2_tile_kernel
 from moerun.kernels.quant.repack import PackedWeight
 from moerun.kernels.quant.tile64 import tile64_supported
+from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
 
@@ -267,12 +268,18 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
                INDIRECT=tables is not None, PAIR64=cfg["path"] == "tile64", INTERPRET=interpreting())
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
-    gemm1_tile_kernel[(num_pid_m * div * triton.cdiv(I, bn1),)](
+    n_tiles1 = triton.cdiv(I, bn1)
+    split = {}
+    if cfg.get("split13"):  # a program for gate and one for up on each tile, the second writing silu(gate) * up
+        split = {"scratch_ptr": torch.empty(inter_rows, 2 * I, dtype=x.dtype, device=x.device),  # [P, 2I]
+                 "ticket_ptr": ticket_counters(x.device, num_pid_m * div * n_tiles1, "quant_moe_split13"),
+                 "SPLIT13": True}  # fmt: skip
+    gemm1_tile_kernel[(num_pid_m * div * (2 if split else 1) * n_tiles1,)](
         x, inter, sorted_ids, block_expert, *gw.kernel_args(), *uw.kernel_args(),
         *(tables[:2] if tables else (ids, ids)), slots, k, H, I, gw.n, g_off, uw.n, u_off, gw.kq, num_pid_m * div,
         x.stride(0), inter.stride(0), QG=int(gw.qtype), QU=int(uw.qtype), BLOCK_M=block_m, BLOCK_N=bn1,
         PAIRS=dot_steps(cfg["BLOCK_K"], gw.kq), GROUP_M=group_m, EVEN_K=gw.k_pad == H, EXPERT_DIV=div,
-        GROUPS=gw.qtype in GROUP_TYPES, TAIL_M=cfg["TAIL_M"], **dot,
+        GROUPS=gw.qtype in GROUP_TYPES, TAIL_M=cfg["TAIL_M"], **dot, **split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **register_cap(cfg, ""),
     )  # fmt: skip
     acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
@@ -411,6 +418,11 @@ def _kernel_config(config: Config | None, gw: PackedWeight, uw: PackedWeight, w2
         cfg = {**cfg, "path": "tile", "BLOCK_K": 128, "BLOCK_K2": 128}
     if cfg["path"] == "gemv_v2" and chosen and gw.qtype not in FLOAT_X_TYPES:
         cfg = {**cfg, "x_q8": True}  # the only x these types are read with
+    if cfg.get("split13") and (group is not None or cfg["path"] != "tile64"):
+        if config is not None:
+            raise ValueError("split13 (gate and up in programs of their own) needs the tile64 path on stacked "
+                             f"experts of packed types, not {cfg['path']!r} with {group or 'address tables'}")
+        cfg = {key: v for key, v in cfg.items() if key != "split13"}
     return cfg
 
 

@@ -83,8 +83,18 @@ def gemm1_tile_kernel(
     GROUPS: tl.constexpr = False,  # gate and up grid types: gc / uc their GGUF blocks, gh / uh their tables
     TAIL_M: tl.constexpr = 0,  # > 0: blocks of at most TAIL_M pairs run as TAIL_M-row tiles (sorted rows only)
     INTERPRET: tl.constexpr = False,
+    scratch_ptr=None,  # SPLIT13: [P, 2I] in the activation dtype, each half's product for its partner
+    ticket_ptr=None,  # SPLIT13: [num_pid_m, N-tiles] int32, 0 between launches
+    SPLIT13: tl.constexpr = False,  # gate and up in programs of their own (tile64 only; see _gemm1_half_rows)
 ):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    if SPLIT13:  # the gate and the up program of an N-tile side by side in the launch order
+        pid_m, pid_n2 = _tile_pid(tl.program_id(0), num_pid_m, 2 * num_pid_n, GROUP_M)
+        half = pid_n2 % 2
+        pid_n = pid_n2 // 2
+    else:
+        pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        half = 0
     # Unused blocks (past the padded length too) have expert -1.
     expert = tl.load(block_expert_ptr + pid_m // EXPERT_DIV).to(tl.int64)
     if expert < 0:
@@ -109,7 +119,19 @@ def gemm1_tile_kernel(
     tail = False
     if TAIL_M > 0:
         tail = _tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
-    if tail:
+    if SPLIT13:
+        tl.static_assert(PAIR64 and not (GROUPS or PER_SLOT), "SPLIT13: the tile64 path of the packed types")
+        ticket = ticket_ptr + pid_m * num_pid_n + pid_n
+        if tail:
+            _gemm1_half_rows(x_ptr, inter_ptr, scratch_ptr, ticket, sorted_ids_ptr, pid_m,
+                             TAIL_M if TAIL_M > 0 else BLOCK_M, offs_n, half, rows_g, rows_u, gc, gh, gs, gd, uc, uh,
+                             us, ud, num_pairs, top_k, H, I, KQ, stride_xt, stride_it, QG, QU, BLOCK_M, BLOCK_N,
+                             DOT_DTYPE, DOT_PRECISION, INTERPRET)  # fmt: skip
+        else:
+            _gemm1_half_rows(x_ptr, inter_ptr, scratch_ptr, ticket, sorted_ids_ptr, pid_m, BLOCK_M, offs_n, half,
+                             rows_g, rows_u, gc, gh, gs, gd, uc, uh, us, ud, num_pairs, top_k, H, I, KQ, stride_xt,
+                             stride_it, QG, QU, BLOCK_M, BLOCK_N, DOT_DTYPE, DOT_PRECISION, INTERPRET)  # fmt: skip
+    elif tail:
         _gemm1_rows(x_ptr, inter_ptr, sorted_ids_ptr, pid_m, TAIL_M if TAIL_M > 0 else BLOCK_M, offs_n, rows_g, rows_u,
                     gc, gh, gs, gd, uc, uh, us, ud, num_pairs, top_k, H, I, KQ, stride_xt, stride_it, QG, QU, BLOCK_M,
                     BLOCK_N, PAIRS, EVEN_K, PER_SLOT, DOT_DTYPE, DOT_PRECISION, PAIR64, GROUPS, INTERPRET)  # fmt: skip
@@ -117,6 +139,69 @@ def gemm1_tile_kernel(
         _gemm1_rows(x_ptr, inter_ptr, sorted_ids_ptr, pid_m, BLOCK_M, offs_n, rows_g, rows_u,
                     gc, gh, gs, gd, uc, uh, us, ud, num_pairs, top_k, H, I, KQ, stride_xt, stride_it, QG, QU, BLOCK_M,
                     BLOCK_N, PAIRS, EVEN_K, PER_SLOT, DOT_DTYPE, DOT_PRECISION, PAIR64, GROUPS, INTERPRET)  # fmt: skip
+
+
+@triton.jit
+def _pair64_product(QTYPE: tl.constexpr, codes, high, sub, scale, rows, x_cols, row_ok, H, KQ, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    INTERPRET: tl.constexpr):  # fmt: skip
+    """float32 [BLOCK_N, ROWS] = W x^T of one projection's rows ([BLOCK_N, 1] global row indices of its packed
+    arrays) and the ROWS token columns at x_cols ([1, ROWS]; row_ok masks them), a whole pair decoded a step."""
+    cdt = x_cols.dtype.element_ty
+    offs_k = tl.arange(0, 64)[:, None]  # [64, 1]
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    tl.assume(KQ > 0)  # lets the products overlap the decode (tile64.py)
+    for q in range(0, KQ):
+        k = q * 64 + offs_k  # [64, 1]
+        w = decode_pair64(QTYPE, codes, high, sub, scale, rows, q, KQ, INTERPRET).to(cdt).to(DOT_DTYPE)  # [BN, 64]
+        xt = tl.load(x_cols + k, mask=row_ok[None, :] & (k < H), other=0.0).to(DOT_DTYPE)  # [64, ROWS]
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _gemm1_half_rows(
+    x_ptr, inter_ptr, scratch_ptr, ticket_ptr, sorted_ids_ptr, pid_m, ROWS: tl.constexpr, offs_n, half, rows_g, rows_u,
+    gc, gh, gs, gd, uc, uh, us, ud, num_pairs, top_k, H, I, KQ, stride_xt, stride_it,  # noqa: E741
+    QG: tl.constexpr, QU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """SPLIT13: half 0 multiplies the gate rows, half 1 the up rows, of the first ROWS rows of M-block pid_m.
+
+    With one accumulator a program instead of two, an M-block can be twice as long in the same registers, so a
+    decoded weight tile serves twice the token-slots. Each half stores its product, rounded to the activation dtype,
+    in its half of the scratch rows and takes a ticket; the second to arrive reads its partner's product and writes
+    silu(gate) * up. Both factors are the rounded products whichever half arrives last, so the result does not
+    depend on the order.
+    """
+    pair, row_ok, irow = _block_rows(pid_m, sorted_ids_ptr, num_pairs, BLOCK_M, ROWS, False)  # [ROWS] each
+    token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    x_cols = x_ptr + token[None, :] * stride_xt  # [1, ROWS]
+    if QG == QU:  # one loop, on the pointers of this half's part
+        up = half == 1
+        acc = _pair64_product(QG, tl.where(up, uc, gc), tl.where(up, uh, gh), tl.where(up, us, gs),
+                              tl.where(up, ud, gd), tl.where(up, rows_u, rows_g), x_cols, row_ok, H, KQ, ROWS,
+                              BLOCK_N, DOT_DTYPE, DOT_PRECISION, INTERPRET)  # fmt: skip
+    elif half == 0:
+        acc = _pair64_product(QG, gc, gh, gs, gd, rows_g, x_cols, row_ok, H, KQ, ROWS, BLOCK_N, DOT_DTYPE,
+                              DOT_PRECISION, INTERPRET)  # fmt: skip
+    else:
+        acc = _pair64_product(QU, uc, uh, us, ud, rows_u, x_cols, row_ok, H, KQ, ROWS, BLOCK_N, DOT_DTYPE,
+                              DOT_PRECISION, INTERPRET)  # fmt: skip
+    mine = acc.to(scratch_ptr.dtype.element_ty)  # [BLOCK_N, ROWS]
+    col_ok = offs_n[:, None] < I  # [BLOCK_N, 1]
+    rows_at = scratch_ptr + irow[None, :] * (2 * I) + offs_n[:, None]  # [BLOCK_N, ROWS] this N-tile's gate half
+    tl.store(rows_at + half * I, mine, mask=col_ok)
+    tl.debug_barrier()  # every thread's product is written before the ticket is taken
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == 1:
+        tl.atomic_xchg(ticket_ptr, 0)  # for the next launch or graph replay
+        # written by another program of this launch: read through L2 (.cg)
+        other = tl.load(rows_at + (1 - half) * I, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        own = mine.to(tl.float32)
+        gate = tl.where(half == 0, own, other)
+        act = _silu_mul(gate, tl.where(half == 0, other, own)).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, ROWS]
+        # Padding rows had zero inputs, so they store zeros (GEMM 2 masks their outputs in any case).
+        tl.store(inter_ptr + irow[None, :] * stride_it + offs_n[:, None], act, mask=col_ok)
 
 
 @triton.jit

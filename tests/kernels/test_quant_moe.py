@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from moerun.formats.quants import QuantType  # noqa: E402
 from moerun.kernels.quant.configs import default_moe_config, normalize_config  # noqa: E402
+from moerun.kernels.quant import fused_moe_quant as quant_module  # noqa: E402
 from moerun.kernels.quant.fused_moe_quant import fused_moe_quant, register_cap  # noqa: E402
 from moerun.kernels.quant.repack import PACKED_TYPES, pack  # noqa: E402
 from moerun.kernels.quant.synthetic import random_quantized  # noqa: E402
@@ -183,6 +184,29 @@ def test_split_gate_and_up_programs(seed, monkeypatch, config, up_t) -> None:
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
                         if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
     check(seed, x.bfloat16(), w13, w2, weights, ids, SPLITS[config])
+
+
+def test_split_gate_and_up_combine_in_either_order(seed, monkeypatch) -> None:
+    # The interpreter runs a tile's gate program before its up program, so the up program combines. Counters set to
+    # 1 make the gate program the second to arrive instead, with the scratch of an identical launch before it
+    # holding the up half: the same output, now written by the gate programs.
+    T, E, H, I, k = 40, 4, 256, 256, 2  # noqa: E741
+    w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q4_K, QuantType.Q6_K)
+    weights, ids = random_routing(T, E, k)
+    x = torch.randn(T, H, device=DEVICE)
+    p13, p2 = packed_parts(w13), packed_parts(w2)[0]
+    config = {**TILE64, "split13": True}
+    want = fused_moe_quant(x, p13, p2, weights, ids, config)
+    kept, empty = {}, torch.empty  # the scratch [P, 2I], kept from one launch to the next
+
+    def scratch_kept(*shape, **kw):
+        return kept.setdefault(shape, empty(*shape, **kw)) if shape[-1] == 2 * I else empty(*shape, **kw)
+
+    monkeypatch.setattr(torch, "empty", scratch_kept)
+    fused_moe_quant(x, p13, p2, weights, ids, config)
+    ones = torch.ones(1 << 12, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(quant_module, "ticket_counters", lambda device, n, owner: ones[:n])
+    assert torch.equal(fused_moe_quant(x, p13, p2, weights, ids, config), want), f"seed={seed}"
 
 
 def test_split_gate_and_up_is_checked(seed) -> None:

@@ -236,7 +236,8 @@ def tune_candidates(m: int, families: str = "all") -> list[str]:
     # (k64x64m128, k64x64m256 and the 8-warp and capped variants stay in the pool for --compare: they lost at
     # every M >= 1024 on the H200)
     return ["t64x128", "t128x64", "t128x128", "t64x128so", "t128x128so", "deq", "k64x64", "k128x64", "k128x128so",
-            "k128x64m256", "k128x64m256so", "k128x64m256s2"]
+            "k128x64m256", "k128x64m256so", "k128x64m256s2", "k128x64sot64", "k128x64m256sot32",
+            "k128x64m256sot32t64", "k256x64splt128", "k256x64splt64"]
 
 
 # ---------------------------------------------------------------------------------------------- workload

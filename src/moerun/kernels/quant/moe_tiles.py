@@ -11,6 +11,10 @@ rows, as the bf16 kernel's TAIL_M does (kernels/fused_moe.py): the weight decode
 activation loads of the padding rows are skipped. GEMM 1 leaves the skipped padding rows unwritten; that is safe
 for any GEMM 2 block, because an output column of out^T = W inter^T depends on its own intermediate row only and
 the outputs of padding rows are masked.
+
+With SPLIT13 (tile64), GEMM 1 runs the gate rows and the up rows of an N-tile in two programs, one accumulator
+each, so an M-block can be twice as long in the same registers and a decoded tile serves twice the token-slots;
+the second of the two to finish (by a ticket counter) writes silu(gate) * up (_gemm1_half_rows).
 """
 
 from __future__ import annotations

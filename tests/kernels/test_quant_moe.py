@@ -137,21 +137,31 @@ TAILS = {"tile64": {**TILE64, "BLOCK_M": 32, "TAIL_M": 16},
          "tile64-gemm2": {**TILE64, "BLOCK_M": 32, "TAIL_M2": 16}}  # fmt: skip
 
 
+def tail_routing() -> torch.Tensor:
+    """topk_ids [T, 1] (k = 1) giving experts 0..6 33, 48, 49, 16, 1, 65 and 96 token-slots in random order."""
+    counts = [33, 48, 49, 16, 1, 65, 96]
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    return ids[torch.randperm(ids.numel())][:, None].to(DEVICE)
+
+
+def nan_bfloat16_buffers(monkeypatch) -> None:
+    """New bfloat16 buffers (intermediate, scratch) start as NaN, so an unwritten row that reached an output shows."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+                        if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
+
+
 @pytest.mark.parametrize("config", list(TAILS))
 def test_short_tail_tiles(seed, monkeypatch, config) -> None:
     # k = 1, one token a slot. Experts 0..6 get 33, 48, 49, 16, 1, 65 and 96 token-slots (expert 7 none): GEMM 1's
     # last blocks of 1, 16 (= TAIL_M), 17 (> TAIL_M: the full tile), a lone 16 and a lone 1, then 1 and 32; with
     # GEMM 2 in blocks of 64, its last blocks of 33, 48, 49, 16, 1, 1 and 32 (= TAIL_M2). Padding rows that GEMM 1
     # skips stay unwritten (NaN here), and must not reach any output.
-    counts = [33, 48, 49, 16, 1, 65, 96]
-    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel())][:, None].to(DEVICE)  # [T, 1]
+    ids = tail_routing()  # [T, 1]
     T, E, H, I = ids.shape[0], 8, 256, 256  # noqa: E741
     w13, w2 = make_experts(E, H, I, QuantType.Q4_K, QuantType.Q4_K, QuantType.Q6_K)
     weights = torch.rand(T, 1, device=DEVICE)
-    empty = torch.empty  # new bfloat16 buffers (the intermediate among them) start as NaN
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
-                        if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
+    nan_bfloat16_buffers(monkeypatch)
     check(seed, torch.randn(T, H, device=DEVICE).bfloat16(), w13, w2, weights, ids, TAILS[config])
 
 
@@ -167,9 +177,7 @@ def test_split_gate_and_up_programs(seed, monkeypatch, config, up_t) -> None:
     # Experts with 33, 48, 49, 16, 1, 65 and 96 token-slots (k = 1), as in the tail test. One part holds gate and
     # up (one loop over the half's pointers) or two parts of different types (a loop each). In float32 each half's
     # product is stored exactly, so the result is the unsplit kernel's to the bit; in bfloat16 against the reference.
-    counts = [33, 48, 49, 16, 1, 65, 96]
-    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel())][:, None].to(DEVICE)  # [T, 1]
+    ids = tail_routing()  # [T, 1]
     T, E, H, I = ids.shape[0], 8, 256, 256  # noqa: E741
     w13, w2 = make_experts(E, H, I, QuantType.Q4_K, up_t, QuantType.Q6_K)
     weights = torch.rand(T, 1, device=DEVICE)
@@ -180,9 +188,7 @@ def test_split_gate_and_up_programs(seed, monkeypatch, config, up_t) -> None:
     assert torch.equal(got, fused_moe_quant(x, p13, p2, weights, ids, unsplit)), f"seed={seed}"
     # every ticket counter is back to 0 for the next launch
     assert not ticket_counters(x.device, 1, "quant_moe_split13")._base.any(), f"seed={seed}"
-    empty = torch.empty  # new bfloat16 buffers (intermediate, scratch) start as NaN
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
-                        if kw.get("dtype") == torch.bfloat16 else empty(*a, **kw))  # fmt: skip
+    nan_bfloat16_buffers(monkeypatch)
     check(seed, x.bfloat16(), w13, w2, weights, ids, SPLITS[config])
 
 

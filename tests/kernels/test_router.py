@@ -67,7 +67,7 @@ def test_route_dispatch_triton(seed: int) -> None:
 def test_route_ties_pick_lowest_index() -> None:
     logits = torch.zeros(3, 13, device=DEVICE)
     logits[1, 5] = logits[1, 9] = 1.0  # row 1: a tie at the top between experts 5 and 9
-    logits[2, 1], logits[2, 6], logits[2, 12], logits[2, 10] = 1.5, 1.1, 0.8867, 0.8867  # row 2: a tie at pick 4
+    logits[2, 1], logits[2, 6], logits[2, 12], logits[2, 10] = 1.5, 1.1, 0.8867, 0.8867  # row 2: picks 3, 4 tie
     weights, ids = route_triton(logits, 4, False)
     assert ids[0].tolist() == [0, 1, 2, 3]
     assert ids[1].tolist() == [5, 9, 0, 1]

@@ -75,17 +75,6 @@ def audit(cubin: bytes) -> str:
             f"({spills[0]} STL / {spills[1]} LDL), {count} SASS")
 
 
-def _read_back(run: Callable[[], object]) -> None:
-    """run() with decode attention's INT8_READBACK on."""
-    from moerun.kernels import decode_attention
-
-    decode_attention.INT8_READBACK = True
-    try:
-        run()
-    finally:
-        decode_attention.INT8_READBACK = False
-
-
 def _cases() -> dict[str, Callable[[], None]]:
     """name -> a call of one op on CPU tensors (imports inside: moerun reads TRITON_INTERPRET at import)."""
     from moerun.formats.quants import QuantType
@@ -338,8 +327,6 @@ def _cases() -> dict[str, Callable[[], None]]:
         "decode attention": lambda: decode_attention_triton(q, k_cache, v_cache, slots, lens, 0.125),
         "decode attention, int8 output": lambda: decode_attention_int8_triton(q, k_cache, v_cache, slots, lens, 0.125,
                                                                               n_q * D),
-        "decode attention, int8 output read back (INT8_READBACK)": lambda: _read_back(
-            lambda: decode_attention_int8_triton(q, k_cache, v_cache, slots, lens, 0.125, n_q * D)),
         "decode attention with the q/k norm, RoPE and cache write": lambda: decode_attention_qk_triton(
             qkv, torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16), 1e-6, cos, sin, lens.long() - 1, slots,
             k_cache, v_cache, slots, lens, 0.125, n_q, n_kv, n_q * D),

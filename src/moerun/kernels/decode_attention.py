@@ -59,12 +59,6 @@ NUM_WARPS = 4
 # 128-token prompt were 0.02-0.03 ms shorter with 32 than with 64 in three runs, while bf16 steps (the plain
 # launch) were 0.01 ms longer (benchmarks/RESULTS.md).
 INT8_MAX_BLOCK_N = 32
-# With INT8_READBACK the launch that also rounds its output to int8 stores the rounded rows, then reads them back
-# after a block barrier in a plain layout and rounds those, instead of rounding the [heads, D] tile in the layout the
-# products left it in, which moves it through shared memory for each reshape of the rounding. sm_90 (Triton 3.6,
-# Qwen3-30B heads): 2,160 -> 1,856 SASS instructions, 60 -> 53 barriers, 79 -> 32 shuffles; not yet timed on a GPU,
-# so off (benchmarks/RESULTS.md).
-INT8_READBACK = False
 
 
 @triton.jit
@@ -291,13 +285,7 @@ def _store_out(out_ptr, out, b, kv_head, row_mask, N_Q: tl.constexpr, G: tl.cons
     dst = out_ptr + (b * N_Q + kv_head * G + g).to(tl.int64)[:, None] * D + d[None, :]
     tl.store(dst, rounded, mask=row_mask[:, None])
     start = kv_head * (G * D)
-    if Q8 == 2:  # (INT8_READBACK) the rows just stored, read back in a plain layout after a block barrier
-        tl.debug_barrier()  # the block's stores above are visible to all its threads after it
-        e = tl.arange(0, ROWS * D)  # [ROWS * D]
-        first = out_ptr + (b * N_Q + kv_head * G).to(tl.int64) * D
-        vals = tl.load(first + e, mask=e < G * D, other=0.0).to(tl.float32)
-        quantize_store_row(vals, ROWS * D, start, xq_ptr, dx_ptr, xs_ptr, b.to(tl.int64), K_PAD, start + G * D)
-    elif Q8:
+    if Q8:
         quantize_store_row(tl.reshape(rounded.to(tl.float32), [ROWS * D]), ROWS * D, start, xq_ptr, dx_ptr, xs_ptr,
                            b.to(tl.int64), K_PAD, start + G * D)  # fmt: skip
 
@@ -342,7 +330,7 @@ def _decode_attention_kernel(
     dx_ptr=None,
     xs_ptr=None,
     K_PAD: tl.constexpr = 0,
-    Q8: tl.constexpr = 0,  # 1: the output also rounded to int8 (2: by reading it back, INT8_READBACK)
+    Q8: tl.constexpr = 0,  # 1: the output also rounded to int8
     # QK mode: q is made here from the q|k|v row (per-head RMSNorm + RoPE), and the new token's k and v go into
     # the cache first (kernels/qk_norm_rope.py's work, without its launch); q_ptr is not read then
     qkv_ptr=None,  # [B, (n_q + 2 n_kv) D]
@@ -621,7 +609,7 @@ def _launch_single(
         N_KV=n_kv, BLOCK_GM=block_gm, MIN_CHUNK=min_chunk, ONE_CHUNK=one_chunk, MAX_LIVE=max_live, BLOCK_S=block_s,
         **{**_common_meta(q, k_cache, block_n), **(qk.kernel_args() if qk is not None else {})},
         PDL=pdl, **launch_options(pdl),
-        **({**rows.store_args(), "Q8": 2 if INT8_READBACK else 1} if rows is not None else {}),
+        **({**rows.store_args(), "Q8": 1} if rows is not None else {}),
     )  # fmt: skip
 
 

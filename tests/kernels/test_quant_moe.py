@@ -296,6 +296,15 @@ def test_default_configs() -> None:
     assert default_moe_config(4096, 8, interpret=False, qtype="Q4_K")["reduce"] == "sum_out"
     assert default_moe_config(64, 8, interpret=False, qtype="Q4_K")["path"] == "tile64"
     assert default_moe_config(1, 2, interpret=True)["path"] == "gemv"
+    # packed types above 512 tokens: short tail tiles, GEMM 2 in blocks of 256 up to 2048, split gate/up above
+    assert default_moe_config(512, 8, interpret=False, qtype="Q4_K")["TAIL_M"] == 0
+    assert default_moe_config(1024, 8, interpret=False, qtype="Q4_K")["TAIL_M"] == 64
+    mid = default_moe_config(2048, 8, interpret=False, qtype="Q6_K")
+    assert (mid["BLOCK_M"], mid["BLOCK_M2"], mid["TAIL_M"], mid["TAIL_M2"]) == (128, 256, 32, 128)
+    assert not mid.get("split13")
+    big = default_moe_config(4096, 8, interpret=False, qtype="Q8_0")
+    assert (big["BLOCK_M"], big["TAIL_M"], big["TAIL_M2"], big["split13"]) == (256, 64, 64, True)
+    assert "split13" not in default_moe_config(4096, 8, interpret=False, qtype="IQ2_XXS")  # grid types: not split
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -162,6 +162,16 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
         bm, s = (16, 3) if m <= 64 else (32, 4) if m <= 512 else (128, 4)
         cfg = {"path": "tile64", "BLOCK_M": bm, "BLOCK_N": 64, "GROUP_M": 1 if bm == 16 else 8, "num_warps": 4,
                "num_stages": s, "reduce": "sum_out"}  # fmt: skip
+        # Above 512 tokens, an expert's last M-block as a short tile (TAIL_M, TAIL_M2), GEMM 2 in blocks of 256 up
+        # to 2048 tokens, and above 2048 gate and up in programs of their own on blocks of 256 (split13): the
+        # fastest forms for each of Q4_K, Q5_K, Q6_K and Q8_0 on an H100 without tables, 5-13% faster than these
+        # tiles alone at 1024, 2048 and 4096 tokens (benchmarks/RESULTS.md, forty-first sitting).
+        if 512 < m <= 1024:
+            cfg |= {"TAIL_M": 64, "TAIL_M2": 64}
+        elif 1024 < m <= 2048:
+            cfg |= {"BLOCK_M2": 256, "num_stages2": 3, "TAIL_M": 32, "TAIL_M2": 128}
+        elif m > 2048:
+            cfg |= {"BLOCK_M": 256, "num_stages": 3, "split13": True, "TAIL_M": 64, "TAIL_M2": 64}
     elif m <= 64:
         cfg = {"path": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
                "num_warps": 4, "num_stages": 3}  # fmt: skip

@@ -175,7 +175,8 @@ POOL: dict[str, Config] = {
     # Short tail tiles (TAIL_M for GEMM 1's blocks of 128, TAIL_M2 for GEMM 2's of 256): an expert's last block with
     # few token-slots multiplies only that many rows; the decode of the weight tile stays the same. Under uniform
     # top-8 routing the products fall to 0.73x at M = 1024 (t64), 0.76x / 0.74x for GEMM 1 / 2 at 2048 (t32, t128)
-    # and 0.86x / 0.76x at 4096 (t32, t64) of the untailed tiles' (benchmarks/RESULTS.md, fortieth sitting).
+    # and 0.86x / 0.76x at 4096 (t32, t64) of the untailed tiles' (benchmarks/RESULTS.md, fortieth sitting). On an
+    # H100, sot64 at 1024 and m256sot32 at 2048 were the fastest forms for Q4_K, Q5_K, Q6_K and Q8_0 (forty-first).
     "k128x64m256sot32": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
                          "TAIL_M": 32, "TAIL_M2": 128},
     "k128x64m256sot64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "BLOCK_M2": 256, "num_stages2": 3,
@@ -189,7 +190,8 @@ POOL: dict[str, Config] = {
     "k128x64sot64": {**_dot("tile64", 128, 64, 64, 8, 4, 4, red="sum_out"), "TAIL_M": 64, "TAIL_M2": 64},
     # GEMM 1's gate and up in programs of their own (split13): one accumulator a program, so blocks of 256 token-slots
     # fit the registers of today's 128 and each decoded gate or up tile serves up to 256 (1.00 decodes a weight at
-    # M = 2048 instead of 1.48, 1.48 at 4096 instead of 2.49 under uniform routing); tails as above
+    # M = 2048 instead of 1.48, 1.48 at 4096 instead of 2.49 under uniform routing); tails as above. On an H100,
+    # splt64 was the fastest form at 4096 for every K-quant type; without tails, split lost at 2048 (forty-first).
     "k256x64split": {**_dot("tile64", 256, 64, 64, 8, 4, 3, red="sum_out"), "split13": True},
     "k256x64splt128": {**_dot("tile64", 256, 64, 64, 8, 4, 3, red="sum_out"), "split13": True, "TAIL_M": 128,
                        "TAIL_M2": 128},

@@ -86,7 +86,8 @@ def test_gemm1_normalises_its_rows(seed, config, dtype, renormalize) -> None:
     # fused_moe on the un-normalised rows with a select that carries the norm: GEMM 1 (gemv path) normalises them
     # and scales the logits itself, other paths get both done first; the routing and output of the normalised
     # rows with the scaled logits handed in
-    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.topk_select import TopkSelect
 
     T, H, E, I, k = 2, 40, 13, 24, 3  # noqa: E741
     # a residual stream of rms about 50 (deep layers' are large): logits before the 1/rms spread over hundreds,
@@ -113,7 +114,8 @@ def test_gemm1_normalises_its_rows(seed, config, dtype, renormalize) -> None:
 
 
 def test_a_select_with_a_norm_of_another_width_is_refused() -> None:
-    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.topk_select import TopkSelect
 
     E, I, H = 13, 24, 40  # noqa: E741
     w13, w2 = torch.randn(E, 2 * I, H, device=DEVICE), torch.randn(E, H, I, device=DEVICE)

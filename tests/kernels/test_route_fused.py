@@ -442,7 +442,8 @@ def test_gemm1_picks_the_routers_top_k(seed, config, T, keyed) -> None:
     # fused_moe with select: the gemv path's GEMM 1 picks the routing from the logits and writes it (other paths
     # have it written first); the same routing and the same output as the router's picks handed in (keyed: told
     # that the logits are bfloat16 values, GEMM 1 orders them by one key a column)
-    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.router_fused import route_fused_logits_triton
 
     configs = {
@@ -471,7 +472,8 @@ def test_gemm1_picks_the_routers_top_k(seed, config, T, keyed) -> None:
 
 
 def test_topk_select_checks_its_buffers() -> None:
-    from moerun.kernels.fused_moe import TopkSelect, fused_moe_triton
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.topk_select import TopkSelect
 
     block, _ = small_block(torch.bfloat16)
     x = torch.randn(1, 40, device=DEVICE).to(torch.bfloat16)
@@ -506,7 +508,7 @@ def test_block_with_the_top_k_in_gemm1_matches_the_router_path(seed, monkeypatch
     else:  # GEMM 2's float32 atomics add in no fixed order
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3, msg=lambda m: f"seed={seed}: {m}")
     # the torch path of ops.fused_moe writes the picks first, by the router's reference
-    from moerun.kernels.fused_moe import TopkSelect
+    from moerun.kernels.topk_select import TopkSelect
 
     normed, _, logits = moe_ops.route_fused_logits(x, residual, norm.weight, EPS, block.gate.weight, backend="torch")
     weights = torch.empty(T, 3, device=DEVICE)

@@ -5,7 +5,7 @@ a scale: norm(h) = g * h / rms(h). So its logits are (W_r * g) h / rms(h) = (M a
 M = (W_r * g) W_o, an [E, Q] matrix made once (moe/block.py). A launch of this kernel computes o_proj's rows and
 writes h = r + o_proj(a) (the new residual stream), and beside them, in programs of their own, the router's rows
 [M | W_r * g] against [a | r], writing the logits before the 1/rms; GEMM 1 then normalises h itself and scales the
-logits (kernels/fused_moe.TopkSelect with the norm). The router's launch, a latency-bound chain of loads between
+logits (kernels/topk_select.TopkSelect with the norm). The router's launch, a latency-bound chain of loads between
 o_proj and GEMM 1, is then not run (moe/block.py, on by default at one token; MOERUN_ROUTER_IN_OPROJ=0 turns it off).
 
 Grid: ceil(E / BLOCK_R) router programs first (their rows are 1.5 times o_proj's long: fewer rows each, and a

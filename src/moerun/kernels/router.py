@@ -22,7 +22,7 @@ def softmax_topk(
     back into it for free, where a [BLOCK_T, K] result would take a move through shared memory and two barriers
     a slot. The picks come from the logits (the softmax keeps their order); a pick's weight is exp(its logit - the
     row's largest) over the sum of those of the K picks, added in pick order (renormalised), or of every column:
-    the float32 steps of the picks in GEMM 1 (kernels/fused_moe.select_slot)."""
+    the float32 steps of the picks in GEMM 1 (kernels/topk_select.select_slot)."""
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     x = tl.where(col_ok[None, :], x, float("-inf"))
     top_x, top_i = top_k_columns(x, K, BLOCK_T, BLOCK_E)

@@ -258,7 +258,7 @@ def route_fused_logits_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_fused_triton up to the router logits: (x_normed [T, H], residual_out [T, H], logits [T, E] float32, each
     rounded to the weights' dtype as F.linear returns it). No softmax or top-k, so no program waits for another:
-    the experts' kernels pick from the logits (kernels/fused_moe.py, TopkSelect)."""
+    the experts' kernels pick from the logits (kernels/topk_select.py)."""
     normed, residual_out, _, _, _, logits = _route_fused(x, residual, norm_weight, eps, gate_weight, 1, False, config,
                                                          None, select=False)  # fmt: skip
     return normed, residual_out, logits

@@ -98,7 +98,7 @@ class SparseMoeBlock(nn.Module):
                         keep: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """forward_fused_norm with the router stopping at its logits and the experts picking the routing (into
         buffers made here); with ``pad``, the router also rounds the normed rows to int8 for them."""
-        from moerun.kernels.fused_moe import TopkSelect
+        from moerun.kernels.topk_select import TopkSelect
 
         x_int8 = None
         if pad is not None:
@@ -132,7 +132,7 @@ class SparseMoeBlock(nn.Module):
         rows = self.__dict__.get("_router_rows")  # [E, Q + H], made once (on the first call, outside any graph)
         if rows is None or rows.device != a.device:
             rows = self.__dict__["_router_rows"] = router_rows(self.gate.weight, norm.weight, o_proj.weight)
-        from moerun.kernels.fused_moe import TopkSelect
+        from moerun.kernels.topk_select import TopkSelect
 
         h, logits = o_proj_router(a, residual, o_proj.weight, rows, backend=self.experts.backend)  # [T, H], [T, E]
         topk_weights = torch.empty(a.shape[0], self.top_k, dtype=torch.float32, device=a.device)  # [T, k]

@@ -16,7 +16,7 @@ from moerun.layers.linear import ShardIndex, attach_shard_index
 from moerun.ops.dispatch import pick_backend
 
 if TYPE_CHECKING:
-    from moerun.kernels.fused_moe import TopkSelect
+    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 

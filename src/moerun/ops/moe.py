@@ -123,7 +123,7 @@ def fused_moe(
     dense gemv path's atomic reduce) may return it as it is (float32 [T, H]) rather than rounded to hidden's dtype
     by one more launch; the caller's consumer then rounds it (the RMSNorm ops and rms_norm_linear do, as the cast
     would). select: topk_weights / topk_ids are buffers that the routing picked from the router's logits is
-    written into (kernels/fused_moe.TopkSelect: by the gemv paths' GEMM 1, dense or gemv_v2, else first).
+    written into (kernels/topk_select.TopkSelect: by the gemv paths' GEMM 1, dense or gemv_v2, else first).
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":
         if select is not None:
@@ -147,7 +147,8 @@ def fused_moe(
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # the pointer tables are defined with the expert offloading that builds them
-    from moerun.kernels.fused_moe import StagedPairs, TopkSelect
+    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
     from moerun.moe.offload.pointers import ExpertPointers
 

@@ -32,7 +32,7 @@ from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
 
 if TYPE_CHECKING:
-    from moerun.kernels.fused_moe import TopkSelect
+    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
 
 # Up to this many rows of x, a weight without a repacked layout is multiplied by the GEMV over its GGUF blocks.

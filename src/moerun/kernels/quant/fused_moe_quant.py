@@ -31,9 +31,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.fused_moe import (
-    TopkSelect, _dot_precision, _finish, _new_acc, _silu_mul, fused_moe_triton,
-)
+from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, fused_moe_triton
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported
 from moerun.kernels.quant.from_blocks import GroupBlocks
@@ -46,6 +44,7 @@ from moerun.kernels.quant.tile64 import tile64_supported
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.tile_configs import Config
+from moerun.kernels.topk_select import TopkSelect
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 RowsOf = tuple[PackedWeight, int]  # a packed tensor and the first row of one projection (gate or up) in it
@@ -335,7 +334,7 @@ def fused_moe_quant(
     count, which picks the tuned tables, where w13 and w2 stack another number of experts (a slot pool).
     ``keep_float32``: a config whose GEMM 2 adds into a float32 buffer (gemv_v2 with sum2 = "atomic") returns that
     buffer as it is, whatever out_dtype says. ``select``: topk_weights / topk_ids are buffers the routing picked
-    from the router's logits is written into (by gemv_v2's GEMM 1, else first; kernels/fused_moe.TopkSelect)."""
+    from the router's logits is written into (by gemv_v2's GEMM 1, else first; kernels/topk_select.TopkSelect)."""
     T, H = hidden.shape
     gate, up = split_gate_up(w13)
     gw, uw = gate[0], up[0]

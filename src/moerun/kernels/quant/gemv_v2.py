@@ -40,12 +40,13 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import TopkSelect, _silu_mul, select_slot, zero_slice, zeroed_by_gemm1
+from moerun.kernels.fused_moe import _silu_mul, zero_slice, zeroed_by_gemm1
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
 from moerun.kernels.quant.repack import PACKED_TYPES, PackedWeight
 from moerun.kernels.tile_configs import Config
+from moerun.kernels.topk_select import TopkSelect, select_slot
 
 V2_TYPES = PACKED_TYPES  # every type with a repacked layout
 # The float-x variant reads these; the others take int8 x only (config key x_q8; as a down projection GEMM 1 writes
@@ -348,7 +349,7 @@ def _gemm1_v2_kernel(
     zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
     zero_n=0,
     ZERO_BLOCK: tl.constexpr = 0,
-    # SELECT: the routing picked here from the router's logits, as in kernels/fused_moe.py (TopkSelect)
+    # SELECT: the routing picked here from the router's logits, as in kernels/fused_moe.py (kernels/topk_select.py)
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,

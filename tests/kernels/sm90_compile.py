@@ -82,9 +82,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.decode_attention import (
         decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
     )
-    from moerun.kernels.fused_moe import fused_moe_triton
-    from moerun.kernels.topk_select import TopkSelect
-    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.fused_moe import StagedPairs, fused_moe_triton
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.greedy_pick import greedy_pick_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
@@ -98,6 +96,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
+    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.router_fused import (
         SINGLE_TOKEN_CONFIG, route_fused_int8_logits_triton, route_fused_int8_triton, route_fused_logits_triton,
         route_fused_triton,

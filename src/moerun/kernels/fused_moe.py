@@ -31,7 +31,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.gemv import rsqrt_mean
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
-from moerun.kernels.topk_select import TopkSelect, _pick_by_value, _scaled_weight, select_slot
+from moerun.kernels.topk_select import TopkSelect, pick_by_value, scaled_weight, select_slot
 from moerun.kernels.tickets import ticket_counters
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
@@ -398,7 +398,7 @@ def _gemm1_gemv_kernel(
         zero_slice(zero_ptr, zero_n, ZERO_BLOCK)
     slot = tl.program_id(0)
     if NORM_H > 0:  # (SELECT)
-        row, value, top_v, takes, expert = _pick_by_value(sel, SEL, slot)
+        row, value, top_v, takes, expert = pick_by_value(sel, SEL, slot)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + slot, expert)
     elif SELECT:
@@ -411,7 +411,7 @@ def _gemm1_gemv_kernel(
                                    EVEN_K, INDIRECT, ALIGN, norm_ptr, eps, NORM_H, INTERPRET)  # fmt: skip
         if NORM_H > 0:
             if tl.program_id(1) == 0:
-                tl.store(sel.weights_ptr + slot, _scaled_weight(row, value, top_v, takes, inv_rms, SEL))
+                tl.store(sel.weights_ptr + slot, scaled_weight(row, value, top_v, takes, inv_rms, SEL))
     else:
         if (tl.load(part_ptr + slot) != 0) == (PART == 2):
             _gemm1_gemv_rows(x_ptr, w_ptr, table_ptr, expert.to(tl.int64), inter_ptr, slot, top_k, H, I, stride_xt,

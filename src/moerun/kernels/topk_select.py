@@ -4,9 +4,9 @@ launch of its own runs between the router and the experts.
 
 TopkSelect is what the model hands the fused MoE (ops.fused_moe ``select``): the logits, how to weight the picks,
 and optionally the RMSNorm that GEMM 1 applies to x itself (kernels/o_proj_router.py computes such logits).
-select_slot / _pick_by_value / _scaled_weight are the device helpers a GEMM 1 kernel calls (kernels/fused_moe.py's
-dense gemv kernel, kernels/quant/gemv_v2.py's); TopkOperands and TopkShape are their run-time and compile-time
-arguments.
+The device helpers a GEMM 1 kernel calls: select_slot (the dense gemv kernel in kernels/fused_moe.py and gemv_v2's
+in kernels/quant/gemv_v2.py), and pick_by_value + scaled_weight where GEMM 1 also applies the RMSNorm (the dense
+one); TopkOperands and TopkShape are their run-time and compile-time arguments.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def select_slot(sel, SEL: tl.constexpr, ids_ptr, slot, writes):
 
 
 @triton.jit
-def _pick_by_value(sel, SEL: tl.constexpr, slot):
+def pick_by_value(sel, SEL: tl.constexpr, slot):
     """select_slot's pick from the logits' values (the K largest, ties to the lowest index), for logits to be
     scaled later: (the logits [ROWS, BLOCK_E], the pick's value [ROWS], the distinct values and the picks each
     covers [ROWS, BLOCK_E] (pick_of_top_k's), the slot's expert)."""
@@ -153,8 +153,8 @@ def _pick_by_value(sel, SEL: tl.constexpr, slot):
 
 
 @triton.jit
-def _scaled_weight(x, value, top_v, takes, scale, SEL: tl.constexpr):
-    """The routing weight of the pick of ``value`` (_pick_by_value's) under the logits x times scale [1]: the
+def scaled_weight(x, value, top_v, takes, scale, SEL: tl.constexpr):
+    """The routing weight of the pick of ``value`` (pick_by_value's) under the logits x times scale [1]: the
     router's softmax of them (renormalised over the K picks where SEL.RENORMALIZE)."""
     cols = tl.arange(0, SEL.BLOCK_E)  # [BLOCK_E]
     xs = x * scale[:, None]  # [ROWS, BLOCK_E]; -inf past E

@@ -349,7 +349,7 @@ def _gemm1_v2_kernel(
     zero_ptr=None,  # ZERO_BLOCK > 0: GEMM 2's float32 output [zero_n], zeroed here ZERO_BLOCK elements a program
     zero_n=0,
     ZERO_BLOCK: tl.constexpr = 0,
-    # SELECT: the routing picked here from the router's logits, as in kernels/fused_moe.py (kernels/topk_select.py)
+    # SELECT: the routing picked here from the router's logits, as by the dense GEMM 1 (kernels/topk_select.py)
     sel=None,  # TopkOperands
     SEL: tl.constexpr = None,  # TopkShape
     SELECT: tl.constexpr = False,

@@ -82,7 +82,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.decode_attention import (
         decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
     )
-    from moerun.kernels.fused_moe import StagedPairs, fused_moe_triton
+    from moerun.kernels.fused_moe import fused_moe_triton
+    from moerun.kernels.moe_parts import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.greedy_pick import greedy_pick_triton
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton

@@ -183,7 +183,7 @@ def test_staged_pairs_computed_after_the_wait(seed, config) -> None:
     # them at the real ones, and the other pairs' w13 at poison from then on: the gemv path computes the other pairs
     # first, the flagged ones after the wait, and gives the same result, bit for bit, as one pass; the tile path
     # waits first
-    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.moe_parts import StagedPairs
 
     T, E, H, I, k = 3, 8, 32, 48, 3  # noqa: E741
     g, layer, weights, ids, hidden, ptrs = fp32_case(seed, T, E, H, I, k)

@@ -1,19 +1,20 @@
 """Fused experts of one MoE layer whose experts are found through tables of addresses, not one stacked tensor.
 
-The kernels of kernels/fused_moe.py run with INDIRECT set (same gemv and tile paths, tile configs and
-reductions): expert e's weights start at ``w13_table[e]`` / ``w2_table[e]``, int64 addresses of a contiguous
-w13 [2I, H] and w2 [H, I]. An address may point into device memory or into pinned host memory, which the GPU
-reads over PCIe under unified addressing (zero-copy), so one launch serves an expert cache and its host store
-together, with nothing decided on the host. ``align`` is the largest power of two (bytes, at most 16) that every
-address is a multiple of: a hint that lets the compiler vectorise the loads. In Triton's interpreter the
-addresses are host addresses.
+The fused MoE's kernels (kernels/fused_moe.py, fused_moe_gemv.py) run with INDIRECT set (same gemv and tile
+paths, tile configs and reductions): expert e's weights start at ``w13_table[e]`` / ``w2_table[e]``, int64
+addresses of a contiguous w13 [2I, H] and w2 [H, I]. An address may point into device memory or into pinned host
+memory, which the GPU reads over PCIe under unified addressing (zero-copy), so one launch serves an expert cache
+and its host store together, with nothing decided on the host. ``align`` is the largest power of two (bytes, at
+most 16) that every address is a multiple of: a hint that lets the compiler vectorise the loads. In Triton's
+interpreter the addresses are host addresses.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moerun.kernels.fused_moe import ExpertWeights, StagedPairs, run_fused_moe
+from moerun.kernels.fused_moe import run_fused_moe
+from moerun.kernels.moe_parts import ExpertWeights, StagedPairs
 from moerun.kernels.tile_configs import Config, get_config, normalize
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,7 +38,7 @@ def fused_moe_indirect_triton(
 
     ``align``: bytes (a power of two <= 16) that every address is a multiple of. Nothing is read back to the
     host, so the call can be captured in a CUDA graph; the tables may change between replays. ``staged``: pairs
-    whose experts another stream is still copying (fused_moe.StagedPairs), computed after the others.
+    whose experts another stream is still copying (moe_parts.StagedPairs), computed after the others.
     ``keep_float32``: fused_moe_triton's.
     """
     T, H = hidden.shape

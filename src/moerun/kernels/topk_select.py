@@ -4,9 +4,9 @@ launch of its own runs between the router and the experts.
 
 TopkSelect is what the model hands the fused MoE (ops.fused_moe ``select``): the logits, how to weight the picks,
 and optionally the RMSNorm that GEMM 1 applies to x itself (kernels/o_proj_router.py computes such logits).
-The device helpers a GEMM 1 kernel calls: select_slot (the dense gemv kernel in kernels/fused_moe.py and gemv_v2's
-in kernels/quant/gemv_v2.py), and pick_by_value + scaled_weight where GEMM 1 also applies the RMSNorm (the dense
-one); TopkOperands and TopkShape are their run-time and compile-time arguments.
+The device helpers a GEMM 1 kernel calls: select_slot (the dense gemv kernel in kernels/fused_moe_gemv.py and
+gemv_v2's in kernels/quant/gemv_v2.py), and pick_by_value + scaled_weight where GEMM 1 also applies the RMSNorm
+(the dense one); TopkOperands and TopkShape are their run-time and compile-time arguments.
 """
 
 from __future__ import annotations

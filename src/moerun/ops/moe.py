@@ -147,7 +147,7 @@ def fused_moe(
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # the pointer tables are defined with the expert offloading that builds them
-    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.moe_parts import StagedPairs
     from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.quant.int8_dot import Int8Rows
     from moerun.moe.offload.pointers import ExpertPointers
@@ -168,7 +168,7 @@ def fused_moe_indirect(
     Expert e's w13 [2I, H] and w2 [H, I] start at ``pointers.w13[e]`` / ``pointers.w2[e]``: a device slot or a
     pinned host copy that the Triton kernels read in place (zero-copy); the torch reference resolves the addresses
     within ``pointers.regions``. Dense weights only. ``staged`` (Triton): pairs whose experts another stream is
-    still copying onto the device, computed once it is done (kernels/fused_moe.StagedPairs). ``keep_float32``:
+    still copying onto the device, computed once it is done (kernels/moe_parts.StagedPairs). ``keep_float32``:
     fused_moe's.
     """
     if pick_backend(backend, hidden.device, "MoE") == "torch":

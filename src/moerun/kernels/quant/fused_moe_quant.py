@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.align import align_tokens
-from moerun.kernels.fused_moe import _dot_precision, _finish, _new_acc, _silu_mul, fused_moe_triton
+from moerun.kernels.fused_moe import fused_moe_triton
+from moerun.kernels.moe_parts import dot_precision, finish_reduce, new_reduce_buffer, silu_mul
 from moerun.kernels.quant.configs import default_moe_config, dot_steps, gemv_steps, get_moe_config, normalize_config
 from moerun.kernels.quant.decode import dequant_pair, dequantize_triton, supported
 from moerun.kernels.quant.from_blocks import GroupBlocks
@@ -111,7 +112,7 @@ def _gemm1_gemv_kernel(
             acc_u += u1 * x1
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # [BLOCK_N]
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
-    act = _silu_mul(gate, up)
+    act = silu_mul(gate, up)
     tl.store(inter_ptr + slot.to(tl.int64) * stride_it + offs_n, act.to(inter_ptr.dtype.element_ty), mask=offs_n < I)
 
 
@@ -226,7 +227,7 @@ def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         PAIRS=p1, UNROLL=u1, EVEN_K=gw.k_pad == H,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
+    acc = new_reduce_buffer(T, k, H, cfg["reduce"], x.device, out_dtype)
     bn2 = cfg["BLOCK_N2"]
     p2, u2 = gemv_steps(cfg["BLOCK_K2"], w2.kq)
     _gemm2_gemv_kernel[(slots, triton.cdiv(H, bn2))](
@@ -234,7 +235,7 @@ def _gemv(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         acc.stride(0), QW=int(w2.qtype), BLOCK_N=bn2, PAIRS=p2, UNROLL=u2, EVEN_K=w2.k_pad == I, ATOMIC=atomic,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )  # fmt: skip
-    return _finish(acc, T, k, H, atomic, out_dtype)
+    return finish_reduce(acc, T, k, H, atomic, out_dtype)
 
 
 def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: torch.Tensor, ids: torch.Tensor,
@@ -263,7 +264,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         sorted_ids, block_expert, group_m = align.sorted_ids, align.block_expert, cfg["GROUP_M"]
         num_pid_m = block_expert.numel()
         inter_rows = sorted_ids.numel()
-    dot = dict(PER_SLOT=per_slot, DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+    dot = dict(PER_SLOT=per_slot, DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
                INDIRECT=tables is not None, PAIR64=cfg["path"] == "tile64", INTERPRET=interpreting())
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=x.device)  # [P, I]
     bn1 = cfg["BLOCK_N"]
@@ -281,7 +282,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         GROUPS=gw.qtype in GROUP_TYPES, TAIL_M=cfg["TAIL_M"], **dot, **split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **register_cap(cfg, ""),
     )  # fmt: skip
-    acc = _new_acc(T, k, H, cfg["reduce"], x.device, out_dtype)
+    acc = new_reduce_buffer(T, k, H, cfg["reduce"], x.device, out_dtype)
     bn2 = cfg["BLOCK_N2"]
     gemm2_tile_kernel[(num_pid_m * triton.cdiv(H, bn2),)](
         inter, weights.reshape(-1), acc, sorted_ids, block_expert, *w2.kernel_args(), tables[2] if tables else ids,
@@ -291,7 +292,7 @@ def _tile(x: torch.Tensor, gate: RowsOf, up: RowsOf, w2: PackedWeight, weights: 
         TAIL_M=cfg.get("TAIL_M2", 0), **dot,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], **register_cap(cfg, "2"),
     )  # fmt: skip
-    return _finish(acc, T, k, H, atomic, out_dtype)
+    return finish_reduce(acc, T, k, H, atomic, out_dtype)
 
 
 def _dequant(x: torch.Tensor, parts13: list[PackedWeight], w2: PackedWeight, weights: torch.Tensor,

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moerun.formats.quants import QuantType
-from moerun.kernels.fused_moe import _silu_mul, zero_slice, zeroed_by_gemm1
+from moerun.kernels.moe_parts import silu_mul, zero_slice, zeroed_by_gemm1
 from moerun.kernels.pdl import launch_dependents, launch_options, quant_pdl_mode, wait_for_previous
 from moerun.kernels.quant.group_scales import q4_k_scales, q6_k_codes, q6_k_scales
 from moerun.kernels.quant.int8_dot import Int8Rows, emulate_dp4a, q8_dot, quantize_store, quantize_x, xq_tiles
@@ -395,7 +395,7 @@ def _gemm1_v2_kernel(
             acc_g += dg
             acc_u += du
     # Rounded to the activation dtype, as the reference's intermediate is.
-    act = tl.where(ok, _silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
+    act = tl.where(ok, silu_mul(acc_g, acc_u), 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
     i_row = inter_ptr + slot.to(tl.int64) * stride_it
     s_row = sums_ptr + slot.to(tl.int64) * stride_st
     if OUT_Q8:  # int8 words in element order, a scale per 32 and the sums of 16 of the rounded values

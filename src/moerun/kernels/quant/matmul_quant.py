@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moerun.kernels.fused_moe import _dot_precision, _tile_pid
+from moerun.kernels.moe_parts import dot_precision, tile_pid
 from moerun.kernels.quant.configs import default_matmul_config, dot_steps, get_matmul_config, gemv_steps
 from moerun.kernels.quant.from_blocks import GroupBlocks
 from moerun.kernels.quant.decode import dequant_pair, supported, x_planes
@@ -116,7 +116,7 @@ def _tile_kernel(
     GROUPS: tl.constexpr = False,  # a grid type: wc its GGUF blocks, wh its table (from_groups.py)
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     m_ok = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -186,7 +186,7 @@ def _launch_part(x: torch.Tensor, y: torch.Tensor, w: PackedWeight, bias: torch.
     _tile_kernel[grid](
         x, y, b, *w.kernel_args(), M, w.n, K, w.kq, col_off, x.stride(0), y.stride(0),
         BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg["GROUP_M"], PAIRS=dot_steps(cfg["BLOCK_K"], w.kq),
-        DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+        DOT_DTYPE=dot_operand_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         PAIR64=cfg["path"] == "tile64" and tile64_supported(w.qtype), GROUPS=grouped, INTERPRET=interpreting(),
         **common,
     )  # fmt: skip

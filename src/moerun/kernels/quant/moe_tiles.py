@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moerun.kernels.fused_moe import _silu_mul, _tail_block, _tile_pid
+from moerun.kernels.moe_parts import silu_mul, tail_block, tile_pid
 from moerun.kernels.quant.decode import dequant_pair, x_planes
 from moerun.kernels.quant.from_groups import group_values64, group_words64
 from moerun.kernels.quant.gemv_v2 import part_bases
@@ -93,11 +93,11 @@ def gemm1_tile_kernel(
 ):  # fmt: skip
     num_pid_n = tl.cdiv(I, BLOCK_N)
     if SPLIT13:  # the gate and the up program of an N-tile side by side in the launch order
-        pid_m, pid_n2 = _tile_pid(tl.program_id(0), num_pid_m, 2 * num_pid_n, GROUP_M)
+        pid_m, pid_n2 = tile_pid(tl.program_id(0), num_pid_m, 2 * num_pid_n, GROUP_M)
         half = pid_n2 % 2
         pid_n = pid_n2 // 2
     else:
-        pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         half = 0
     # Unused blocks (past the padded length too) have expert -1.
     expert = tl.load(block_expert_ptr + pid_m // EXPERT_DIV).to(tl.int64)
@@ -122,7 +122,7 @@ def gemm1_tile_kernel(
     # compile-time constant to Triton, hence the row count spelled out in the call)
     tail = False
     if TAIL_M > 0:
-        tail = _tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
+        tail = tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
     if SPLIT13:
         tl.static_assert(PAIR64 and not (GROUPS or PER_SLOT), "SPLIT13: the tile64 path of the packed types")
         ticket = ticket_ptr + pid_m * num_pid_n + pid_n
@@ -203,7 +203,7 @@ def _gemm1_half_rows(
         other = tl.load(rows_at + (1 - half) * I, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         own = mine.to(tl.float32)
         gate = tl.where(half == 0, own, other)
-        act = _silu_mul(gate, tl.where(half == 0, other, own)).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, ROWS]
+        act = silu_mul(gate, tl.where(half == 0, other, own)).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, ROWS]
         # Padding rows had zero inputs, so they store zeros (GEMM 2 masks their outputs in any case).
         tl.store(inter_ptr + irow[None, :] * stride_it + offs_n[:, None], act, mask=col_ok)
 
@@ -267,7 +267,7 @@ def _gemm1_rows(
                 acc_u = tl.dot(u0.to(cdt).to(DOT_DTYPE), xa, acc_u, input_precision=DOT_PRECISION)
                 acc_u = tl.dot(u1.to(cdt).to(DOT_DTYPE), xb, acc_u, input_precision=DOT_PRECISION)
 
-    act = _silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, ROWS]
+    act = silu_mul(acc_g, acc_u).to(inter_ptr.dtype.element_ty)  # [BLOCK_N, ROWS]
     out_ptrs = inter_ptr + irow[None, :] * stride_it + offs_n[:, None]
     if PER_SLOT:
         tl.store(out_ptrs, act, mask=row_ok[None, :] & (offs_n[:, None] < I))
@@ -309,7 +309,7 @@ def gemm2_tile_kernel(
     TAIL_M: tl.constexpr = 0,  # > 0: blocks of at most TAIL_M pairs run as TAIL_M-row tiles (sorted rows only)
     INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_pid(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
@@ -321,7 +321,7 @@ def gemm2_tile_kernel(
         rows = (expert * H + (offs_n % H))[:, None]  # [BLOCK_N, 1]
     tail = False  # as in GEMM 1
     if TAIL_M > 0:
-        tail = _tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
+        tail = tail_block(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M, TAIL_M)
     if tail:
         _gemm2_rows(inter_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m, TAIL_M if TAIL_M > 0 else BLOCK_M, offs_n,
                     rows, wc, wh, ws, wd, num_pairs, top_k, H, I, KQ, stride_it, stride_ot, QW, BLOCK_M, BLOCK_N,

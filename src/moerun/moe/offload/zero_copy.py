@@ -12,7 +12,7 @@ pass's first top-k missed experts (``is_host`` [L, E] says which entries point a
 hands the fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the
 rate of the fused kernels reading in place. With ``overlap`` (dense experts; on CUDA by default) that copy runs on a
 side stream while GEMM 1 computes the pairs whose experts are already on the device; the pairs the plan flagged wait
-for it (kernels/fused_moe.StagedPairs).
+for it (kernels/moe_parts.StagedPairs).
 
 Admission on the device (``OffloadConfig.admit_on_device``, on by default where staging applies): the staging
 launch puts missed experts into the layer's spare slots, the slots the policy values least (ranked by the host
@@ -67,7 +67,7 @@ from moerun.ops.moe import fused_moe_indirect
 from moerun.ops.quant import fused_moe_quantized
 
 if TYPE_CHECKING:  # Triton: an optional dependency
-    from moerun.kernels.fused_moe import StagedPairs
+    from moerun.kernels.moe_parts import StagedPairs
     from moerun.kernels.stage_misses import Admission
 
 
@@ -251,7 +251,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         """The layer's table for this pass ([P, E, W]), its missed experts staged on the device (the same launch adds
         the pass's pairs to the layer's routing counts), and, with overlap, the pairs that must wait for the copy
         running on the side stream and how to wait for it (None: nothing to wait for)."""
-        from moerun.kernels.fused_moe import StagedPairs  # Triton: an optional dependency
+        from moerun.kernels.moe_parts import StagedPairs  # Triton: an optional dependency
         from moerun.kernels.stage_misses import copy_misses_triton, plan_misses_triton
 
         ids = topk_ids.reshape(-1)  # [T*k]

@@ -83,9 +83,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         decode_attention_int8_triton, decode_attention_qk_triton, decode_attention_triton,
     )
     from moerun.kernels.fused_moe import fused_moe_triton
-    from moerun.kernels.moe_parts import StagedPairs
     from moerun.kernels.fused_moe_ptr import fused_moe_indirect_triton
     from moerun.kernels.greedy_pick import greedy_pick_triton
+    from moerun.kernels.moe_parts import StagedPairs
     from moerun.kernels.qk_norm_rope import qk_norm_rope_write_triton
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, GroupBlocks, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
@@ -97,11 +97,11 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.quant.synthetic import random_quantized
     from moerun.kernels.rmsnorm import rms_norm_int8_triton, rms_norm_triton
     from moerun.kernels.router import route_triton
-    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.router_fused import (
         SINGLE_TOKEN_CONFIG, route_fused_int8_logits_triton, route_fused_int8_triton, route_fused_logits_triton,
         route_fused_triton,
     )
+    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.o_proj_router import o_proj_router_triton
     from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize

@@ -443,8 +443,8 @@ def test_gemm1_picks_the_routers_top_k(seed, config, T, keyed) -> None:
     # have it written first); the same routing and the same output as the router's picks handed in (keyed: told
     # that the logits are bfloat16 values, GEMM 1 orders them by one key a column)
     from moerun.kernels.fused_moe import fused_moe_triton
-    from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.router_fused import route_fused_logits_triton
+    from moerun.kernels.topk_select import TopkSelect
 
     configs = {
         "gemv-atomic": {"path": "gemv", "BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_N2": 16, "BLOCK_K2": 32,

@@ -25,6 +25,7 @@ from moerun.kernels.align import align_tokens
 from moerun.kernels.fused_moe_gemv import fused_moe_gemv
 from moerun.kernels.interpreter import interpreting
 from moerun.kernels.moe_parts import (
+    SUPPORTED_DTYPES,
     ExpertWeights,
     StagedPairs,
     dot_precision,
@@ -37,8 +38,6 @@ from moerun.kernels.moe_parts import (
 )
 from moerun.kernels.tile_configs import Config, get_config, normalize
 from moerun.kernels.topk_select import TopkSelect
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -391,7 +390,7 @@ def fused_moe_triton(
         raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if tuple(topk_weights.shape) != (T, k):
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
-    if w13.dtype not in _SUPPORTED_DTYPES or w2.dtype != w13.dtype:
+    if w13.dtype not in SUPPORTED_DTYPES or w2.dtype != w13.dtype:
         raise ValueError(f"unsupported weight dtypes {w13.dtype}, {w2.dtype}")
     if select is not None:
         select.check(topk_weights, topk_ids, num_experts or E)

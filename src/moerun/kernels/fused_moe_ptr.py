@@ -14,10 +14,8 @@ from __future__ import annotations
 import torch
 
 from moerun.kernels.fused_moe import run_fused_moe
-from moerun.kernels.moe_parts import ExpertWeights, StagedPairs
+from moerun.kernels.moe_parts import SUPPORTED_DTYPES, ExpertWeights, StagedPairs
 from moerun.kernels.tile_configs import Config, get_config, normalize
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def fused_moe_indirect_triton(
@@ -50,8 +48,8 @@ def fused_moe_indirect_triton(
                          f"w2 {tuple(w2_table.shape)} {w2_table.dtype}")
     if tuple(topk_weights.shape) != (T, k):
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
-    if dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported weight dtype {dtype}; expected one of {_SUPPORTED_DTYPES}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported weight dtype {dtype}; expected one of {SUPPORTED_DTYPES}")
     if align not in (1, 2, 4, 8, 16):
         raise ValueError(f"align must be a power of two <= 16, got {align}")
     if T == 0:

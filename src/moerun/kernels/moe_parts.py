@@ -1,7 +1,8 @@
 """Pieces both paths of the fused MoE share (kernels/fused_moe.py's tile path, kernels/fused_moe_gemv.py's gemv
-path) and that the quantized MoE kernels reuse: where an expert's weights lie (ExpertWeights, expert_weights), the
-pairs still being staged (StagedPairs), SiLU * up, the grouped program order, the tail-block test, and the k slots'
-reduction (the buffer GEMM 2 writes into, and the sum of its per-slot rows into the output).
+path, kernels/fused_moe_ptr.py's address tables) and that the quantized kernels reuse: the weight dtypes served,
+where an expert's weights lie (ExpertWeights, expert_weights), the pairs still being staged (StagedPairs), SiLU * up,
+the grouped program order, the tail-block test, and the k slots' reduction (the buffer GEMM 2 writes into, and the
+sum of its per-slot rows into the output).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_mode, wait_for_previous
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # of the dense experts' weights
 
 
 @dataclass

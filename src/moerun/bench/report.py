@@ -9,6 +9,8 @@ from typing import Any
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"model {result['model']}  device {result['device']}  dtype {result['dtype']}"]
+    if result.get("device", "cpu") != "cpu" and "tuned_tables" in result:
+        lines.append(f"tuned tables {', '.join(result['tuned_tables']) or 'none (untuned defaults)'}")
     if result.get("weight_bytes"):
         built = f" (built in {result['build_seconds']:.1f} s)" if result.get("build_seconds") is not None else ""
         lines.append(f"weights {result['weight_bytes'] / 2**30:.2f} GiB{built}")

@@ -14,6 +14,7 @@ from moerun.bench.engine_bench import decode_step_bytes, measure_decode, measure
 from moerun.bench.report import format_table, write_outputs
 from moerun.bench.timing import measure_ceilings
 from moerun.config import ModelConfig, parse_dtype
+from moerun.kernels.tile_configs import current_table_devices, devices_with_tables
 from moerun.models.presets import preset_config
 from moerun.models.random_init import random_model
 from moerun.models.random_quant import QUANT_FILE_TYPES, random_quantized_model
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quant": quant,
         "weight_bytes": model_weight_bytes(llm.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "tuned_tables": devices_with_tables(current_table_devices()) if device.type == "cuda" else [],
         "dtype": str(llm.model_config.dtype).removeprefix("torch."),
         "build_seconds": build_s,
         "model_device_bytes": model_device_bytes,

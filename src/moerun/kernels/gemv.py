@@ -34,7 +34,7 @@ from moerun.kernels.interpreter import interpreting
 from moerun.kernels.pdl import launch_dependents, launch_options, pdl_enabled, pdl_mode, wait_for_previous
 from moerun.kernels.rmsnorm import norm_dtype, residual_sum, round_to
 from moerun.kernels.tickets import ticket_counters
-from moerun.kernels.tile_configs import CONFIG_DIR, device_name, dtype_name
+from moerun.kernels.tile_configs import CONFIG_DIR, cuda_table_devices, dtype_name, first_found
 
 # Beyond this many tokens the weight is no longer the whole cost and cuBLAS's tiled GEMMs win.
 MAX_TOKENS = 16
@@ -144,7 +144,8 @@ def default_config(
 
 
 def get_config(N: int, K: int, T: int, dtype: torch.dtype, device: torch.device | None = None) -> GemvConfig:
-    """The tuned config of the smallest tuned T bucket >= T for this weight shape, else the default.
+    """The tuned config of the smallest tuned T bucket >= T for this weight shape (the device's table, else the one
+    shipped for its compute capability: tile_configs.table_devices), else the default.
 
     A larger bucket's config is safe for fewer tokens (same tiles, fewer rows); a smaller one's might not be.
     """
@@ -163,7 +164,8 @@ def _cuda_config(N: int, K: int, T: int, dtype: torch.dtype, index: int, pdl: bo
     H200), with the fastest Triton tiles the tuner recorded: a cuBLAS launch would end the chain of
     early-starting kernels of the decode step.
     """
-    tuned = tuned_for(load_table(_device_name(index), user_dir).get(table_key(N, K, dtype), {}), T)
+    key = table_key(N, K, dtype)
+    tuned = tuned_for(first_found(lambda name: load_table(name, user_dir).get(key), cuda_table_devices(index)) or {}, T)
     return choose(tuned, default_config(N, K, T, dtype, sms=_sm_count(index)), T, pdl)
 
 
@@ -179,11 +181,6 @@ def tuned_for(by_t: dict[int, GemvConfig], T: int) -> GemvConfig | None:
     """The config of the smallest T bucket >= T, or None when every bucket is smaller."""
     fits = [t for t in by_t if t >= T]
     return by_t[min(fits)] if fits else None
-
-
-@functools.cache
-def _device_name(index: int) -> str:
-    return device_name(index)
 
 
 @functools.cache

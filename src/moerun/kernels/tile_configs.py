@@ -17,7 +17,8 @@ A config is a dict with keys:
               sums the k slots in registers)
 Tables are keyed by M, the number of tokens; k is the model's experts per token. A folder named by the environment
 variable MOERUN_MOE_CONFIG_DIR is searched for a shape's table before the shipped ones (tables of one's own tuning,
-``benchmarks/tune_moe.py --out-dir``).
+``benchmarks/tune_moe.py --out-dir``). A card with no table of its own for a shape reads the one shipped for the
+card of its compute capability (SHIPPED_FOR_CAPABILITY: an H100 runs the H200's tables), then the defaults.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import functools
 import json
 import math
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +39,12 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PATHS = ("gemv", "tile")
 REDUCTIONS = ("atomic", "sum", "sum_out", "fused")
+# The card whose shipped tables (MoE, dense GEMV, quantized) serve every card of the same compute capability that has
+# none of its own for a shape: the sm_90 tiles were tuned on an H200; on an H100 80GB they beat the untuned defaults
+# end to end in all but one figure (Q4_K_M batch 1 +8%, bf16 prefill +15-21%; the Q4_K_M prefill of 2048 tokens -1.5%:
+# benchmarks/RESULTS.md, forty-fourth sitting, "tables by architecture").
+SHIPPED_FOR_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "NVIDIA_H200"}
+Found = TypeVar("Found")
 
 Config = dict[str, Any]
 
@@ -51,6 +59,43 @@ def device_name(device: torch.device | int | None = None) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def table_devices(device: str, capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """The devices whose tuned tables a card named ``device`` of that compute capability reads, first match first:
+    its own, then the card whose tables were shipped for its capability (when that is another card)."""
+    sibling = SHIPPED_FOR_CAPABILITY.get(capability) if capability is not None else None
+    return (device,) if sibling is None or sibling == device else (device, sibling)
+
+
+@functools.cache
+def cuda_table_devices(index: int) -> tuple[str, ...]:
+    """table_devices of CUDA device ``index``."""
+    return table_devices(device_name(index), torch.cuda.get_device_capability(index))
+
+
+def current_table_devices() -> tuple[str, ...]:
+    """table_devices of the current CUDA device; ('cpu',) without CUDA."""
+    if not torch.cuda.is_available():
+        return ("cpu",)
+    return cuda_table_devices(torch.cuda.current_device())
+
+
+def devices_with_tables(devices: Iterable[str]) -> list[str]:
+    """Those of ``devices`` with a tuned table of any kind (MoE, dense GEMV, quantized) in the shipped folder or in
+    the folders that MOERUN_MOE_CONFIG_DIR and MOERUN_GEMV_CONFIG_DIR name."""
+    folders = [CONFIG_DIR] + [Path(os.environ[v]) for v in ("MOERUN_MOE_CONFIG_DIR", "MOERUN_GEMV_CONFIG_DIR")
+                              if os.environ.get(v)]  # fmt: skip
+    return [d for d in devices if any(next(f.glob(f"*{d}.json"), None) for f in folders if f.is_dir())]
+
+
+def first_found(lookup: Callable[[str], Found | None], devices: Iterable[str]) -> Found | None:
+    """lookup(device) for the first of ``devices`` where it finds something (neither None nor empty), else None."""
+    for device in devices:
+        found = lookup(device)
+        if found:
+            return found
+    return None
 
 
 def config_file_name(E: int, H: int, I: int, dtype: torch.dtype, device: str) -> str:  # noqa: E741
@@ -171,21 +216,13 @@ def get_config(
     m: int,
     device: str | None = None,
 ) -> Config:
-    """Tuned config of the nearest M bucket for this shape and device, else the default for m."""
+    """Tuned config of the nearest M bucket for this shape and device (by default the current CUDA device, or the
+    card shipped for its capability: table_devices), else the default for m."""
     # Tuned tables hold GPU-sized tiles, far too slow for the interpreter, which keeps its small defaults.
     if not interpreting():
-        table = load_table(E, H, I, dtype, device or _current_device_name(), os.environ.get("MOERUN_MOE_CONFIG_DIR"))
+        user_dir = os.environ.get("MOERUN_MOE_CONFIG_DIR")
+        table = first_found(lambda name: load_table(E, H, I, dtype, name, user_dir),
+                            (device,) if device else current_table_devices())  # fmt: skip
         if table:
             return dict(table[nearest_bucket(list(table), m)])
     return default_config(m, k, dtype)
-
-
-@functools.cache
-def _cached_device_name(index: int) -> str:
-    return device_name(index)
-
-
-def _current_device_name() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    return _cached_device_name(torch.cuda.current_device())

@@ -34,7 +34,8 @@ from moerun.kernels.quant.repack import PACKED_TYPES
 from moerun.kernels.tile_configs import (
     CONFIG_DIR,
     Config,
-    _current_device_name,
+    current_table_devices,
+    first_found,
     normalize,
     read_table,
 )
@@ -192,13 +193,15 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
 def get_moe_config(
     qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None  # noqa: E741
 ) -> Config:
-    """Tuned config of the smallest tuned M >= m for this type, shape and device (the largest up to twice it),
+    """Tuned config of the smallest tuned M >= m for this type, shape and device (the largest up to twice it; by
+    default the current CUDA device's table, else the one shipped for its capability: tile_configs.table_devices),
     else the default for m (a table tuned for decode says nothing about prefill). Taking the bucket above m, not
     the nearest, gives m tokens the config of the power-of-two CUDA-graph bucket that holds them whenever the
     tuned Ms are powers of two, so that eager and graphed steps round x to int8 alike."""
     if not interpreting():
         user_dir = os.environ.get("MOERUN_MOE_CONFIG_DIR")
-        table = load_moe_table(qtype, E, H, I, device or _current_device_name(), user_dir)
+        table = first_found(lambda name: load_moe_table(qtype, E, H, I, name, user_dir),
+                            (device,) if device else current_table_devices())  # fmt: skip
         if table and m <= 2 * max(table):
             return dict(table[min((b for b in table if b >= m), default=max(table))])
     return default_moe_config(m, k, qtype=qtype)
@@ -237,7 +240,8 @@ def load_matmul_table(device: str, user_dir: str | None = None) -> dict[str, dic
 def get_matmul_config(qtype: str, n: int, k: int, m: int, device: str | None = None) -> Config:
     """Tuned config of one weight part [n, k] of type qtype at m rows of x: the smallest tuned M bucket >= m when
     it is at most 4 m (so a prefill bucket never serves a few decode rows), else default_matmul_config. A table
-    in the folder MOERUN_GEMV_CONFIG_DIR names comes first."""
+    in the folder MOERUN_GEMV_CONFIG_DIR names comes first; a device without an entry for the part reads the table
+    shipped for its compute capability (tile_configs.table_devices)."""
     return _matmul_config(qtype, n, k, m, device, os.environ.get("MOERUN_GEMV_CONFIG_DIR"))
 
 
@@ -251,7 +255,9 @@ def clear_matmul_configs() -> None:
 def _matmul_config(qtype: str, n: int, k: int, m: int, device: str | None, user_dir: str | None) -> Config:
     """get_matmul_config, memoised: every quantized projection asks on every call."""
     if not interpreting():
-        by_m = load_matmul_table(device or _current_device_name(), user_dir).get(matmul_key(qtype, n, k), {})
+        key = matmul_key(qtype, n, k)
+        by_m = first_found(lambda name: load_matmul_table(name, user_dir).get(key),
+                           (device,) if device else current_table_devices()) or {}  # fmt: skip
         fits = [b for b in by_m if m <= b <= 4 * m]
         if fits:
             return by_m[min(fits)]

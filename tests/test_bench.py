@@ -67,20 +67,22 @@ def test_bench_vs_transformers_shares_weights(tmp_path, capsys):
 
 def test_released_blocks_answer_from_the_repacked_copy():
     # What a CUDA build does to every weight (repack, drop the GGUF blocks), here on the CPU: the torch path then
-    # dequantises the repacked arrays, bit-exact with the blocks; the tied embedding keeps its blocks for lookups.
+    # dequantises the repacked arrays, bit-exact with the blocks; the tied embedding's lookups read them too.
     from moerun.ops.quant import pack_model
 
     cfg = preset_config("tiny")
     cfg["torch_dtype"] = "float32"
     model = random_quantized_model(ModelConfig.from_hf_dict(cfg), torch.device("cpu"), "Q4_K_M", seed=1)
     x = torch.randn(2, cfg["hidden_size"])
+    ids = torch.randint(0, cfg["vocab_size"], (5,))
     expert = model.model.layers[0].mlp.experts.__dict__["q_w2"]
-    before = (model.compute_logits(x), expert.expert(3, torch.float32))
+    before = (model.compute_logits(x), expert.expert(3, torch.float32), model.model.embed_tokens(ids))
     pack_model(model, release_blocks=True)
     table = model.model.embed_tokens.__dict__["q_weight"]
-    assert expert.released and not table.released and model.lm_head.__dict__["q_weight"] is table
+    assert expert.released and table.released and model.lm_head.__dict__["q_weight"] is table
     assert torch.equal(model.compute_logits(x), before[0])
     assert torch.equal(expert.expert(3, torch.float32), before[1])
+    assert torch.equal(model.model.embed_tokens(ids), before[2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

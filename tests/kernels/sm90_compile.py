@@ -90,7 +90,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.kernels.quant.from_blocks import BLOCK_TYPES, GroupBlocks, block_dequantize, block_gemv
     from moerun.layers.quantized import QuantizedWeight
     from moerun.ops.quant import _pair_products, fused_moe_quantized
-    from moerun.kernels.quant.decode import dequantize_triton
+    from moerun.kernels.quant.decode import dequantize_rows, dequantize_triton
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
     from moerun.kernels.quant.repack import expert_addresses, pack
@@ -322,6 +322,9 @@ def _cases() -> dict[str, Callable[[], None]]:
             x1, [qk, v], config={**v2, "x_q8": True}),
         "quant matmul, float x": lambda: quant_matmul_triton(x1, [qk], config=v2),
         "quant decode to bf16 (prefill path 'dequant')": lambda: dequantize_triton(q4[0], bf16),
+        "quant embedding rows (Q4_K, Q6_K)": lambda: [dequantize_rows(pack(random_quantized(t, (64, H), "cpu")),
+                                                                      torch.tensor([3, 0, 63]), bf16)
+                                                      for t in (QuantType.Q4_K, QuantType.Q6_K)],
         "quant MoE, decode": lambda: fused_moe_quant(x1, q4, q6_down, w1, ids1),
         "quant MoE, prefill tiles": lambda: fused_moe_quant(torch.randn(64, H, dtype=bf16), q4, q6_down, w64,
                                                             ids64),

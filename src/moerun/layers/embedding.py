@@ -17,7 +17,9 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.__dict__.get("q_weight")
         if q is not None:
-            return q.rows(ids, self.dtype)
+            from moerun.ops.quant import quantized_rows
+
+            return quantized_rows(q, ids, self.dtype)  # [T, H]
         return F.embedding(ids, self.weight)
 
     @property

@@ -70,7 +70,7 @@ def random_quantized_model(config: ModelConfig, device: torch.device, ftype: str
                            moe_backend: str | None = None) -> nn.Module:
     """The model with ftype's quant type per tensor and random valid blocks, built on `device` (norms 1, router
     normal(0, 1/sqrt(H)), float matrices normal(0, 0.02)); on CUDA the weights are kept repacked only."""
-    from moerun.ops.quant import pack_weight
+    from moerun.ops.quant import pack_model, pack_weight
 
     device = torch.device(device)
     types = tensor_types(config, ftype)
@@ -94,18 +94,18 @@ def random_quantized_model(config: ModelConfig, device: torch.device, ftype: str
             weight = _quantized_weight(module, attr, parts, shapes, types, device, g)
             set_quantized(module, attr, weight)
             module.__dict__["compute_dtype"] = config.dtype
-            if device.type == "cuda" and not isinstance(module, Embedding):  # a table's rows are looked up
-                pack_weight(weight, release_blocks=True)  # from its blocks, which it keeps
+            if device.type == "cuda" and not isinstance(module, Embedding):  # tables: pack_model below
+                pack_weight(weight, release_blocks=True)  # at once, so that the blocks never pile up
         else:
             setattr(module, attr, nn.Parameter(_dense(pname, param.shape, config, device, g), requires_grad=False))
     if tied:
         q = model.model.embed_tokens.__dict__.get("q_weight")
         if q is not None:
             set_quantized(model.lm_head, "weight", q)
-            if device.type == "cuda":
-                pack_weight(q)  # the head's matmuls read the repacked copy; lookups read the blocks
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
+    if device.type == "cuda":
+        pack_model(model, release_blocks=True)  # the embedding table (and a tied head), which the loop left
     return model.eval()
 
 

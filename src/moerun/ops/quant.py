@@ -4,7 +4,8 @@ A QuantizedWeight (layers/quantized.py) is repacked on first use, on its own dev
 (kernels/quant/repack.py) cached on it as the attribute `packed`: consecutive parts of one type are merged
 along the rows, so gate|up or q|k|v of one type become one tensor. `pack_model` does this up front (call it
 after loading a GGUF model on CUDA, before capturing CUDA graphs); with release_blocks it also drops the GGUF
-blocks of every weight that no embedding reads, so each weight is held once. The torch backend (CPU) dequantises.
+blocks, so each weight is held once (an embedding table's lookups decode its rows from the repacked copy:
+quantized_rows). The torch backend (CPU) dequantises.
 
 Types without a repacked layout (the grid types IQ1 ... IQ3, TQ1_0, TQ2_0, NVFP4: `has_kernel_layout`)
 keep their GGUF blocks on the Triton path too, read by kernels/quant/from_blocks.py as each call runs: a GEMV over
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerun.formats.quants import QuantType
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.repack import LAYOUTS, PackedWeight, cat_rows, pack
 from moerun.layers.quantized import QuantizedWeight
 from moerun.ops.dispatch import pick_backend
@@ -65,8 +67,9 @@ def has_kernel_layout(weight: Weight) -> bool:
 
 
 def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[PackedWeight]:
-    """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (never for a weight whose
-    rows an embedding looks up). A weight without a repacked layout keeps its blocks: -> []."""
+    """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (for an embedding table,
+    only where its lookups read the repacked copy: rows_from_packed). A weight without a repacked layout keeps its
+    blocks: -> []."""
     if not has_kernel_layout(weight):
         return []
     parts = packed_parts(weight)
@@ -97,26 +100,45 @@ def block_scratch_bytes(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def pack_model(model: nn.Module, release_blocks: bool = False) -> int:
-    """Repack every QuantizedWeight of the model's layers (module.q_<attr>) now; returns how many were repacked
-    (a weight without a repacked layout keeps its blocks and is not counted).
-
-    Embedding tables are left alone (they decode looked-up rows), unless another layer shares the weight,
-    as a tied lm_head does; such a shared weight keeps its blocks for the lookups.
-    """
+    """Repack every QuantizedWeight of the model (module.q_<attr>) now, embedding tables included; returns how
+    many were repacked (a weight without a repacked layout keeps its blocks and is not counted). An embedding
+    table keeps its blocks only where its lookups cannot read the repacked copy (quantized_rows)."""
     from moerun.layers.embedding import Embedding
 
     looked_up = {id(m.__dict__.get("q_weight")) for m in model.modules() if isinstance(m, Embedding)}
     seen: set[int] = set()
     packed = 0
     for module in model.modules():
-        if isinstance(module, Embedding):
-            continue
         for name, value in list(module.__dict__.items()):
             if name.startswith("q_") and isinstance(value, QuantizedWeight) and id(value) not in seen:
                 seen.add(id(value))
-                if pack_weight(value, release_blocks and id(value) not in looked_up):
+                if pack_weight(value):
                     packed += 1
+                    if release_blocks and not value.released and (id(value) not in looked_up
+                                                                  or rows_from_packed(value)):  # fmt: skip
+                        value.release_blocks()
     return packed
+
+
+def rows_from_packed(weight: QuantizedWeight) -> bool:
+    """Whether quantized_rows reads this [rows, cols] weight's repacked copy (one part, repacked on its device)."""
+    packed = weight.__dict__.get("packed")
+    return packed is not None and len(packed) == 1 and packed[0].device == weight.device and len(weight.shape) == 2
+
+
+def quantized_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids [T] of a quantized [rows, cols] table, dense [T, cols] in ``dtype`` (an embedding lookup). From the
+    repacked copy where there is one: in one launch where the kernels run (CUDA, or Triton's interpreter:
+    kernels/quant/decode.dequantize_rows), else its rows gathered and decoded in torch (the reference); without
+    one, from the GGUF blocks in torch (QuantizedWeight.rows)."""
+    if not rows_from_packed(weight):
+        return weight.rows(ids, dtype)
+    packed = weight.__dict__["packed"][0]
+    if ids.is_cuda or interpreting():
+        from moerun.kernels.quant.decode import dequantize_rows
+
+        return dequantize_rows(packed, ids, dtype)
+    return packed.take_rows(ids).dequantize(dtype)
 
 
 def quant_matmul(

@@ -5,6 +5,7 @@ given rows: (elements 64q + lane, elements 64q + 32 + lane). Arguments broadcast
 and lane [1, 32] give two [BN, 32] tiles (tl.dot operands); rows [BN, 1, 1], q [1, P, 1], lane [1, 1, 32] give
 [BN, P, 32] tiles (the GEMV paths). `rows` are global row indices (expert * N + n, int64); KQ = K_pad / 64 fixes
 each array's row length. QTYPE is the GGUF type id. `x_planes` loads the activations those two planes meet.
+`dequantize_triton` decodes a whole weight in one launch, `dequantize_rows` the rows an embedding looks up.
 
 Codes become floats through the exponent trick (int | 0x4B000000 is 2^23 + int as a float32) instead of
 integer-to-float conversions, which run at a quarter of the FMA rate.
@@ -235,5 +236,59 @@ def dequantize_triton(pw: PackedWeight, dtype: torch.dtype = torch.float32,
     _dequant_kernel[(triton.cdiv(rows, block_r),)](
         view, *pw.kernel_args(), rows, K, pw.kq, N, view.stride(0), view.stride(1), QTYPE=int(pw.qtype),
         BLOCK_R=block_r, INTERPRET=interpreting(), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------- row lookups (embeddings)
+
+
+@triton.jit
+def _rows_kernel(
+    out_ptr,  # [T, K] (unit stride along K)
+    ids_ptr,  # [T] the weight row each output row holds
+    codes,
+    high,
+    sub,
+    scale,
+    N,
+    K,
+    KQ,
+    stride_ot,
+    QTYPE: tl.constexpr,
+    P: tl.constexpr,  # pairs a program (a power of two)
+    INTERPRET: tl.constexpr,
+):
+    """Writes pairs [pid_1 * P, +P) of output row pid_0: the decoded weight row its id names, all P pairs' loads
+    issued together (a lookup of one token is one or two programs, a single memory round trip)."""
+    t = tl.program_id(0)
+    # an id outside [0, N) reads the nearest row rather than memory past the weight (the engine checks ids first)
+    row = tl.minimum(tl.maximum(tl.load(ids_ptr + t).to(tl.int64), 0), N - 1)
+    q = tl.program_id(1) * P + tl.arange(0, P)[:, None]  # [P, 1]
+    lane = tl.arange(0, 32)[None, :]  # [1, 32]
+    v0, v1 = dequant_pair(QTYPE, codes, high, sub, scale, row, tl.minimum(q, KQ - 1), lane, KQ)  # [P, 32] each
+    k0 = q * 64 + lane  # [P, 32]
+    dst = out_ptr + t.to(tl.int64) * stride_ot
+    tl.store(dst + k0, round_to(v0, out_ptr.dtype.element_ty, INTERPRET), mask=(q < KQ) & (k0 < K))
+    tl.store(dst + k0 + 32, round_to(v1, out_ptr.dtype.element_ty, INTERPRET), mask=(q < KQ) & (k0 + 32 < K))
+
+
+def dequantize_rows(pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids [T] of an [N, K] weight decoded by the kernels' decoder, dense [T, K] in ``dtype``, in one launch:
+    an embedding lookup (``pw.dequantize(dtype)[ids]``, as dequantize_triton's values). No host synchronisation:
+    ids are not checked here, and one outside [0, N) reads the nearest row."""
+    if len(pw.shape) != 2:
+        raise ValueError(f"row lookups need an [N, K] weight, got shape {pw.shape}")
+    N, K = pw.shape
+    T = ids.numel()
+    if pw.is_dense:
+        return pw.codes[ids].to(dtype)
+    out = torch.empty(T, K, dtype=dtype, device=pw.device)  # [T, K]
+    if T == 0:
+        return out
+    p = min(triton.next_power_of_2(pw.kq), 32)  # 2,048 values a program at most
+    _rows_kernel[(T, triton.cdiv(pw.kq, p))](
+        out, ids.reshape(-1), *pw.kernel_args(), N, K, pw.kq, out.stride(0), QTYPE=int(pw.qtype), P=p,
+        INTERPRET=interpreting(), num_warps=4,
     )  # fmt: skip
     return out

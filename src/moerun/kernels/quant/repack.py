@@ -150,6 +150,13 @@ class PackedWeight:
         lead = tuple(self.codes[index].shape[:-2])
         return type(self)(self.qtype, (*lead, *self.shape[-2:]), self.k_pad, *parts)
 
+    def take_rows(self, ids: torch.Tensor) -> "PackedWeight":
+        """Rows ids [T] of an [N, K] weight as a [T, K] PackedWeight (each array's rows gathered: copies)."""
+        if len(self.shape) != 2:
+            raise IndexError(f"row gathers need an [N, K] weight, shape is {self.shape}")
+        parts = [None if t is None else t[ids] for t in self.tensors()]
+        return type(self)(self.qtype, (ids.numel(), self.shape[1]), self.k_pad, *parts)
+
     def to(self, device: torch.device | str) -> "PackedWeight":
         parts = [None if t is None else t.to(device) for t in self.tensors()]
         return type(self)(self.qtype, self.shape, self.k_pad, *parts)

@@ -129,7 +129,7 @@ def _move_quantized(model: nn.Module, device: torch.device, repack: bool | None 
     """Moves the QuantizedWeights that layers keep outside their parameters (GGUF models), sharing kept. With
     ``repack`` (the default on CUDA) they are then repacked for the kernels and their GGUF blocks dropped, as a
     GGUF model loaded onto the GPU is: the non-expert weights are held once, at about the size the planner
-    counted (embedding tables keep their blocks for row lookups)."""
+    counted (embedding tables too: their lookups decode rows of the repacked copy)."""
     from moerun.ops.quant import pack_model
 
     moved: dict[int, QuantizedWeight] = {}

@@ -111,7 +111,8 @@ def _build(f: GGUFFile, config: ModelConfig, device: torch.device, moe_backend: 
         from moerun.ops.quant import pack_model
 
         # The kernels' layout, made once before any CUDA graph is captured; the GGUF blocks are then dropped
-        # (embedding tables keep theirs for row lookups), so the weights take about the file's size on the GPU.
+        # (embedding tables' too: their lookups decode rows of the repacked copy), so the weights take about the
+        # file's size on the GPU.
         pack_model(model, release_blocks=True)
     return model.eval()
 

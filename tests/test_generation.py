@@ -154,6 +154,8 @@ def test_bad_prompts(tiny_llm):
         tiny_llm.generate([[]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny_llm.generate([[10**7]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.logits([1, -1])
     with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
         tiny_llm.generate(["a"], [SamplingParams(), SamplingParams()])
     assert tiny_llm.engine.cache.num_free == tiny_llm.engine.cache.num_slots

@@ -48,10 +48,7 @@ class Engine:
         """Validates and queues one request."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self._check_vocabulary(prompt_ids)
         limit = self.config.max_model_len
         if len(prompt_ids) >= limit:
             raise ValueError(
@@ -193,10 +190,18 @@ class Engine:
         return received
 
     @torch.inference_mode()
+    def _check_vocabulary(self, prompt_ids: list[int]) -> None:
+        """Raises unless every id is in [0, vocab): the kernels never see an id outside the embedding table."""
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
     def prefill_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits [L, V] float32 of every position of one prompt, computed in one prefill."""
         if len(prompt_ids) > self.config.max_model_len:
             raise ValueError(f"{len(prompt_ids)} tokens exceed max_model_len {self.config.max_model_len}")
+        self._check_vocabulary(prompt_ids)
         slot = self.cache.allocate()
         try:
             batch = ForwardBatch.build([0], [len(prompt_ids)], [slot], self.device)

@@ -189,7 +189,6 @@ class Engine:
             received.append(seq)
         return received
 
-    @torch.inference_mode()
     def _check_vocabulary(self, prompt_ids: list[int]) -> None:
         """Raises unless every id is in [0, vocab): the kernels never see an id outside the embedding table."""
         vocab = self.model.config.vocab_size
@@ -197,6 +196,7 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
+    @torch.inference_mode()
     def prefill_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits [L, V] float32 of every position of one prompt, computed in one prefill."""
         if len(prompt_ids) > self.config.max_model_len:

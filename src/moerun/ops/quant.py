@@ -67,8 +67,8 @@ def has_kernel_layout(weight: Weight) -> bool:
 
 
 def pack_weight(weight: QuantizedWeight, release_blocks: bool = False) -> list[PackedWeight]:
-    """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (for an embedding table,
-    only where its lookups read the repacked copy: rows_from_packed). A weight without a repacked layout keeps its
+    """Repack one weight now (packed_parts); release_blocks then drops its GGUF blocks (pack_model keeps those of
+    an embedding table whose lookups cannot read the repacked copy). A weight without a repacked layout keeps its
     blocks: -> []."""
     if not has_kernel_layout(weight):
         return []

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton")
+
 from moerun.formats.quants import QuantType  # noqa: E402
 from moerun.kernels.interpreter import interpreting  # noqa: E402
 from moerun.kernels.quant.decode import dequantize_rows  # noqa: E402

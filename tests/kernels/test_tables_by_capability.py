@@ -6,10 +6,12 @@ import json
 import pytest
 import torch
 
-from moerun.bench.report import format_table
-from moerun.kernels import gemv, tile_configs
-from moerun.kernels.gemv import GemvConfig, table_key, table_path
-from moerun.kernels.quant import configs as qconfigs
+pytest.importorskip("triton")
+
+from moerun.bench.report import format_table  # noqa: E402
+from moerun.kernels import gemv, tile_configs  # noqa: E402
+from moerun.kernels.gemv import GemvConfig, table_key, table_path  # noqa: E402
+from moerun.kernels.quant import configs as qconfigs  # noqa: E402
 
 OWN, SIBLING = "FAKE_H100", "FAKE_H200"
 

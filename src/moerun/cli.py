@@ -31,7 +31,8 @@ def ensure_demo_model() -> Path:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="Hugging Face checkpoint folder (default: the built-in tiny demo model)")
+    p.add_argument("--model", "-m",
+                   help="Hugging Face checkpoint folder or GGUF file (default: the built-in tiny demo model)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if present)")
     p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: checkpoint's on CUDA, float32 on CPU)")
     p.add_argument("--moe-backend", choices=["torch", "triton"], help="experts backend (default: triton on CUDA)")

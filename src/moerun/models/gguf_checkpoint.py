@@ -11,6 +11,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from moerun.layers.quantized import QuantizedWeight, set_quantized
 from moerun.models.loading import WeightLoadError, load_weights
 from moerun.models.registry import get_model_class
 from moerun.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from moerun.models.checkpoint import LoadedModel
 
 _FLOAT_TYPES = {QuantType.F32, QuantType.F16, QuantType.BF16}
 
@@ -57,7 +61,7 @@ def _token(backend, token_id: int | None) -> str | None:
     return backend.id_to_token(token_id) if token_id is not None else None
 
 
-def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype, moe_backend: str | None):
+def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype, moe_backend: str | None) -> LoadedModel:
     """(model, tokenizer, config) of a GGUF file; quantised weights stay quantised."""
     from moerun.models.checkpoint import LoadedModel
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from moerun.moe.offload.packed_pool import host_copy_fits
 from moerun.moe.offload.planner import Placement, footprint_of_config, footprint_of_gguf, plan_placement
 from moerun.moe.offload.store import HostExpertStore
 from moerun.moe.offload.zero_copy import ZeroCopyOffload, reads_quantized_in_place
+
+if TYPE_CHECKING:
+    from moerun.models.checkpoint import LoadedModel
 
 logger = logging.getLogger("moerun")
 
@@ -37,7 +41,7 @@ def plan_for_checkpoint(path: str | Path, mc: ModelConfig, ec: EngineConfig, gpu
 
 
 def load_offloaded(path: str | Path, ec: EngineConfig, placement: Placement, config: OffloadConfig,
-                   progress: bool = True):
+                   progress: bool = True) -> LoadedModel:
     """Loads a checkpoint into host memory, then offloads it onto the engine's device (a LoadedModel)."""
     from moerun.models.checkpoint import load_checkpoint
 

@@ -1,5 +1,5 @@
-"""Tuned tables by compute capability: a card with no table of its own for a shape reads the one shipped for the card
-of its capability (an H100 the H200's), for every kind of table; its own tables, where it has them, come first."""
+"""Tuned tables by compute capability: a card with no table of its own for a shape reads those shipped for the cards
+of its capability (an H100 the H200's, an H200 the H100's), for every kind of table; its own tables come first."""
 
 import json
 
@@ -17,16 +17,17 @@ OWN, SIBLING = "FAKE_H100", "FAKE_H200"
 
 
 def test_table_devices_follow_the_capability() -> None:
-    shipped = tile_configs.SHIPPED_FOR_CAPABILITY[(9, 0)]
-    assert tile_configs.table_devices("NVIDIA_H100_80GB_HBM3", (9, 0)) == ("NVIDIA_H100_80GB_HBM3", shipped)
-    assert tile_configs.table_devices(shipped, (9, 0)) == (shipped,)  # not twice
+    h200, h100 = tile_configs.SHIPPED_FOR_CAPABILITY[(9, 0)]
+    assert tile_configs.table_devices(h100, (9, 0)) == (h100, h200)
+    assert tile_configs.table_devices(h200, (9, 0)) == (h200, h100)  # each card once
+    assert tile_configs.table_devices("NVIDIA_GH200_480GB", (9, 0)) == ("NVIDIA_GH200_480GB", h200, h100)
     assert tile_configs.table_devices("NVIDIA_A100-SXM4-80GB", (8, 0)) == ("NVIDIA_A100-SXM4-80GB",)
     assert tile_configs.table_devices("cpu", None) == ("cpu",)
 
 
-def test_every_capability_names_a_card_with_shipped_tables() -> None:
-    for capability, device in tile_configs.SHIPPED_FOR_CAPABILITY.items():
-        assert tile_configs.devices_with_tables([device]) == [device], capability
+def test_every_capability_names_cards_with_shipped_tables() -> None:
+    for capability, cards in tile_configs.SHIPPED_FOR_CAPABILITY.items():
+        assert tile_configs.devices_with_tables(cards) == list(cards), capability
     assert tile_configs.devices_with_tables(["no-such-card"]) == []
 
 

@@ -17,8 +17,8 @@ A config is a dict with keys:
               sums the k slots in registers)
 Tables are keyed by M, the number of tokens; k is the model's experts per token. A folder named by the environment
 variable MOERUN_MOE_CONFIG_DIR is searched for a shape's table before the shipped ones (tables of one's own tuning,
-``benchmarks/tune_moe.py --out-dir``). A card with no table of its own for a shape reads the one shipped for the
-card of its compute capability (SHIPPED_FOR_CAPABILITY: an H100 runs the H200's tables), then the defaults.
+``benchmarks/tune_moe.py --out-dir``). A card with no table of its own for a shape reads those shipped for the
+cards of its compute capability (SHIPPED_FOR_CAPABILITY: an H100 runs the H200's tables), then the defaults.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PATHS = ("gemv", "tile")
 REDUCTIONS = ("atomic", "sum", "sum_out", "fused")
-# The card whose shipped tables (MoE, dense GEMV, quantized) serve every card of the same compute capability that has
-# none of its own for a shape: the sm_90 tiles were tuned on an H200; on an H100 80GB they beat the untuned defaults
-# end to end in all but one figure (Q4_K_M batch 1 +8%, bf16 prefill +15-21%; the Q4_K_M prefill of 2048 tokens -1.5%:
-# benchmarks/RESULTS.md, forty-fourth sitting, "tables by architecture").
-SHIPPED_FOR_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "NVIDIA_H200"}
+# The cards whose shipped tables (MoE, dense GEMV, quantized) serve every card of the same compute capability that has
+# none of its own for a shape, first match first. The sm_90 tiles were tuned on an H200; on an H100 80GB they beat the
+# untuned defaults end to end in all but one figure (Q4_K_M batch 1 +8%, bf16 prefill +15-21%; the Q4_K_M prefill of
+# 2048 tokens -1.5%: benchmarks/RESULTS.md, forty-fourth sitting, "tables by architecture"). The H100's own tables
+# cover what the H200's do not: the decode tiles of the second-tier K-quant types (forty-sixth sitting).
+SHIPPED_FOR_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {(9, 0): ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3")}
 Found = TypeVar("Found")
 
 Config = dict[str, Any]
@@ -63,9 +64,9 @@ def device_name(device: torch.device | int | None = None) -> str:
 
 def table_devices(device: str, capability: tuple[int, int] | None) -> tuple[str, ...]:
     """The devices whose tuned tables a card named ``device`` of that compute capability reads, first match first:
-    its own, then the card whose tables were shipped for its capability (when that is another card)."""
-    sibling = SHIPPED_FOR_CAPABILITY.get(capability) if capability is not None else None
-    return (device,) if sibling is None or sibling == device else (device, sibling)
+    its own, then the cards whose tables were shipped for its capability (each once)."""
+    shipped = SHIPPED_FOR_CAPABILITY.get(capability, ()) if capability is not None else ()
+    return (device,) + tuple(card for card in shipped if card != device)
 
 
 @functools.cache

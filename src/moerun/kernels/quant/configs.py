@@ -194,7 +194,7 @@ def get_moe_config(
     qtype: str, E: int, H: int, I: int, k: int, m: int, device: str | None = None  # noqa: E741
 ) -> Config:
     """Tuned config of the smallest tuned M >= m for this type, shape and device (the largest up to twice it; by
-    default the current CUDA device's table, else the one shipped for its capability: tile_configs.table_devices),
+    default the current CUDA device's table, else those shipped for its capability: tile_configs.table_devices),
     else the default for m (a table tuned for decode says nothing about prefill). Taking the bucket above m, not
     the nearest, gives m tokens the config of the power-of-two CUDA-graph bucket that holds them whenever the
     tuned Ms are powers of two, so that eager and graphed steps round x to int8 alike."""

@@ -15,8 +15,15 @@ layer (temporal locality). The routers still run, but the experts they pick are 
 the host beforehand, each step's ids copied to the device before its forward pass, so graphed steps read them);
 router-lookahead prefetch cannot predict the trace and is off for those rows.
 
+Steady routing (``--routings ...,steady``): the random routers route, on a model whose token embeddings are scaled up
+by --steady-scale (a power of two, undone after the rows), so that each layer changes the residual stream little,
+as the router lookahead assumes of a trained model: the next layer's router applied to this layer's input then
+predicts most of its experts (the rows report the accuracy measured). The cache sees routing as random as the
+random rows'. Zero-copy rows prefetch as --prefetch says (off by default in that mode).
+
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
-copy mode, read by the kernels in zero-copy mode), at the pinned host-to-device bandwidth measured in the same run.
+copy mode, read by the kernels in zero-copy mode) and the prefetched experts' (useful or not), at the pinned
+host-to-device bandwidth measured in the same run.
 
     python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
 """
@@ -66,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                            "(OffloadConfig.stage_experts)")):
         p.add_argument(flag, default="auto", help=f"zero-copy {what}: auto, or numbers; several in order give a "
                                                   "row each")
+    p.add_argument("--prefetch", default="auto",
+                   help="zero-copy: admit the next layer's predicted experts ahead of it (OffloadConfig.prefetch): "
+                        "auto (off in this mode), on, off, or several in order (a row each)")
+    p.add_argument("--routings", default="random,skewed",
+                   help="routings of the bf16 rows at each budget: random, skewed, steady (see above)")
+    p.add_argument("--steady-scale", type=float, default=128.0,
+                   help="steady routing: factor on the token embeddings (a power of two)")
     p.add_argument("--overlap", default="auto",
                    help="zero-copy: stage on a side stream while the cached experts' pairs are computed "
                         "(OffloadConfig.overlap): auto (on CUDA), on, off, or several in order (a row each)")
@@ -94,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.steps = min(args.steps, 6)
     choices = {"auto": None, "on": True, "off": False}
-    for flag in ("admit_on_device", "overlap"):  # OffloadConfig values, in order
+    for flag in ("admit_on_device", "overlap", "prefetch"):  # OffloadConfig values, in order
         names = [n.strip() for n in getattr(args, flag).split(",") if n.strip()]
         if not names or any(n not in choices for n in names):
             p.error(f"--{flag.replace('_', '-')}: expected a list of {sorted(choices)}, got {getattr(args, flag)!r}")
@@ -105,7 +119,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  if n.strip()])
         except ValueError:
             p.error(f"--{flag.replace('_', '-')}: expected auto or integers, got {getattr(args, flag)!r}")
+    args.routings = [r.strip() for r in args.routings.split(",") if r.strip()]
+    if not args.routings or any(r not in ROUTINGS for r in args.routings):
+        p.error(f"--routings: expected a list of {ROUTINGS}, got {args.routings!r}")
+    scale = args.steady_scale
+    if not (scale >= 1 and float(2 ** round(np.log2(scale))) == scale):
+        p.error(f"--steady-scale must be a power of two >= 1 (undone exactly), got {scale}")
     return args
+
+
+ROUTINGS = ("random", "skewed", "steady")
 
 
 def _floats(text: str) -> list[float]:
@@ -198,6 +221,15 @@ def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) 
     old = model.__dict__.pop("_skewed_trace", None)
     if old is not None:
         old.remove()
+    steady = model.__dict__.pop("_steady_scale", None)
+    embedding = model.model.embed_tokens.weight
+    if steady is not None:  # undone exactly: a power of two
+        with torch.no_grad():
+            embedding.mul_(1.0 / steady)
+    if routing == "steady":
+        with torch.no_grad():
+            embedding.mul_(args.steady_scale)
+        model.__dict__["_steady_scale"] = args.steady_scale
     if routing == "skewed":
         rows = max(int(b) for b in args.batch_sizes.split(","))
         model.__dict__["_skewed_trace"] = SkewedTrace(
@@ -252,10 +284,10 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
             torch.cuda.reset_peak_memory_stats()
         r = measure_decode(llm, B, args)
         s = r.pop("stats")
-        miss_per_token = s["missed_bytes_per_token"]
-        zero_copy = s["mode"] == "zero_copy"
+        # every byte that crossed to the GPU for the experts: misses, and prefetches useful or not
+        miss_per_token = s["missed_bytes_per_token"] + s["bytes_copied_prefetch"] / max(s["tokens"], 1)
         rows.append({**base, "mode": s["mode"], "routing": routing, "policy": config.policy,
-                     "prefetch": config.prefetch and not zero_copy, "cpu_compute": config.cpu_compute,
+                     "prefetch": s["prefetch"], "cpu_compute": config.cpu_compute,
                      "slots_per_layer": slots, "batch": B, **r, "graphs": bool(llm.engine.runner.graphs),
                      "hit_rate": s["hit_rate"], "bytes_copied_per_token": s["bytes_copied_per_token"],
                      "miss_bytes_per_token": miss_per_token,
@@ -361,14 +393,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     main = [r for r in rows if r["variant"] == "bf16 LRU"]
-    for mode in sorted({r["mode"] for r in main}):
-        for routing in ("random", "skewed"):
-            for B in sorted({r["batch"] for r in main}):
-                pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main
-                             if r["mode"] == mode and r["routing"] == routing and r["batch"] == B)
-                if not pts:
-                    continue
-                xs, label = [p[0] for p in pts], f"{mode}, {routing}, batch {B}"
+    for mode, routing, pf in sorted({(r["mode"], r["routing"], bool(r["prefetch"])) for r in main}):
+        for B in sorted({r["batch"] for r in main}):
+            pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main if r["mode"] == mode
+                         and r["routing"] == routing and bool(r["prefetch"]) == pf and r["batch"] == B)
+            if pts:
+                xs = [p[0] for p in pts]
+                label = f"{mode}, {routing}{', prefetch' if pf else ''}, batch {B}"
                 a.plot(xs, [p[1] for p in pts], marker="o", label=label)
                 b.plot(xs, [100 * p[2] for p in pts], marker="o", label=label)
     a.set(xlabel="expert cache (GiB)", ylabel="decode tok/s", title="decode throughput")
@@ -448,23 +479,23 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
     budgets = _floats(args.budgets)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     admit = int(args.admit_mb * 2**20) if args.admit_mb is not None else None
-    lru = OffloadConfig(policy="lru", prefetch=True, admit_bytes_per_step=admit)
+    lru = OffloadConfig(policy="lru", admit_bytes_per_step=admit)  # prefetch: the mode's default
     for budget in budgets:
         for mode in modes:
             zero_copy = mode == "zero_copy"
-            options = [args.stage_experts, args.admit_on_device, args.overlap, args.admit_hold]
-            for stage, on_device, overlap, hold in itertools.product(*(options if zero_copy else [[None]] * 4)):
+            options = [args.stage_experts, args.admit_on_device, args.overlap, args.admit_hold, args.prefetch]
+            for stage, on_device, overlap, hold, pf in itertools.product(*(options if zero_copy else [[None]] * 5)):
                 cfg = replace(lru, mode=mode, admit_on_device=on_device, overlap=overlap, admit_hold_passes=hold,
-                              stage_experts=stage)
+                              stage_experts=stage, prefetch=pf)
                 # the staging rows (as LLM decides them for max_seqs when not given) come out of the budget
                 cfg = replace(cfg, stage_experts=cfg.stage_rows(mc.num_experts_per_tok, max_seqs))
                 pl = placement(budget, fp, cfg)
                 base = {"variant": "bf16 LRU" if stage is None else f"bf16 LRU, {stage} rows", "budget_gib": budget,
                         "cache_gib": pl.cache_bytes / GiB}
-                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, cfg, "random", tokenizer, args, base,
-                                 pinned_bps)
-                rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, prefetch=False),
-                                 "skewed", tokenizer, args, base, pinned_bps)
+                for routing in args.routings:  # the skewed trace is not router-predictable: no prefetch
+                    rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes,
+                                     replace(cfg, prefetch=False) if routing == "skewed" else cfg, routing, tokenizer,
+                                     args, base, pinned_bps)
     if not (args.quick or args.no_variants):
         mid = budgets[len(budgets) // 2]
         pl = placement(mid, fp, lru)
@@ -474,7 +505,7 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
         for name, cfg, routing in variants:
             for mode in modes:
                 if name == "bf16 no prefetch" and mode == "zero_copy":
-                    continue  # zero-copy never prefetches: the same as its LRU row
+                    continue  # zero-copy prefetches only when asked to: the same as its LRU row
                 base = {"variant": name, "budget_gib": mid, "cache_gib": pl.cache_bytes / GiB}
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, mode=mode), routing,
                                  tokenizer, args, base, pinned_bps)
@@ -528,7 +559,7 @@ def run_gguf(mc: ModelConfig, device: torch.device, args: argparse.Namespace, to
             zero_copy = mode == "zero_copy" and n_cpu < n_moe
             for on_device, hold in itertools.product(*([args.admit_on_device, args.admit_hold] if zero_copy
                                                        else [[None], [None]])):
-                cfg = OffloadConfig(policy="lru", prefetch=True, mode=mode, admit_bytes_per_step=admit,
+                cfg = OffloadConfig(policy="lru", mode=mode, admit_bytes_per_step=admit,
                                     admit_on_device=on_device, admit_hold_passes=hold, stage_experts=rows_staged)
                 slots, kv_bytes, base = gguf_placement(qfp, mc, args, max_seqs, chunk, free, budget, kv, cfg, n_cpu)
                 rows += run_rows(model, store, slots, kv_bytes, cfg, "random", tokenizer, args, base, pinned_bps)

@@ -48,6 +48,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="zero_copy: kernels read missed experts from pinned host memory, decode keeps its CUDA "
                    "graphs; copy: misses are copied into the cache, a graph pair per decoder layer; auto (default): "
                    "zero_copy on CUDA for experts the kernels can read in place (dense, or quantized on Triton)")
+    p.add_argument("--offload-prefetch", choices=["auto", "on", "off"],
+                   help="prefetch the next layer's experts predicted by its router on this layer's input: auto "
+                   "(default): on in copy mode, off in zero_copy mode")
     p.add_argument("--verbose", action="store_true", help="print expert-offloading statistics when done")
 
 
@@ -123,7 +126,9 @@ def _load(args: argparse.Namespace):
         sys.stderr.write(DEMO_NOTE.format(path=model))
     from moerun.moe.offload import OffloadConfig
 
-    offload = OffloadConfig(cpu_compute=args.offload_cpu_compute or "off", mode=args.offload_mode or "auto")
+    prefetch = {"on": True, "off": False}.get(args.offload_prefetch)  # auto: None, the mode's default
+    offload = OffloadConfig(cpu_compute=args.offload_cpu_compute or "off", mode=args.offload_mode or "auto",
+                            prefetch=prefetch)
     return LLM(str(model), device=args.device, dtype=args.dtype, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb,
                expert_cache_gb=args.expert_cache_gb, offload_policy=args.offload_policy, offload=offload)

@@ -45,7 +45,10 @@ class OffloadConfig:
         slots, skewed batch 1, 38.4 -> 33.8 tok/s for 0 -> 1 (the held slots are most of the cache there).
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
     prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
-    prefetch_depth: how many following MoE layers to prefetch for.
+        None: on in copy mode; in zero-copy mode off, where True admits the next layer's predicted experts into its
+        spare slots on the device, copied on the side stream while this layer computes (with admission on the
+        device).
+    prefetch_depth: how many following MoE layers to prefetch for (zero-copy: the next one only).
     prefetch_per_layer: at most this many experts per target layer and step (None: the model's top-k).
     prefetch_min_confidence: skip candidates whose mean router probability over the batch is below this.
     prefetch_min_accuracy: pause prefetching (for 32 forward passes, then probe again) when fewer than this share
@@ -63,7 +66,7 @@ class OffloadConfig:
     """
 
     policy: str = "lru"
-    prefetch: bool = True
+    prefetch: bool | None = None
     prefetch_depth: int = 1
     prefetch_per_layer: int | None = None
     prefetch_min_confidence: float = 0.0
@@ -116,6 +119,11 @@ class OffloadConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+
+    def prefetches(self, mode: str) -> bool:
+        """Whether offloading in ``mode`` ('copy' or 'zero_copy') prefetches: ``prefetch``, or for None copy mode
+        only."""
+        return self.prefetch if self.prefetch is not None else mode == "copy"
 
     def stage_rows(self, top_k: int, max_num_seqs: int = 1) -> int:
         """Device rows a zero-copy layer stages its missed experts in: stage_experts, or for None its choice for a

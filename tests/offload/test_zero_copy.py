@@ -454,10 +454,14 @@ def test_admission_on_device_accounting(policy, k, slots, seed, steps):
                 topk_ids = torch.from_numpy(ids.astype(np.int32))
                 topk_weights = torch.from_numpy(rng.random((T, k)).astype(np.float32))
                 x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+                before = manager.counts[layer].clone()
                 out = manager.forward_layer(layer, x, topk_weights, topk_ids)
                 w13, w2 = store.weights(layer)
                 torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, topk_weights, topk_ids))
                 assert not manager.is_host[layer, cached].any()  # an expert the pass routes to is never given up
+                # every pair counted once
+                assert torch.equal(manager.counts[layer] - before, torch.bincount(topk_ids.view(-1).long(),
+                                                                                  minlength=E))
         manager.between_steps(T)
         manager.check()
     s = manager.stats_dict()
@@ -495,10 +499,12 @@ def test_prefetch_on_device_accounting(k, slots, seed, steps):
             useful += len(set(marked) & set(ids.reshape(-1).tolist()))
             topk_ids = torch.from_numpy(ids.astype(np.int32))
             topk_weights = torch.from_numpy(rng.random((T, k)).astype(np.float32))
+            counted = manager.counts[layer].clone()
             out = manager.forward_layer(layer, x, topk_weights, topk_ids)
             w13, w2 = store.weights(layer)
             torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, topk_weights, topk_ids))
             assert not manager.prefetch_mark[layer].any()  # judged by the layer's own pass
+            assert torch.equal(manager.counts[layer] - counted, torch.bincount(topk_ids.view(-1).long(), minlength=E))
             if layer + 1 < L:
                 admitted = int(manager.prefetch_mark[layer + 1].sum())
                 assert int((manager.is_host[layer + 1, predicted] == 0).sum()) == before + admitted

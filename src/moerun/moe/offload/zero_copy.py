@@ -396,11 +396,11 @@ class ZeroCopyOffload(OffloadManagerBase):
         step, staged = None, None  # [P, E, W], pairs still being copied
         if self.staging is not None:
             step, staged = self._staged_tables(layer, topk_ids)  # its plan launch also counts the pairs
-        if self.prefetching and layer + 1 < self.num_layers:
-            self._prefetch(layer + 1, x)
         else:
             ids = topk_ids.reshape(-1).long()  # [T*k]
             self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
+        if self.prefetching and layer + 1 < self.num_layers:  # after this layer's own copy
+            self._prefetch(layer + 1, x)
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
             tables = self.quant_tables[layer] if step is None else ([step[p] for p in range(step.shape[0] - 1)],

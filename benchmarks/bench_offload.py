@@ -18,8 +18,7 @@ router-lookahead prefetch cannot predict the trace and is off for those rows.
 Steady routing (``--routings ...,steady``): the random routers route, on a model whose token embeddings are scaled up
 by --steady-scale (a power of two, undone after the rows), so that each layer changes the residual stream little,
 as the router lookahead assumes of a trained model: the next layer's router applied to this layer's input then
-predicts most of its experts (the rows report the accuracy measured). The cache sees routing as random as the
-random rows'. Zero-copy rows prefetch as --prefetch says (off by default in that mode).
+predicts most of its experts (copy mode's rows report the accuracy measured).
 
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
 copy mode, read by the kernels in zero-copy mode) and the prefetched experts' (useful or not), at the pinned
@@ -73,9 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                            "(OffloadConfig.stage_experts)")):
         p.add_argument(flag, default="auto", help=f"zero-copy {what}: auto, or numbers; several in order give a "
                                                   "row each")
-    p.add_argument("--prefetch", default="auto",
-                   help="zero-copy: admit the next layer's predicted experts ahead of it (OffloadConfig.prefetch): "
-                        "auto (off in this mode), on, off, or several in order (a row each)")
     p.add_argument("--routings", default="random,skewed",
                    help="routings of the bf16 rows at each budget: random, skewed, steady (see above)")
     p.add_argument("--steady-scale", type=float, default=128.0,
@@ -108,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.steps = min(args.steps, 6)
     choices = {"auto": None, "on": True, "off": False}
-    for flag in ("admit_on_device", "overlap", "prefetch"):  # OffloadConfig values, in order
+    for flag in ("admit_on_device", "overlap"):  # OffloadConfig values, in order
         names = [n.strip() for n in getattr(args, flag).split(",") if n.strip()]
         if not names or any(n not in choices for n in names):
             p.error(f"--{flag.replace('_', '-')}: expected a list of {sorted(choices)}, got {getattr(args, flag)!r}")
@@ -393,13 +389,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     main = [r for r in rows if r["variant"] == "bf16 LRU"]
-    for mode, routing, pf in sorted({(r["mode"], r["routing"], bool(r["prefetch"])) for r in main}):
-        for B in sorted({r["batch"] for r in main}):
-            pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main if r["mode"] == mode
-                         and r["routing"] == routing and bool(r["prefetch"]) == pf and r["batch"] == B)
-            if pts:
-                xs = [p[0] for p in pts]
-                label = f"{mode}, {routing}{', prefetch' if pf else ''}, batch {B}"
+    for mode in sorted({r["mode"] for r in main}):
+        for routing in ROUTINGS:
+            for B in sorted({r["batch"] for r in main}):
+                pts = sorted((r["cache_gib"], r["tok_s"], r["hit_rate"]) for r in main
+                             if r["mode"] == mode and r["routing"] == routing and r["batch"] == B)
+                if not pts:
+                    continue
+                xs, label = [p[0] for p in pts], f"{mode}, {routing}, batch {B}"
                 a.plot(xs, [p[1] for p in pts], marker="o", label=label)
                 b.plot(xs, [100 * p[2] for p in pts], marker="o", label=label)
     a.set(xlabel="expert cache (GiB)", ylabel="decode tok/s", title="decode throughput")
@@ -483,10 +480,10 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
     for budget in budgets:
         for mode in modes:
             zero_copy = mode == "zero_copy"
-            options = [args.stage_experts, args.admit_on_device, args.overlap, args.admit_hold, args.prefetch]
-            for stage, on_device, overlap, hold, pf in itertools.product(*(options if zero_copy else [[None]] * 5)):
+            options = [args.stage_experts, args.admit_on_device, args.overlap, args.admit_hold]
+            for stage, on_device, overlap, hold in itertools.product(*(options if zero_copy else [[None]] * 4)):
                 cfg = replace(lru, mode=mode, admit_on_device=on_device, overlap=overlap, admit_hold_passes=hold,
-                              stage_experts=stage, prefetch=pf)
+                              stage_experts=stage)
                 # the staging rows (as LLM decides them for max_seqs when not given) come out of the budget
                 cfg = replace(cfg, stage_experts=cfg.stage_rows(mc.num_experts_per_tok, max_seqs))
                 pl = placement(budget, fp, cfg)
@@ -505,7 +502,7 @@ def run_bf16(args: argparse.Namespace, mc: ModelConfig, hf_config: dict, dtype: 
         for name, cfg, routing in variants:
             for mode in modes:
                 if name == "bf16 no prefetch" and mode == "zero_copy":
-                    continue  # zero-copy prefetches only when asked to: the same as its LRU row
+                    continue  # zero-copy never prefetches: the same as its LRU row
                 base = {"variant": name, "budget_gib": mid, "cache_gib": pl.cache_bytes / GiB}
                 rows += run_rows(model, store, pl.slots_per_layer, pl.kv_bytes, replace(cfg, mode=mode), routing,
                                  tokenizer, args, base, pinned_bps)

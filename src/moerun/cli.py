@@ -49,8 +49,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "graphs; copy: misses are copied into the cache, a graph pair per decoder layer; auto (default): "
                    "zero_copy on CUDA for experts the kernels can read in place (dense, or quantized on Triton)")
     p.add_argument("--offload-prefetch", choices=["auto", "on", "off"],
-                   help="prefetch the next layer's experts predicted by its router on this layer's input: auto "
-                   "(default): on in copy mode, off in zero_copy mode")
+                   help="copy mode: prefetch the next layer's experts predicted by its router on this layer's input; "
+                   "auto (default): on in copy mode; on: also makes --offload-mode auto choose copy mode")
     p.add_argument("--verbose", action="store_true", help="print expert-offloading statistics when done")
 
 

@@ -103,7 +103,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     )
     from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.o_proj_router import o_proj_router_triton
-    from moerun.kernels.stage_misses import Admission, PrefetchMarks, plan_misses_triton, stage_misses_triton
+    from moerun.kernels.stage_misses import Admission, stage_misses_triton
     from moerun.kernels.tile_configs import normalize
 
     bf16 = torch.bfloat16
@@ -128,8 +128,6 @@ def _cases() -> dict[str, Callable[[], None]]:
     P, W, R = 2, 1, k  # staging of missed experts: dense w13 | w2, one array each, top-k rows
     table = torch.zeros(P, E, W, dtype=torch.int64)
     words = torch.full((P * W,), 64, dtype=torch.int64)
-    marks = PrefetchMarks(torch.full((1,), 2, dtype=torch.int32), torch.zeros(E, dtype=torch.int32),
-                          torch.zeros(E, dtype=torch.int64), torch.zeros(E, dtype=torch.int64))
     admission = Admission(torch.zeros(P, 4, W, dtype=torch.int64), table, torch.full((4,), -1), torch.arange(4),
                           *(torch.zeros(E, dtype=torch.int64) for _ in range(3)))
     q5 = [pack(random_quantized(QuantType.Q5_K, (E, I, H), "cpu")) for _ in range(2)]
@@ -358,14 +356,6 @@ def _cases() -> dict[str, Callable[[], None]]:
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table),
             replace(admission, hold=torch.zeros(4, dtype=torch.int32), hold_passes=1), admission.counts),
-        "stage missed experts into cache slots, pairs counted, prefetches judged": lambda: stage_misses_triton(
-            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
-            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), admission, admission.counts,
-            marks=marks),
-        "prefetch predicted experts into cache slots": lambda: plan_misses_triton(
-            table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]),
-            torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table),
-            replace(admission, hold=torch.zeros(4, dtype=torch.int32), hold_passes=1), marks=marks, prefetch=True),
     }
 
 

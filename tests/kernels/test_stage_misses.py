@@ -88,7 +88,30 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares, counted, hold) ->
     g = torch.Generator().manual_seed(seed)
     P, E, W, S = 2, 12 if pairs < 64 else 40, 2, 6
     word_dtype = torch.int64
-    sizes, offsets, host, slots, host_table, slot_table, occupant, is_host, table = _slot_case(g, P, E, W, S)
+    sizes = torch.randint(1, 200, (P * W,), generator=g)
+    sizes[1] = 0  # an absent array: no bytes, its entries still follow the expert
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)[:-1]])
+    host = [[torch.randint(-2**30, 2**30, (int(sizes[a]),), generator=g, dtype=word_dtype).to(DEVICE)
+             for a in range(P * W)] for _ in range(E)]  # fmt: skip
+    slots = [[torch.zeros(int(sizes[a]), dtype=word_dtype, device=DEVICE) for a in range(P * W)] for _ in range(S)]
+
+    def addresses(arrays, a):
+        return arrays[a].data_ptr() if sizes[a] > 0 else 0
+
+    host_table = torch.tensor([[[addresses(host[e], p * W + w) for w in range(W)] for e in range(E)]
+                               for p in range(P)])  # [P, E, W]
+    slot_table = torch.tensor([[[addresses(slots[s], p * W + w) for w in range(W)] for s in range(S)]
+                               for p in range(P)])  # [P, S, W]
+    occupant = torch.full((S,), -1, dtype=torch.int64)
+    occupant[: S - 1] = torch.randperm(E, generator=g)[: S - 1]  # one free slot
+    is_host = torch.ones(E, dtype=torch.int32)
+    table = host_table.clone()
+    for s, e in enumerate(occupant.tolist()):
+        if e >= 0:
+            is_host[e] = 0
+            table[:, e] = slot_table[:, s]
+            for a in range(P * W):
+                slots[s][a].copy_(host[e][a])
     ids = torch.randint(0, E, (pairs,), generator=g, dtype=torch.int32)
     if pairs > 2:
         ids[2] = ids[0]
@@ -156,98 +179,3 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares, counted, hold) ->
                 view = staging[index, start_word : start_word + int(sizes[a])]
                 assert int(step[p, e, w]) == view.data_ptr()
             assert torch.equal(view, host[e][a]), f"seed={seed}: expert {e} array {a} not staged"
-
-
-def _slot_case(g: torch.Generator, P: int, E: int, W: int, S: int):
-    """Host arrays of E experts, S device slots of which all but one hold an expert, and the tables over them."""
-    sizes = torch.randint(1, 200, (P * W,), generator=g)
-    sizes[1] = 0  # an absent array
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)[:-1]])
-    host = [[torch.randint(-2**30, 2**30, (int(sizes[a]),), generator=g, dtype=torch.int64).to(DEVICE)
-             for a in range(P * W)] for _ in range(E)]  # fmt: skip
-    slots = [[torch.zeros(int(sizes[a]), dtype=torch.int64, device=DEVICE) for a in range(P * W)] for _ in range(S)]
-
-    def addresses(arrays, a):
-        return arrays[a].data_ptr() if sizes[a] > 0 else 0
-
-    host_table = torch.tensor([[[addresses(host[e], p * W + w) for w in range(W)] for e in range(E)]
-                               for p in range(P)])  # [P, E, W]
-    slot_table = torch.tensor([[[addresses(slots[s], p * W + w) for w in range(W)] for s in range(S)]
-                               for p in range(P)])  # [P, S, W]
-    occupant = torch.full((S,), -1, dtype=torch.int64)
-    occupant[: S - 1] = torch.randperm(E, generator=g)[: S - 1]
-    is_host = torch.ones(E, dtype=torch.int32)
-    table = host_table.clone()
-    for s, e in enumerate(occupant.tolist()):
-        if e >= 0:
-            is_host[e] = 0
-            table[:, e] = slot_table[:, s]
-            for a in range(P * W):
-                slots[s][a].copy_(host[e][a])
-    return sizes, offsets, host, slots, host_table, slot_table, occupant, is_host, table
-
-
-@pytest.mark.parametrize("hold", [0, 2], ids=["no hold", "hold 2"])
-@pytest.mark.parametrize("limit", [0, 3, 8])
-def test_prefetch_into_spare_slots(seed, limit, hold) -> None:
-    # a prefetch plan against the reference: the first `limit` predicted experts that are missed go into the usable
-    # spare slots (never into rows; a spare slot holding a predicted expert, or a held one, is skipped), their bytes
-    # copied there, marked and counted as issued; nothing is routed, counted, held or read from host by it. Then the
-    # layer's own pass judges the marks: those it routes to are useful, and every mark is cleared.
-    from moerun.kernels.stage_misses import (Admission, PrefetchMarks, copy_misses_triton, plan_misses_triton,
-                                             stage_misses_reference)
-
-    g = torch.Generator().manual_seed(seed)
-    P, E, W, S = 2, 16, 2, 7
-    sizes, offsets, host, slots, host_table, slot_table, occupant, is_host, table = _slot_case(g, P, E, W, S)
-    predicted = torch.randperm(E, generator=g)[:8].to(torch.int32)
-    predicted[0] = int(occupant[0])  # a predicted expert already cached, in a spare slot: kept
-    spare = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(S - 1, generator=g)[:4] + 1])
-    counts = torch.randint(0, 5, (E,), generator=g)
-    holds = torch.randint(0, 3, (S,), generator=g, dtype=torch.int32) * (torch.rand(S, generator=g) < 0.4)
-    host_passes = torch.randint(0, 3, (E,), generator=g)
-
-    def state(on):
-        admit = Admission(slot_table.to(on), host_table.to(on), occupant.clone().to(on), spare.to(on),
-                          counts.clone().to(on), counts.clone().to(on), host_passes.clone().to(on),
-                          holds.clone().to(on) if hold else None, hold)
-        marks = PrefetchMarks(torch.tensor([limit], dtype=torch.int32, device=on), torch.zeros(E, dtype=torch.int32,
-                              device=on), torch.randint(0, 2, (E,), generator=g).to(on), torch.zeros(E,
-                              dtype=torch.int64, device=on))  # fmt: skip
-        return admit, marks, table.clone().to(on), is_host.clone().to(on)
-
-    want_admit, want_marks, want_table, want_host = state("cpu")
-    got_admit, got_marks, got_table, got_host = state(DEVICE)
-    got_marks.issued.copy_(want_marks.issued)
-    plan = stage_misses_reference(want_table, want_host, predicted, 4, want_admit, marks=want_marks, prefetch=True)
-    staging = torch.zeros(4, int(sizes.sum()), dtype=torch.int64, device=DEVICE)
-    out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
-    staged = plan_misses_triton(got_table, got_host, predicted.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE),
-                                staging, out, got_admit, marks=got_marks, prefetch=True)
-    if staged is not None:
-        copy_misses_triton(staged, sizes.to(DEVICE), int(sizes.max()), staging)
-    assert all(kind == "slot" for kind, _ in plan.values())
-    free = [s for s in spare.tolist() if int(occupant[s]) not in predicted[:limit].tolist() and not (hold and holds[s])]
-    missed = [e for e in predicted[:limit].tolist() if is_host[e]]
-    assert len(plan) == min(len(free), len(missed)), f"seed={seed}"
-    assert torch.equal(got_table.cpu(), want_table) and torch.equal(got_host.cpu(), want_host)
-    assert torch.equal(got_admit.occupant.cpu(), want_admit.occupant)
-    assert torch.equal(got_marks.mark.cpu(), want_marks.mark) and torch.equal(got_marks.issued.cpu(),
-                                                                             want_marks.issued)
-    assert int(want_marks.mark.sum()) == len(plan)
-    assert torch.equal(got_admit.host_passes.cpu(), host_passes) and torch.equal(got_admit.counts.cpu(), counts)
-    if hold:
-        assert torch.equal(got_admit.hold.cpu(), holds)
-    assert int(want_admit.occupant[0]) == int(occupant[0])
-    for (_, e), (_, s) in plan.items():
-        for a in range(P * W):
-            assert torch.equal(slots[s][a], host[e][a]), f"seed={seed}: expert {e} array {a} not in slot {s}"
-    # the layer's pass: routes to some experts, judges the marks
-    ids = torch.randint(0, E, (8,), generator=g, dtype=torch.int32)
-    stage_misses_reference(want_table, want_host, ids, 4, want_admit, want_admit.counts, marks=want_marks)
-    stage_misses_triton(got_table, got_host, ids.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE), int(sizes.max()),
-                        staging, out, got_admit, got_admit.counts, marks=got_marks)
-    prefetched = {e for (_, e) in plan}
-    assert int(want_marks.useful.sum()) == len(prefetched & set(ids.tolist()))
-    assert torch.equal(got_marks.useful.cpu(), want_marks.useful) and int(got_marks.mark.abs().sum()) == 0
-    assert torch.equal(got_table.cpu(), want_table) and torch.equal(got_admit.occupant.cpu(), want_admit.occupant)

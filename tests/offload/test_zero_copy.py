@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from offload_common import GREEDY, SHORT, TRITON_DEVICES, prompts, triton_run
 from moerun import LLM
 from moerun.cli import main
-from moerun.moe.offload import OffloadConfig, format_stats
+from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.config import resolve_mode
 from moerun.moe.offload.store import HostExpertStore, PartSpec
 from moerun.moe.offload.zero_copy import ZeroCopyOffload
@@ -152,33 +152,6 @@ class Copy:
     def query(self) -> bool:
         return self.done
 
-
-
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_prefetch_on_device(hf_model, device):
-    # prefetch: each layer admits the next layer's predicted experts into its spare slots (on CUDA on the side
-    # stream, inside the step's graphs); the tokens stay the resident engine's and every prefetch is judged
-    opts = dict(OPTS, moe_backend="triton", device=device)
-    params = SamplingParams(max_tokens=5 if device == "cpu" else 24, temperature=0, ignore_eos=True)
-    ids = prompts(4)[:2] if device == "cpu" else prompts()
-    expected = [o.token_ids for o in LLM(str(hf_model), **opts).generate(ids, params)]
-    llm = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3),
-              offload=OffloadConfig(mode="zero_copy", prefetch=True, prefetch_min_accuracy=0.0), **opts)
-    manager = llm.model.expert_offload
-    assert manager.prefetching and bool(llm.engine.runner.graphs) == (device == "cuda")
-    assert [o.token_ids for o in llm.generate(ids, params)] == expected
-    s = llm.stats()
-    assert s["prefetch"] and s["prefetch_issued"] > 0 and s["prefetch_pauses"] == 0
-    assert s["prefetch_useful"] + s["prefetch_wasted"] == s["prefetch_issued"]
-    assert s["bytes_copied"] == s["bytes_read_host"] + s["bytes_copied_prefetch"]
-    assert s["bytes_copied_prefetch"] == s["prefetch_issued"] * manager.store.expert_bytes(0)
-    manager.check()
-    assert not manager.prefetch_mark.any()  # every prefetch judged by its layer's pass
-    assert f"prefetch: {s['prefetch_issued']} issued" in format_stats(s)
-    # the default leaves zero-copy without prefetch (copy mode keeps it)
-    default = LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), offload=OffloadConfig(mode="zero_copy"),
-                  **opts)
-    assert not default.model.expert_offload.prefetching and not default.stats()["prefetch"]
 
 def toy_store(seed: int) -> HostExpertStore:
     g = torch.Generator().manual_seed(seed)
@@ -326,6 +299,10 @@ def test_mode_resolution_and_errors(gguf_model):
     assert resolve_mode(OffloadConfig(mode="copy"), cuda, dense=False, quantized_in_place=True) == "copy"
     assert resolve_mode(OffloadConfig(cpu_compute="auto"), cuda, dense=True) == "copy"
     assert resolve_mode(OffloadConfig(mode="zero_copy"), cpu, dense=True) == "zero_copy"
+    assert resolve_mode(OffloadConfig(prefetch=True), cuda, dense=True) == "copy"  # prefetch is copy mode's
+    assert resolve_mode(OffloadConfig(prefetch=False), cuda, dense=True) == "zero_copy"
+    with pytest.raises(ValueError, match="'zero_copy' does not prefetch"):
+        OffloadConfig(mode="zero_copy", prefetch=True)
     with pytest.raises(ValueError, match="offload mode must be one of"):
         OffloadConfig(mode="mapped")
     with pytest.raises(ValueError, match="needs cpu_compute='off'"):
@@ -365,13 +342,11 @@ def test_llm_kwarg_and_cli_flag(hf_model, capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "expert offloading (zero-copy): policy lru, 3 of 8 experts per layer" in err and "read by the kernels" in err
-    assert "prefetch:" not in err
-    with pytest.raises(ValueError, match="prefetch in zero-copy mode .* needs admission on the device"):
-        LLM(str(hf_model), expert_cache_gb=cache_gb(hf_model, 3), moe_backend="torch", **OPTS,
-            offload=OffloadConfig(mode="zero_copy", prefetch=True))
-    if not torch.cuda.is_available():  # Triton on the CPU: its interpreter (tests/offload/conftest.py)
-        assert main([*argv, "--moe-backend", "triton", "--offload-prefetch", "on"]) == 0
-        assert "prefetch: " in capsys.readouterr().err
+    # prefetch is copy mode's: asked for, 'auto' takes that mode
+    argv[argv.index("zero_copy")] = "auto"
+    assert main([*argv, "--offload-prefetch", "on"]) == 0
+    err = capsys.readouterr().err
+    assert "expert offloading: policy lru" in err and "prefetch True" in err
 
 
 # ---- CUDA: the decode step is graphed ----
@@ -467,51 +442,3 @@ def test_admission_on_device_accounting(policy, k, slots, seed, steps):
     s = manager.stats_dict()
     assert (s["lookups"], s["misses"]) == (lookups, misses)
     assert s["admissions"] == 0 and s["admissions_on_device"] >= s["evictions"]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")
-@settings(max_examples=6, deadline=None)
-@given(k=st.integers(1, 3), slots=st.integers(1, E), seed=st.integers(0, 2**16),
-       steps=st.lists(st.integers(1, 4), min_size=1, max_size=3))
-def test_prefetch_on_device_accounting(k, slots, seed, steps):
-    # with prefetch, each layer admits the next layer's predicted experts (its router on this layer's input) into
-    # its spare slots: outputs stay exact, the host's view follows the device's occupants, each prefetch admission
-    # makes one more predicted expert resident (a predicted one is never given up for another), and the next
-    # layer's pass judges them: useful where it routes to them
-    store = toy_store(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    gates = [torch.randn(E, H, generator=g) for _ in range(L)]
-    manager = ZeroCopyOffload(store, slots, torch.device("cpu"), k, OffloadConfig(mode="zero_copy", prefetch=True,
-                              prefetch_min_accuracy=0.0), backend="triton", gates=gates)  # fmt: skip
-    assert manager.prefetching and manager.prefetch_count == k
-    rng = np.random.default_rng(seed)
-    manager.between_steps(1)
-    issued = useful = 0
-    for T in steps:
-        for layer in range(L):
-            x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
-            if layer + 1 < L:
-                probs = torch.softmax(x @ gates[layer + 1].T, dim=-1).mean(dim=0)  # [E]
-                predicted = torch.topk(probs, k).indices
-                before = int((manager.is_host[layer + 1, predicted] == 0).sum())
-            ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
-            marked = manager.prefetch_mark[layer].nonzero().view(-1).tolist()
-            useful += len(set(marked) & set(ids.reshape(-1).tolist()))
-            topk_ids = torch.from_numpy(ids.astype(np.int32))
-            topk_weights = torch.from_numpy(rng.random((T, k)).astype(np.float32))
-            counted = manager.counts[layer].clone()
-            out = manager.forward_layer(layer, x, topk_weights, topk_ids)
-            w13, w2 = store.weights(layer)
-            torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, topk_weights, topk_ids))
-            assert not manager.prefetch_mark[layer].any()  # judged by the layer's own pass
-            assert torch.equal(manager.counts[layer] - counted, torch.bincount(topk_ids.view(-1).long(), minlength=E))
-            if layer + 1 < L:
-                admitted = int(manager.prefetch_mark[layer + 1].sum())
-                assert int((manager.is_host[layer + 1, predicted] == 0).sum()) == before + admitted
-                issued += admitted
-        manager.between_steps(T)
-        manager.check()
-    s = manager.stats_dict()
-    assert s["prefetch"] and (s["prefetch_issued"], s["prefetch_useful"]) == (issued, useful)
-    assert s["prefetch_useful"] + s["prefetch_wasted"] == s["prefetch_issued"]
-    assert s["bytes_copied_prefetch"] == issued * store.expert_bytes(0)

@@ -61,20 +61,6 @@ class Admission:
     hold_passes: int = 0
 
 
-@dataclass
-class PrefetchMarks:
-    """A layer's device state for prefetching into its spare slots ahead of its pass (router lookahead).
-
-    limit [1] int32: how many of the predicted experts a prefetch may take (0: prefetching paused); mark [E] int32:
-    1 where a prefetch admitted the expert and the layer's pass has not yet judged it; issued / useful [E] int64:
-    prefetch admissions of each expert, and those the layer's pass then routed to (cumulative)."""
-
-    limit: torch.Tensor
-    mark: torch.Tensor
-    issued: torch.Tensor
-    useful: torch.Tensor
-
-
 @triton.jit
 def _plan_kernel(
     table_ptr,  # [P * E * W] int64: the layer's addresses (expert e's array a = p * W + w at (p * E + e) * W + w)
@@ -95,10 +81,6 @@ def _plan_kernel(
     src_ptr,  # [SCAN, P * W] int64: source address of each planned copy
     dst_ptr,  # [SCAN, P * W] int64: its destination, 0 where the pair copies nothing
     flags_ptr,  # [N] int32 (FLAGS): 1 where the pair's expert is copied by this pass
-    limit_ptr,  # [1] int32 (PREFETCH): how many of the N candidates may be taken
-    mark_ptr,  # [E] int32 (PREFETCH or ACCOUNT): 1 where a prefetch admitted the expert, not yet judged
-    issued_ptr,  # [E] int64 (PREFETCH): prefetch admissions of each expert, incremented
-    useful_ptr,  # [E] int64 (ACCOUNT): prefetched experts the pass routed to, incremented
     N,  # pairs scanned
     NT,  # pairs in all (COUNT)
     E,
@@ -114,8 +96,6 @@ def _plan_kernel(
     HOLD: tl.constexpr,  # passes an admitted slot is held (ADMIT; 0: none)
     COUNT: tl.constexpr,  # add one to counts[e] for each of the NT pairs first
     FLAGS: tl.constexpr,  # write flags (N == NT: every pair scanned)
-    PREFETCH: tl.constexpr,  # ids are predicted experts (ADMIT, no rows): admit, never count, mark what is taken
-    ACCOUNT: tl.constexpr,  # (ADMIT) judge the marked prefetches by this pass's routing and clear the marks
     BLOCK_N: tl.constexpr,  # >= N, a power of two
     BLOCK_A: tl.constexpr,  # >= A
     BLOCK_S: tl.constexpr,  # >= R_S
@@ -126,10 +106,7 @@ def _plan_kernel(
 ):
     # every load that the pass's counting leaves alone is issued first, so that their latencies overlap
     scan = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    listed = scan < N  # every listed pair gets its plan row (copying nothing where it is not taken)
-    valid = listed
-    if PREFETCH:
-        valid = valid & (scan < tl.load(limit_ptr))
+    valid = scan < N
     ids = tl.load(ids_ptr + scan, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
     host = tl.load(is_host_ptr + ids, mask=valid, other=0) != 0  # [BLOCK_N]
     a = tl.arange(0, BLOCK_A)  # [BLOCK_A] arrays
@@ -173,9 +150,6 @@ def _plan_kernel(
         routed_now = tl.load(counts_ptr + occ, mask=occ >= 0, other=0, cache_modifier=".cg") > occ_start  # [BLOCK_S]
         # the pass's reads from host memory: experts routed now that were not cached when it began
         now = tl.load(counts_ptr + e, mask=e_ok, other=0, cache_modifier=".cg") > e_start  # [BLOCK_E]
-        if PREFETCH:  # nor a slot whose expert is predicted (this pass has not routed the layer yet)
-            predicted = (occ[:, None] == ids[None, :]) & valid[None, :]  # [BLOCK_S, BLOCK_N]
-            routed_now = routed_now | (tl.sum(predicted.to(tl.int32), axis=1) > 0)
         usable = (spare >= 0) & ~routed_now  # [BLOCK_S]
         if HOLD > 0:
             usable = usable & ~spare_held
@@ -200,32 +174,22 @@ def _plan_kernel(
     dst = tl.where(to_slot[:, None], slot_dst, tl.where(to_row[:, None], row_dst, 0))  # [BLOCK_N, BLOCK_A]
     copies = (to_slot | to_row)[:, None] & a_ok[None, :] & (size > 0)[None, :]
     plan = scan[:, None] * A + a[None, :]
-    tl.store(src_ptr + plan, src, mask=listed[:, None] & a_ok[None, :])
-    tl.store(dst_ptr + plan, tl.where(copies, dst, 0), mask=listed[:, None] & a_ok[None, :])
+    tl.store(src_ptr + plan, src, mask=valid[:, None] & a_ok[None, :])
+    tl.store(dst_ptr + plan, tl.where(copies, dst, 0), mask=valid[:, None] & a_ok[None, :])
     if FLAGS:  # a pair waits for the copy if its expert's first pair copies it
         copied = to_slot | to_row  # [BLOCK_N]
         same = (ids[:, None] == ids[None, :]) & copied[None, :] & valid[None, :]  # [BLOCK_N, BLOCK_N]
         tl.store(flags_ptr + scan, (tl.sum(same.to(tl.int32), axis=1) > 0).to(tl.int32), mask=valid)
     tl.store(out_ptr + entry, dst, mask=copies)
     if ADMIT:
-        if PREFETCH:  # what was taken, for the layer's own pass to judge
-            tl.store(mark_ptr + ids, tl.full([BLOCK_N], 1, dtype=tl.int32), mask=to_slot)
-            issued = tl.load(issued_ptr + ids, mask=to_slot, other=0)
-            tl.store(issued_ptr + ids, issued + 1, mask=to_slot)
-        else:
-            tl.store(host_passes_ptr + e, passes + (now & was_host).to(tl.int64), mask=e_ok)
-        if ACCOUNT:  # a marked expert routed to now was a useful prefetch
-            marked = tl.load(mark_ptr + e, mask=e_ok, other=0) != 0  # [BLOCK_E]
-            useful = tl.load(useful_ptr + e, mask=e_ok, other=0)
-            tl.store(useful_ptr + e, useful + (marked & now).to(tl.int64), mask=e_ok)
-            tl.store(mark_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_ok)
+        tl.store(host_passes_ptr + e, passes + (now & was_host).to(tl.int64), mask=e_ok)
         # the admitted experts point at their slots (every array), the evicted ones back at their host copies
         tl.store(table_ptr + entry, slot_dst, mask=to_slot[:, None] & a_ok[None, :])
         tl.store(table_ptr + old, home, mask=gone[:, None] & a_ok[None, :])
         tl.store(is_host_ptr + ids, tl.zeros([BLOCK_N], dtype=tl.int32), mask=to_slot)
         tl.store(is_host_ptr + tl.maximum(evicted, 0), tl.full([BLOCK_N], 1, dtype=tl.int32), mask=gone)
         tl.store(occupant_ptr + slot, ids, mask=to_slot)
-        if (HOLD > 0) and not PREFETCH:  # the slots admitted into now held; every other hold one pass shorter
+        if HOLD > 0:  # the slots admitted into now held; every other hold one pass shorter
             admitted = tl.sum(((h[:, None] == slot[None, :]) & to_slot[None, :]).to(tl.int32), axis=1) > 0
             tl.store(hold_ptr + h, tl.where(admitted, HOLD, tl.maximum(held_before - 1, 0)), mask=h < S)
 
@@ -270,33 +234,22 @@ class StagePlan:
 def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
                        offsets: torch.Tensor, staging: torch.Tensor, out: torch.Tensor, admit: Admission | None = None,
                        counts: torch.Tensor | None = None, flags: torch.Tensor | None = None,
-                       buffers: tuple[torch.Tensor, torch.Tensor] | None = None, marks: PrefetchMarks | None = None,
-                       prefetch: bool = False) -> StagePlan | None:
+                       buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> StagePlan | None:
     """The plan launch of ``stage_misses_triton`` (same arguments): writes ``out`` and applies the admission and
     the counting; returns what the copy launch needs, or None when nothing can be staged (``out`` is then the
     table). ``flags`` [N] int32, when given (N <= SCAN_PAIRS), gets 1 for each pair whose expert this pass copies
     (it must wait for the copy) and 0 for the others. ``buffers``: two int64 tensors of at least SCAN_PAIRS * P * W
-    entries for the addresses (kept by a caller whose copy runs on another stream), else allocated here.
-
-    ``prefetch``: ``ids`` are the experts predicted for the layer's coming pass, best first; the first
-    ``marks.limit`` of them that are missed are admitted into the spare slots (never into staging rows; a spare
-    slot holding a predicted expert is skipped), marked, and nothing is counted. Otherwise, with ``marks`` given,
-    the marked prefetches are judged by the pass's routing (``marks.useful``) and unmarked."""
+    entries for the addresses (kept by a caller whose copy runs on another stream), else allocated here."""
     P, E, W = table.shape
     if counts is not None and admit is not None and counts.data_ptr() != admit.counts.data_ptr():
         raise ValueError("counts must be the admission's counts")
     if flags is not None and (ids.numel() > SCAN_PAIRS or flags.numel() != ids.numel()):
         raise ValueError(f"flags need one entry per pair and at most {SCAN_PAIRS} pairs, got {flags.numel()} for "
                          f"{ids.numel()}")
-    if (marks is not None or prefetch) and admit is None:
-        raise ValueError("prefetch marks belong to admission into spare slots: they need an admission")
-    if prefetch and (marks is None or counts is not None or flags is not None):
-        raise ValueError("a prefetch plan takes marks and neither counts nor flags")
     word = staging.element_size()
     n = min(ids.numel(), SCAN_PAIRS)
     spares = 0 if admit is None else admit.spares.numel()
-    rows = 0 if prefetch else staging.shape[0]
-    if n == 0 or rows + spares == 0:
+    if n == 0 or staging.shape[0] + spares == 0:
         if counts is not None:
             counts.index_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
         if flags is not None:
@@ -319,14 +272,11 @@ def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Te
         start, host_passes = admit.pass_start, admit.host_passes
         hold, held = (admit.hold, admit.hold_passes) if admit.hold is not None else (is_host, 0)
     counted = counts if counts is not None else admit.counts if admit is not None else table
-    limit, mark, issued, useful = ((marks.limit, marks.mark, marks.issued, marks.useful) if marks is not None
-                                   else (is_host,) * 4)
     _plan_kernel[(1,)](
         table, host_table, slot_table, is_host, occupant, spare, hold, counted, start, host_passes, ids, sizes,
-        offsets, staging, out, src, dst, flags if flags is not None else is_host, limit, mark, issued, useful, n,
-        ids.numel(), E, S, rows, spares, staging.shape[1], P * E * W, A, W=W, WORD=word, ADMIT=admit is not None,
-        HOLD=held, COUNT=counts is not None, FLAGS=flags is not None, PREFETCH=prefetch,
-        ACCOUNT=marks is not None and not prefetch, BLOCK_N=triton.next_power_of_2(n),
+        offsets, staging, out, src, dst, flags if flags is not None else is_host, n, ids.numel(), E, S,
+        staging.shape[0], spares, staging.shape[1], P * E * W, A, W=W, WORD=word, ADMIT=admit is not None, HOLD=held,
+        COUNT=counts is not None, FLAGS=flags is not None, BLOCK_N=triton.next_power_of_2(n),
         BLOCK_A=triton.next_power_of_2(A), BLOCK_S=triton.next_power_of_2(max(spares, 1)),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_H=triton.next_power_of_2(max(S, 1)), BLOCK_T=1024, BLOCK_C=1024,
         num_warps=4,
@@ -345,7 +295,7 @@ def copy_misses_triton(plan: StagePlan, sizes: torch.Tensor, max_words: int, sta
 def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,
                         offsets: torch.Tensor, max_words: int, staging: torch.Tensor, out: torch.Tensor,
                         admit: Admission | None = None, counts: torch.Tensor | None = None,
-                        flags: torch.Tensor | None = None, marks: PrefetchMarks | None = None) -> torch.Tensor:
+                        flags: torch.Tensor | None = None) -> torch.Tensor:
     """Writes into ``out`` [P, E, W] (int64) the layer's ``table`` [P, E, W] with the missed experts of the first
     SCAN_PAIRS pairs of ``ids`` [N] (in order of their first pair) copied to the device and pointed at: into the
     spare slots of ``admit`` first (then admitted: ``table``, ``is_host`` and the occupants rewritten), then into
@@ -354,53 +304,41 @@ def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.T
     is_host [E] int32 (1: the table points at host memory), sizes / offsets [P * W] int64 in words of staging's
     element type, max_words the largest size; every address a multiple of that word. ``counts`` [E] int64, when
     given, gets one added per pair of ids (all N) before the plan reads it; with ``admit`` it must be admit.counts,
-    which the caller has otherwise counted the pass into already. ``flags``, ``marks``: see ``plan_misses_triton``.
-    Returns out."""
-    plan = plan_misses_triton(table, is_host, ids, sizes, offsets, staging, out, admit, counts, flags, marks=marks)
+    which the caller has otherwise counted the pass into already. ``flags``: see ``plan_misses_triton``. Returns
+    out."""
+    plan = plan_misses_triton(table, is_host, ids, sizes, offsets, staging, out, admit, counts, flags)
     if plan is not None:
         copy_misses_triton(plan, sizes, max_words, staging)
     return out
 
 
 def stage_misses_reference(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, rows: int,
-                           admit: Admission | None = None, counts: torch.Tensor | None = None,
-                           marks: PrefetchMarks | None = None,
-                           prefetch: bool = False) -> dict[tuple[int, int], tuple[str, int]]:
+                           admit: Admission | None = None,
+                           counts: torch.Tensor | None = None) -> dict[tuple[int, int], tuple[str, int]]:
     """The plan of ``stage_misses_triton`` in plain torch, applying the same counting to ``counts`` and admission
     to ``table``, ``is_host`` and ``admit`` (its occupants and host-pass counts) in place: {(pair, expert): ('slot'
-    | 'row', index)} of the staged experts. The caller checks the step's table and the bytes against it.
-    ``marks`` / ``prefetch``: as for ``plan_misses_triton`` (a prefetch takes no rows)."""
+    | 'row', index)} of the staged experts. The caller checks the step's table and the bytes against it."""
     P, E, W = table.shape
     if counts is not None:
         counts.index_add_(0, ids.long(), torch.ones(ids.numel(), dtype=counts.dtype, device=counts.device))
-    candidates = ids.tolist()[:SCAN_PAIRS]
-    if prefetch:
-        rows, candidates = 0, candidates[: int(marks.limit[0])]
     plan: dict[tuple[int, int], tuple[str, int]] = {}
     staged: list[tuple[int, int]] = []
     seen: set[int] = set()
-    for n, e in enumerate(candidates):
+    for n, e in enumerate(ids.tolist()[:SCAN_PAIRS]):
         if e not in seen and bool(is_host[e]):
             staged.append((n, e))
         seen.add(e)
     usable: list[tuple[int, int]] = []
     if admit is not None:
         routed = admit.counts > admit.pass_start  # [E]
+        admit.host_passes += (routed & (is_host != 0)).to(admit.host_passes.dtype)
         launched = ids.numel() > 0 and rows + admit.spares.numel() > 0  # else the kernel is not launched
-        if marks is not None and not prefetch and launched:
-            marks.useful += ((marks.mark != 0) & routed).to(marks.useful.dtype)
-            marks.mark.zero_()
-        if prefetch:
-            routed = routed.clone()
-            routed[torch.tensor(candidates, dtype=torch.long)] = True  # a predicted expert keeps its slot
-        else:
-            admit.host_passes += (routed & (is_host != 0)).to(admit.host_passes.dtype)
         held = admit.hold if admit.hold is not None and admit.hold_passes > 0 and launched else None
         for s in admit.spares.tolist():
             occ = int(admit.occupant[s]) if s >= 0 else -1
             if s >= 0 and not (occ >= 0 and bool(routed[occ])) and not (held is not None and int(held[s]) > 0):
                 usable.append((s, occ))
-        if held is not None and not prefetch:
+        if held is not None:
             held.sub_(1).clamp_(min=0)
     for rank, (n, e) in enumerate(staged):
         if rank < len(usable):
@@ -412,10 +350,7 @@ def stage_misses_reference(table: torch.Tensor, is_host: torch.Tensor, ids: torc
                 table[:, occ] = admit.host_table[:, occ]
                 is_host[occ] = 1
             admit.occupant[s] = e
-            if prefetch:
-                marks.mark[e] = 1
-                marks.issued[e] += 1
-            elif held is not None:
+            if held is not None:
                 held[s] = admit.hold_passes
         elif rank - len(usable) < rows:
             plan[(n, e)] = ("row", rank - len(usable))

@@ -44,11 +44,11 @@ class OffloadConfig:
         H200: Q4_K_M at 61 slots, batch 8, 395 -> 558 -> 634 tok/s for 0 -> 1 -> 2 (3 and 4: no more); bf16 at 9
         slots, skewed batch 1, 38.4 -> 33.8 tok/s for 0 -> 1 (the held slots are most of the cache there).
     policy: eviction policy, 'lru', 'lfu' or 'activation' (routing statistics across requests).
-    prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state.
-        None: on in copy mode; in zero-copy mode off, where True admits the next layer's predicted experts into its
-        spare slots on the device, copied on the side stream while this layer computes (with admission on the
-        device).
-    prefetch_depth: how many following MoE layers to prefetch for (zero-copy: the next one only).
+    prefetch: copy the next layers' likely experts, predicted by applying their routers to the current hidden state
+        (copy mode). None: on in copy mode; zero-copy mode does not prefetch, so True makes 'auto' choose copy mode
+        and is an error with mode='zero_copy' (a zero-copy form, admitting the predicted experts on the device
+        ahead of their layer, measured slower in every row of benchmarks/RESULTS.md's forty-seventh sitting).
+    prefetch_depth: how many following MoE layers to prefetch for.
     prefetch_per_layer: at most this many experts per target layer and step (None: the model's top-k).
     prefetch_min_confidence: skip candidates whose mean router probability over the batch is below this.
     prefetch_min_accuracy: pause prefetching (for 32 forward passes, then probe again) when fewer than this share
@@ -92,6 +92,8 @@ class OffloadConfig:
             raise ValueError(f"admit_bytes_per_step must be >= 0, got {self.admit_bytes_per_step}")
         if self.mode == "zero_copy" and self.cpu_compute != "off":
             raise ValueError("offload mode 'zero_copy' reads missed experts on the GPU: it needs cpu_compute='off'")
+        if self.mode == "zero_copy" and self.prefetch:
+            raise ValueError("offload mode 'zero_copy' does not prefetch: use mode='copy' for prefetch=True")
         if self.mode == "zero_copy" and self.pin == "staged":
             raise ValueError("offload mode 'zero_copy' reads experts from pinned host memory: it needs pin='all' "
                              "or 'auto', not 'staged'")
@@ -120,11 +122,6 @@ class OffloadConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
 
-    def prefetches(self, mode: str) -> bool:
-        """Whether offloading in ``mode`` ('copy' or 'zero_copy') prefetches: ``prefetch``, or for None copy mode
-        only."""
-        return self.prefetch if self.prefetch is not None else mode == "copy"
-
     def stage_rows(self, top_k: int, max_num_seqs: int = 1) -> int:
         """Device rows a zero-copy layer stages its missed experts in: stage_experts, or for None its choice for a
         model routing to ``top_k`` experts and an engine running up to ``max_num_seqs`` sequences at a time."""
@@ -147,5 +144,6 @@ def resolve_mode(config: OffloadConfig, device: torch.device, dense: bool, quant
     if config.mode != "auto":
         return config.mode
     in_place = dense or quantized_in_place
-    zero_copy = device.type == "cuda" and in_place and config.cpu_compute == "off" and config.pin != "staged"
+    zero_copy = (device.type == "cuda" and in_place and config.cpu_compute == "off" and config.pin != "staged"
+                 and not config.prefetch)
     return "zero_copy" if zero_copy else "copy"

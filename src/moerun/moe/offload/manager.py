@@ -107,7 +107,7 @@ class ExpertOffload(OffloadManagerBase):
         self.copier = Copier(device, staging)
         per_layer = top_k if config.prefetch_per_layer is None else config.prefetch_per_layer
         self.lookahead = (RouterLookahead([g.detach() for g in gates], config.prefetch_depth, per_layer)
-                          if config.prefetches("copy") and S > 0 and L > 1 else None)
+                          if config.prefetch is not False and S > 0 and L > 1 else None)
         self.prefetch_gate = PrefetchGate(config.prefetch_min_accuracy, pause=32 * L)  # about 32 forward passes
         self.overlap = device.type == "cuda" if config.overlap is None else config.overlap
         self.compact = self.pool is not None and self.pool.quantized and resolved == "triton" and not packed

@@ -106,14 +106,11 @@ def attach_offload(model: nn.Module, store: HostExpertStore, slots_per_layer: in
     blocks = model.moe_blocks()
     mc = model.config
     backend = blocks[0].experts.backend
-    mode = store_mode(config, store, device, backend)
-    # the routers that predict the next layers' experts
-    gates = [dense_or_dequantized(b.gate, "weight", mc.dtype) for b in blocks] if config.prefetches(mode) else None
-    if mode == "zero_copy":
+    if store_mode(config, store, device, backend) == "zero_copy":
         manager = ZeroCopyOffload(store, slots_per_layer, device, mc.num_experts_per_tok, config, backend=backend,
-                                  kv_bytes=kv_bytes, gates=gates)
+                                  kv_bytes=kv_bytes)
     else:
-        gates = gates or [dense_or_dequantized(b.gate, "weight", mc.dtype) for b in blocks]
+        gates = [dense_or_dequantized(b.gate, "weight", mc.dtype) for b in blocks]
         manager = ExpertOffload(store, slots_per_layer, device, mc.dtype, mc.num_experts_per_tok, gates, config,
                                 backend=backend, kv_bytes=kv_bytes)
     for b in blocks:

@@ -11,7 +11,7 @@ class OffloadStats:
     """Raw counters; ``as_dict`` adds the derived rates. A lookup is one (layer, expert) routed in one forward.
 
     bytes_copied counts every byte of experts that crossed to the device: miss and prefetch copies (copy mode),
-    host reads by the kernels, admissions and prefetch copies (zero-copy mode).
+    host reads by the kernels and admissions (zero-copy mode).
     """
 
     forward_passes: int = 0
@@ -69,18 +69,14 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"{stats['experts_per_layer']} experts per layer cached ({stats['cache_bytes'] / gib:.2f} GiB)")
     moved = f"({stats['bytes_copied_per_token'] / 2**20:.1f} MiB/token)"
     if stats.get("mode") == "zero_copy":
-        lines = [
+        return "\n".join([
             head,
             f"  hit rate {stats['hit_rate']:.1%} ({stats['hits']} of {stats['lookups']} lookups), "
             f"misses read from host memory {stats['misses_host']}",
             f"  over PCIe {stats['bytes_copied'] / gib:.2f} GiB {moved}: read by the kernels "
             f"{stats['bytes_read_host'] / gib:.2f} GiB, admitted into slots {stats['bytes_admitted'] / gib:.2f} GiB "
             f"({stats['admissions']} experts), staged into slots {stats['admissions_on_device']} experts",
-        ]
-        if stats.get("prefetch"):
-            lines.append(f"  prefetch: {stats['prefetch_issued']} issued "
-                         f"({stats['bytes_copied_prefetch'] / gib:.2f} GiB), accuracy {stats['prefetch_accuracy']:.1%}")
-        return "\n".join(lines)
+        ])
     return "\n".join([
         f"{head}, prefetch {stats['prefetch']}, cpu compute {stats['cpu_compute']}",
         f"  hit rate {stats['hit_rate']:.1%} ({stats['hits']} of {stats['lookups']} lookups), "

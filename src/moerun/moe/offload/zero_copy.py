@@ -23,14 +23,6 @@ the passes that read each expert from host memory (``host_passes`` [L, E]). So a
 where an admission between steps reads it a second time. The host takes the occupants with the routing counts
 after each step and updates its view and the policy; it admits nothing itself.
 
-Prefetch (``OffloadConfig.prefetch=True``; with admission on the device): while layer l runs, the router of layer
-l + 1 applied to l's input predicts l + 1's experts (prefetch.RouterLookahead), and a plan launch of the staging
-kernel admits the predicted ones that are missed into l + 1's spare slots (a spare slot holding a predicted expert is
-kept), on the side stream after l's own copy, so that their copy overlaps l's experts and l + 1's attention; layer
-l + 1 waits for it before its own plan reads its table. Layer l + 1's plan judges the prefetches by its routing
-(useful: routed to); the host pauses prefetching while the accuracy is low (prefetch.PrefetchGate) by setting the
-number of candidates the plans may take, a device value the captured steps read.
-
 Quantized experts ('auto' takes this mode for them on CUDA where ``reads_quantized_in_place``) work the same way
 over their repacked arrays: the pool keeps slots and a pinned host copy repacked (packed_pool.py), the table holds
 one row of W = 4 array addresses (codes, high, sub, scale) per packed part, and the fused quantized kernels read
@@ -64,7 +56,6 @@ from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
 from moerun.moe.offload.packed_pool import PackedSlotPool
 from moerun.moe.offload.policies import make_policy
-from moerun.moe.offload.prefetch import PrefetchGate, RouterLookahead
 from moerun.moe.offload.pointers import ExpertPointers, address_alignment
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.residency import Plan, Residency
@@ -75,12 +66,9 @@ from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
 from moerun.ops.quant import fused_moe_quantized
 
-# what _take_routing returns: routed, steps, host passes [L, E], occupants [L, S], prefetch tallies [2 or 0, L, E]
-Taken = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
 if TYPE_CHECKING:  # Triton: an optional dependency
     from moerun.kernels.moe_parts import StagedPairs
-    from moerun.kernels.stage_misses import Admission, PrefetchMarks
+    from moerun.kernels.stage_misses import Admission
 
 
 def reads_quantized_in_place(store: HostExpertStore, device: torch.device, backend: str | None) -> bool:
@@ -109,7 +97,7 @@ class ZeroCopyOffload(OffloadManagerBase):
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device, top_k: int,
                  config: OffloadConfig | None = None, backend: str | None = None,
-                 kv_bytes: int | None = None, gates: list[torch.Tensor] | None = None) -> None:
+                 kv_bytes: int | None = None) -> None:
         config = config or OffloadConfig(mode="zero_copy")
         L, E, S = store.num_layers, store.num_experts, slots_per_layer
         if not 0 <= S <= E:
@@ -148,29 +136,21 @@ class ZeroCopyOffload(OffloadManagerBase):
         self._make_staging()
         self.device_admission = self._device_admission()
         self._make_overlap()
-        self.prefetching = (config.prefetches(self.mode) and self.device_admission and gates is not None and L > 1)
-        if config.prefetch and config.mode == "zero_copy" and not self.prefetching:
-            raise ValueError("prefetch in zero-copy mode admits the predicted experts on the device: it needs "
-                             "admission on the device (the Triton backend, stage_experts > 0, a slot a layer), the "
-                             "routers and more than one MoE layer")
-        # what each step leaves for the host, one buffer: [T, L, E] cumulative tallies, pairs routed to each expert
+        # what each step leaves for the host, one buffer: [3, L, E] cumulative tallies, pairs routed to each expert
         # (``counts``), forward passes that routed any (``steps``), passes that read it from host memory
-        # (``host_passes``, counted by the staging launch with admission on the device), with prefetch the
-        # prefetch admissions and those routed to (``prefetch_issued``, ``prefetch_useful``), then the occupant of
+        # (``host_passes``, counted by the staging launch with admission on the device), then the occupant of
         # each slot (``occupant`` [L, S], -1 free; kept by that launch, with admission on the device only)
-        self.num_tallies = 5 if self.prefetching else 3
-        T = self.num_tallies
-        self.record = torch.zeros(T * L * E + L * S, dtype=torch.int64, device=device)
-        self.tallies = self.record[: T * L * E].view(T, L, E)
-        self.counts, self.steps, self.host_passes = self.tallies[:3]
-        self.occupant = self.record[T * L * E :].view(L, S)
+        self.record = torch.zeros(3 * L * E + L * S, dtype=torch.int64, device=device)
+        self.tallies = self.record[: 3 * L * E].view(3, L, E)
+        self.counts, self.steps, self.host_passes = self.tallies
+        self.occupant = self.record[3 * L * E :].view(L, S)
         self.pass_start = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] counts when this pass began
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
         self.host_record = (pinned_empty(self.record.numel() * 8, self._registry).view(torch.int64)
                             if device.type == "cuda" else None)  # the record after the latest step
         weakref.finalize(self, _unregister_all, self._registry)
-        self.seen = np.zeros((T, L, E), dtype=np.int64)  # [T, L, E] tallies already taken into the statistics
+        self.seen = np.zeros((3, L, E), dtype=np.int64)  # [3, L, E] tallies already taken into the statistics
         if self.device_admission:
             # top-k spare slots a pass (the held ones are skipped, so top-k more for each pass held)
             self.hold_passes = self.config.hold_passes(top_k, S)
@@ -180,8 +160,6 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.hold = torch.zeros(L, S, dtype=torch.int32, device=device)  # [L, S] passes left to keep the slot
             self.host_table = torch.from_numpy(self.host_addr).to(device)  # [L, P, E, W]
             self.slot_table = torch.from_numpy(self.slot_addr).to(device)  # [L, P, S, W]
-        if self.prefetching:
-            self._make_prefetch(gates)
         self._mark: torch.cuda.Event | None = None  # recorded at the previous between_steps (CUDA)
         self.pending: list[tuple[torch.cuda.Event | None, Plan]] = []  # copies in flight, oldest first
         self.carried: np.ndarray | None = None  # routing counted by stats_dict, not yet used for admissions
@@ -249,62 +227,6 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.copy_stream = torch.cuda.Stream(self.device)
             self.copy_done = [torch.cuda.Event() for _ in range(self.num_layers)]
 
-    def _make_prefetch(self, gates: list[torch.Tensor]) -> None:
-        """Router lookahead one layer ahead, the plans' device state and the host's gate."""
-        from moerun.kernels.stage_misses import SCAN_PAIRS  # Triton: an optional dependency
-
-        L, E = self.num_layers, self.num_experts
-        per_layer = self.top_k if self.config.prefetch_per_layer is None else self.config.prefetch_per_layer
-        self.prefetch_count = min(per_layer, E, SCAN_PAIRS)
-        self.lookahead = RouterLookahead([g.detach().to(self.device) for g in gates], 1, self.prefetch_count)
-        self.prefetch_limit = torch.full((1,), self.prefetch_count, dtype=torch.int32, device=self.device)
-        self.prefetch_gate = PrefetchGate(self.config.prefetch_min_accuracy, pause=32)  # in steps
-        self.prefetch_open = True
-        self.prefetch_mark = torch.zeros(L, E, dtype=torch.int32, device=self.device)  # [L, E]
-        n = SCAN_PAIRS * self.table.shape[1] * self.table.shape[3]
-        self.prefetch_buffers = tuple(torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(2))
-        self.prefetch_table = torch.empty_like(self.table[0])  # [P, E, W] written by the plan, not read
-        if self.device.type == "cuda":
-            if not hasattr(self, "copy_stream"):
-                self.copy_stream = torch.cuda.Stream(self.device)
-            self.prefetch_done = [torch.cuda.Event() for _ in range(L)]
-
-    def _marks(self, layer: int) -> PrefetchMarks | None:
-        if not self.prefetching:
-            return None
-        from moerun.kernels.stage_misses import PrefetchMarks  # Triton: an optional dependency
-
-        return PrefetchMarks(self.prefetch_limit, self.prefetch_mark[layer], self.tallies[3, layer],
-                             self.tallies[4, layer])
-
-    def _prefetch(self, target: int, x: torch.Tensor) -> None:
-        """Admits the experts that layer ``target``'s router predicts from x [T, H] (the input of the layer before
-        it) into its spare slots and copies them, on the side stream after everything queued so far (CUDA)."""
-        from moerun.kernels.stage_misses import copy_misses_triton, plan_misses_triton
-
-        def plan_and_copy() -> None:
-            ids, conf = self.lookahead.propose(target - 1, x)  # [1, P] best first
-            limit = self.prefetch_limit
-            if self.config.prefetch_min_confidence > 0:  # only the confident ones (a prefix: best first)
-                confident = (conf[0] >= self.config.prefetch_min_confidence).sum().to(torch.int32)
-                limit = torch.minimum(limit, confident.view(1))
-            marks = replace(self._marks(target), limit=limit)
-            plan = plan_misses_triton(self.table[target], self.is_host[target], ids[0], self.stage_sizes[target],
-                                      self.stage_offsets[target], self.staging, self.prefetch_table,
-                                      self._admission(target), buffers=self.prefetch_buffers, marks=marks,
-                                      prefetch=True)  # fmt: skip
-            if plan is not None:
-                copy_misses_triton(plan, self.stage_sizes[target], self.stage_max_words[target], self.staging)
-
-        if self.device.type != "cuda":
-            plan_and_copy()  # in order
-            return
-        main, side = torch.cuda.current_stream(self.device), self.copy_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            plan_and_copy()
-        self.prefetch_done[target].record(side)
-
     def _device_admission(self) -> bool:
         """Whether missed experts are staged straight into slots (OffloadConfig.admit_on_device)."""
         applies = self.staging is not None and self.slots_per_layer > 0
@@ -337,8 +259,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         flags = self.pair_flags[: ids.numel()] if overlap else None
         plan = plan_misses_triton(self.table[layer], self.is_host[layer], ids, self.stage_sizes[layer],
                                   self.stage_offsets[layer], self.staging, self.step_table, self._admission(layer),
-                                  self.counts[layer], flags, self.stage_buffers if overlap else None,
-                                  marks=self._marks(layer))  # fmt: skip
+                                  self.counts[layer], flags, self.stage_buffers if overlap else None)
         if plan is None:
             return self.step_table, None
         copy = (plan, self.stage_sizes[layer], self.stage_max_words[layer], self.staging)
@@ -391,16 +312,12 @@ class ZeroCopyOffload(OffloadManagerBase):
         ``keep_float32``, the kernels' float32 slot sums where they make them: ops.fused_moe's)."""
         if layer == 0:  # a new forward pass: the pair counts it starts from
             self.pass_start.copy_(self.counts)
-        elif self.prefetching and self.device.type == "cuda":  # the prefetch into this layer has landed
-            torch.cuda.current_stream(self.device).wait_event(self.prefetch_done[layer])
         step, staged = None, None  # [P, E, W], pairs still being copied
         if self.staging is not None:
             step, staged = self._staged_tables(layer, topk_ids)  # its plan launch also counts the pairs
         else:
             ids = topk_ids.reshape(-1).long()  # [T*k]
             self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
-        if self.prefetching and layer + 1 < self.num_layers:  # after this layer's own copy
-            self._prefetch(layer + 1, x)
         if self.packed:
             w13, w2 = self.pool.weights(layer)  # types, shapes and pointer types; the tables say where
             tables = self.quant_tables[layer] if step is None else ([step[p] for p in range(step.shape[0] - 1)],
@@ -437,8 +354,6 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.carried = None
         self.stats.forward_passes += 1
         self.stats.tokens += tokens
-        if self.prefetching:
-            self._gate_prefetch()
         if self.device_admission:
             self._choose_spares()
             return
@@ -454,11 +369,10 @@ class ZeroCopyOffload(OffloadManagerBase):
         if plan is not None and len(plan):
             self._copy(plan)
 
-    def _take_routing(self, wait: bool) -> Taken | None:
+    def _take_routing(self, wait: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(pairs routed to each expert [L, E], forward passes that routed to it [L, E], passes that read it from
-        host memory [L, E] (admission on the device), slot occupants [L, S], prefetch admissions and those routed
-        to [2, L, E] (with prefetch, else [0, L, E])) since the last call (the occupants: as the latest finished
-        step left them), or None when no step finished since then.
+        host memory [L, E] (admission on the device), slot occupants [L, S]) since the last call (the occupants: as
+        the latest finished step left them), or None when no step finished since then.
 
         With async scheduling a step is always in flight when this runs; the mark recorded at the previous call
         tells whether the steps queued before it have finished. The pinned tallies are cumulative, so a copy from
@@ -475,32 +389,19 @@ class ZeroCopyOffload(OffloadManagerBase):
             elif not (mark.query() or (previous is not None and previous.query())):
                 return None
             record = self.host_record.numpy().copy()
-        L, E, S, T = self.num_layers, self.num_experts, self.slots_per_layer, self.num_tallies
-        now = record[: T * L * E].reshape(T, L, E)
+        L, E, S = self.num_layers, self.num_experts, self.slots_per_layer
+        now = record[: 3 * L * E].reshape(3, L, E)
         taken, self.seen = now - self.seen, now
-        return taken[0], taken[1], taken[2], record[T * L * E :].reshape(L, S), taken[3:]
+        return taken[0], taken[1], taken[2], record[3 * L * E :].reshape(L, S)
 
-    def _absorb(self, taken: Taken) -> np.ndarray:
+    def _absorb(self, taken: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
         """Statistics and policy from ``_take_routing``'s result (and the slots' new occupants, with admission on
         the device); returns the pairs routed [L, E]."""
-        routed, steps, host_passes, occupant, prefetched = taken
+        routed, steps, host_passes, occupant = taken
         self._record(routed, steps, host_passes if self.device_admission else None)
-        if len(prefetched):
-            self._record_prefetch(*prefetched)
         if self.device_admission:
             self._take_occupants(occupant)
         return routed
-
-    def _record_prefetch(self, issued: np.ndarray, useful: np.ndarray) -> None:
-        """Prefetch statistics from the admissions [L, E] and those their layer's pass routed to [L, E] (each
-        prefetch is judged in the pass that issued it)."""
-        st = self.stats
-        st.prefetch_issued += int(issued.sum())
-        st.prefetch_useful += int(useful.sum())
-        st.prefetch_wasted += int(issued.sum() - useful.sum())
-        nbytes = int((issued.sum(axis=1) * np.asarray(self.expert_bytes, dtype=np.int64)).sum())
-        st.bytes_copied_prefetch += nbytes
-        st.bytes_copied += nbytes
 
     def _record(self, routed: np.ndarray, steps: np.ndarray, host_passes: np.ndarray | None = None) -> None:
         """Hits, misses and bytes read from host of the forward passes counted in ``steps`` [L, E]: an expert routed
@@ -531,13 +432,6 @@ class ZeroCopyOffload(OffloadManagerBase):
             self.policy.inserted(layer, e)
         self.stats.evictions += int(evicted.sum())
         self.stats.admissions_on_device += len(layers)
-
-    def _gate_prefetch(self) -> None:
-        """Pauses or resumes prefetching for the coming step (the gate's accuracy over the prefetches judged)."""
-        wanted = self.prefetch_gate.open(self.stats)
-        if wanted != self.prefetch_open:
-            self.prefetch_open = wanted
-            self.prefetch_limit.fill_(self.prefetch_count if wanted else 0)
 
     def _choose_spares(self) -> None:
         """The next step's spare slots (the policy's least valued first), written to the device when they changed."""
@@ -632,10 +526,7 @@ class ZeroCopyOffload(OffloadManagerBase):
             routed = self._absorb(taken)
             self.carried = routed if self.carried is None else self.carried + routed
         d = self.stats.as_dict()
-        if not self.prefetching:
-            d.update(prefetch_accuracy=None)
-        d.update(self.config_stats(), prefetch=self.prefetching, cpu_compute="off", overlap=self.overlap,
-                 prefetch_pauses=self.prefetch_gate.pauses if self.prefetching else 0,
+        d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=self.overlap,
                  admit_bytes_per_step=self.config.admit_bytes_per_step, admit_on_device=self.device_admission,
                  admit_hold_passes=self.hold_passes if self.device_admission else 0,
                  copies_in_flight=sum(len(plan) for _, plan in self.pending),
@@ -650,8 +541,6 @@ class ZeroCopyOffload(OffloadManagerBase):
                 self._take_occupants(taken[3])
         self.carried = None
         self.stats.reset()
-        if self.prefetching:
-            self.prefetch_gate.reset()
 
     # ---- invariants (tests) ----
     def check(self) -> None:

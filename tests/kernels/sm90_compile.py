@@ -91,6 +91,7 @@ def _cases() -> dict[str, Callable[[], None]]:
     from moerun.layers.quantized import QuantizedWeight
     from moerun.ops.quant import _pair_products, fused_moe_quantized
     from moerun.kernels.quant.decode import dequantize_rows, dequantize_triton
+    from moerun.kernels.quant.configs import default_moe_config
     from moerun.kernels.quant.fused_moe_quant import fused_moe_quant
     from moerun.kernels.quant.matmul_quant import quant_matmul_triton
     from moerun.kernels.quant.repack import expert_addresses, pack
@@ -239,6 +240,8 @@ def _cases() -> dict[str, Callable[[], None]]:
         "quant MoE, prefill, tile64 (Q4_K / Q6_K, then Q5_K / Q8_0)": lambda: [fused_moe_quant(
             x64, gu, down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
                                         "num_stages": 3}) for gu, down in ((q4, q6_down), (q5, q8_down))],
+        "quant MoE, prefill, the default tiles at 512 tokens (Q3_K / Q2_K)": lambda: fused_moe_quant(
+            x64, low_bits[0], low_down[0], w64, ids64, default_moe_config(512, k, interpret=False, qtype="Q3_K")),
         "quant MoE, prefill, tile64 with GEMM 2 in blocks of 4 of GEMM 1's": lambda: fused_moe_quant(
             x64, q4, q6_down, w64, ids64, {"path": "tile64", "BLOCK_M": 64, "BLOCK_M2": 256, "BLOCK_N": 64,
                                            "num_warps": 4, "num_stages": 4, "num_stages2": 3}),

@@ -159,8 +159,11 @@ def default_moe_config(m: int, k: int, interpret: bool | None = None, qtype: str
     elif qtype in PACKED_TYPE_NAMES:
         # Prefill of the types tile64 decodes: its fastest tiles in the H200 measurements of Q4_K_M, Q5_K_M, Q6_K
         # and Q8_0 layers at the 30B shape (blocks of 16 tokens at M <= 64, 32 at M <= 512, 128 above; 1.2-2.4x
-        # faster than the tile path's defaults); a fixed summation order, as below.
-        bm, s = (16, 3) if m <= 64 else (32, 4) if m <= 512 else (128, 4)
+        # faster than the tile path's defaults); a fixed summation order, as below. From 385 to 512 tokens (a
+        # graphed prefill of 257-512 tokens runs at 512) blocks of 64: on an H100 the layer 8-12% faster at 512 for
+        # Q2_K, Q3_K, Q4_0, Q5_0 and Q4_K (15-22% slower at 384), a Q3_K_M prefill of 384 / 512 tokens 16-17%
+        # faster (benchmarks/RESULTS.md, forty-sixth and forty-seventh sittings).
+        bm, s = (16, 3) if m <= 64 else (32, 4) if m <= 384 else (64, 4) if m <= 512 else (128, 4)
         cfg = {"path": "tile64", "BLOCK_M": bm, "BLOCK_N": 64, "GROUP_M": 1 if bm == 16 else 8, "num_warps": 4,
                "num_stages": s, "reduce": "sum_out"}  # fmt: skip
         # Above 512 tokens, an expert's last M-block as a short tile (TAIL_M, TAIL_M2), GEMM 2 in blocks of 256 up

@@ -217,14 +217,12 @@ def set_routing(model: torch.nn.Module, routing: str, args: argparse.Namespace) 
     old = model.__dict__.pop("_skewed_trace", None)
     if old is not None:
         old.remove()
-    steady = model.__dict__.pop("_steady_scale", None)
-    embedding = model.model.embed_tokens.weight
-    if steady is not None:  # undone exactly: a power of two
+    # the embeddings' scale for steady routing: the previous rows' undone (exactly: a power of two), this one's set
+    scale = (args.steady_scale if routing == "steady" else 1.0) / model.__dict__.pop("_steady_scale", 1.0)
+    if scale != 1.0:
         with torch.no_grad():
-            embedding.mul_(1.0 / steady)
+            model.model.embed_tokens.weight.mul_(scale)
     if routing == "steady":
-        with torch.no_grad():
-            embedding.mul_(args.steady_scale)
         model.__dict__["_steady_scale"] = args.steady_scale
     if routing == "skewed":
         rows = max(int(b) for b in args.batch_sizes.split(","))
@@ -280,14 +278,14 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
             torch.cuda.reset_peak_memory_stats()
         r = measure_decode(llm, B, args)
         s = r.pop("stats")
-        # every byte that crossed to the GPU for the experts: misses, and prefetches useful or not
-        miss_per_token = s["missed_bytes_per_token"] + s["bytes_copied_prefetch"] / max(s["tokens"], 1)
+        # the floor's bytes: every byte that crossed to the GPU for the experts, misses and prefetches useful or not
+        floor_bytes = s["missed_bytes_per_token"] + s["bytes_copied_prefetch"] / max(s["tokens"], 1)
         rows.append({**base, "mode": s["mode"], "routing": routing, "policy": config.policy,
                      "prefetch": s["prefetch"], "cpu_compute": config.cpu_compute,
                      "slots_per_layer": slots, "batch": B, **r, "graphs": bool(llm.engine.runner.graphs),
                      "hit_rate": s["hit_rate"], "bytes_copied_per_token": s["bytes_copied_per_token"],
-                     "miss_bytes_per_token": miss_per_token,
-                     "copy_floor_tok_s": bandwidth / miss_per_token if miss_per_token and bandwidth else None,
+                     "floor_bytes_per_token": floor_bytes,
+                     "copy_floor_tok_s": bandwidth / floor_bytes if floor_bytes and bandwidth else None,
                      "copy_stall_ms_per_token": s["copy_stall_ms_per_token"],
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
                      "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),

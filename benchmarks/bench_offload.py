@@ -22,7 +22,10 @@ predicts most of its experts (copy mode's rows report the accuracy measured).
 
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
 copy mode, read by the kernels in zero-copy mode) and the prefetched experts' (useful or not), at the pinned
-host-to-device bandwidth measured in the same run.
+host-to-device bandwidth measured in the same run. Zero-copy mode moves its misses with a copy kernel whose reads
+of host memory run at a rate of their own, which depends on the host (48-51 GB/s against the copy engine's 54-55 on
+some machines, 28-33 against 46-52 on another): the run measures it too (``h2d.stage_kernel_GBps``), so that a
+zero-copy row's "x floor" can be read against what its copies could do there (x floor x kernel rate / pinned rate).
 
     python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
 """
@@ -30,6 +33,7 @@ host-to-device bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -153,6 +157,51 @@ def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
     del dst
     torch.cuda.empty_cache()
     return out
+
+
+def measure_stage_copy(device: torch.device, mc: ModelConfig, launches: int = 16, per_launch: int = 3,
+                       pool_bytes: int = 2 * 2**30) -> float:
+    """GB/s of zero-copy mode's staging copy kernel (kernels/stage_misses.py) from pinned host memory: ``launches``
+    launches of ``per_launch`` bf16 experts of the model's shape each (w13 and w2 arrays, drawn from a pinned pool of
+    ``pool_bytes``) into device memory, replayed from one CUDA graph (median of 5). 0 without CUDA or Triton. The
+    kernel reads host memory with SM loads, whose rate over PCIe differs from the copy engine's, by host."""
+    if device.type != "cuda":
+        return 0.0
+    try:
+        from moerun.kernels.stage_misses import StagePlan, copy_misses_triton
+    except ImportError:
+        return 0.0
+    words = [2 * mc.moe_intermediate_size * mc.hidden_size // 4, mc.hidden_size * mc.moe_intermediate_size // 4]
+    expert = sum(words)  # int64 words of one bf16 expert: w13 [2I, H] and w2 [H, I]
+    count = max(pool_bytes // (8 * expert), per_launch)
+    pool = torch.ones(count * expert, dtype=torch.int64, pin_memory=True)  # [count experts]
+    dst = torch.empty(per_launch * expert, dtype=torch.int64, device=device)  # [per_launch experts]
+    sizes = torch.tensor(words, dtype=torch.int64, device=device)  # [A = 2]
+    gen = torch.Generator().manual_seed(0)
+    plans = []
+    for _ in range(launches):
+        picks = torch.randperm(count, generator=gen)[:per_launch].tolist()
+        src = [[pool.data_ptr() + 8 * (e * expert + off) for off in (0, words[0])] for e in picks]
+        out = [[dst.data_ptr() + 8 * (j * expert + off) for off in (0, words[0])] for j in range(per_launch)]
+        plans.append(StagePlan(torch.tensor(src, dtype=torch.int64, device=device),  # [per_launch, 2]
+                               torch.tensor(out, dtype=torch.int64, device=device)))
+
+    for capture in (False, True):  # a warm-up (compiling), then the graph
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph) if capture else contextlib.nullcontext():
+            for plan in plans:
+                copy_misses_triton(plan, sizes, max(words), dst)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    del graph, pool, dst
+    torch.cuda.empty_cache()
+    return launches * per_launch * expert * 8 / sorted(times[1:])[2] / 1e9
 
 
 class SkewedTrace:
@@ -420,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_seqs, chunk = max(batch_sizes), max(batch_sizes) * args.prompt_len
     bw = measure_h2d(device)
-    print(f"host->device: pinned {bw['pinned_GBps']:.1f} GB/s, pageable {bw['pageable_GBps']:.1f} GB/s", flush=True)
+    bw["stage_kernel_GBps"] = measure_stage_copy(device, mc)
+    print(f"host->device: pinned {bw['pinned_GBps']:.1f} GB/s, pageable {bw['pageable_GBps']:.1f} GB/s, zero-copy "
+          f"staging kernel {bw['stage_kernel_GBps']:.1f} GB/s", flush=True)
     pinned_bps = bw["pinned_GBps"] * 1e9
 
     from moerun.models.tiny import qwen3_tokenizer_dir

@@ -23,8 +23,8 @@ predicts most of its experts (copy mode's rows report the accuracy measured).
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
 copy mode, read by the kernels in zero-copy mode) and the prefetched experts' (useful or not), at the pinned
 host-to-device bandwidth measured in the same run. Zero-copy mode moves its misses with a copy kernel whose reads
-of host memory run at a rate of their own, which depends on the host (48-51 GB/s against the copy engine's 54-55 on
-some machines, 28-33 against 46-52 on another): the run measures it too (``h2d.stage_kernel_GBps``), so that a
+of host memory run at a rate of their own, which depends on the host (on H100 hosts of one pool: 48-51 GB/s against the
+copy engine's 54-55 on some, 28-33 against 46-52 on another): the run measures it too (``h2d.stage_kernel_GBps``), so that a
 zero-copy row's "x floor" can be read against what its copies could do there (x floor x kernel rate / pinned rate).
 
     python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
@@ -33,7 +33,6 @@ zero-copy row's "x floor" can be read against what its copies could do there (x 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import itertools
 import json
@@ -186,12 +185,13 @@ def measure_stage_copy(device: torch.device, mc: ModelConfig, launches: int = 16
         plans.append(StagePlan(torch.tensor(src, dtype=torch.int64, device=device),  # [per_launch, 2]
                                torch.tensor(out, dtype=torch.int64, device=device)))
 
-    for capture in (False, True):  # a warm-up (compiling), then the graph
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(device)
-        with torch.cuda.graph(graph) if capture else contextlib.nullcontext():
-            for plan in plans:
-                copy_misses_triton(plan, sizes, max(words), dst)
+    for plan in plans:  # a warm-up (compiles the kernel)
+        copy_misses_triton(plan, sizes, max(words), dst)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for plan in plans:
+            copy_misses_triton(plan, sizes, max(words), dst)
     times = []
     for _ in range(6):
         torch.cuda.synchronize(device)

@@ -23,9 +23,10 @@ predicts most of its experts (copy mode's rows report the accuracy measured).
 The copy floor is the decode rate if nothing but moving the missed experts' bytes to the GPU took time (copied in
 copy mode, read by the kernels in zero-copy mode) and the prefetched experts' (useful or not), at the pinned
 host-to-device bandwidth measured in the same run. Zero-copy mode moves its misses with a copy kernel whose reads
-of host memory run at a rate of their own, which depends on the host (on H100 hosts of one pool: 48-51 GB/s against the
-copy engine's 54-55 on some, 28-33 against 46-52 on another): the run measures it too (``h2d.stage_kernel_GBps``), so that a
-zero-copy row's "x floor" can be read against what its copies could do there (x floor x kernel rate / pinned rate).
+of host memory run at a rate of their own, which depends on the host (on H100 hosts of one pool: 48-51 GB/s
+against the copy engine's 54-55 on some, 28-33 against 46-52 on another). The run measures that rate too
+(``h2d.stage_kernel_GBps``), so that a zero-copy row's "x floor" can be read against what its copies could do
+there (x floor x kernel rate / pinned rate).
 
     python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
 """

@@ -34,12 +34,14 @@ there (x floor x kernel rate / pinned rate).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,18 @@ def _floats(text: str) -> list[float]:
 
 
 # ---- measurements ----
+def _median_seconds(run: Callable[[], object], device: torch.device) -> float:
+    """Median wall time of 5 calls of ``run`` on ``device`` (after one untimed call), each synchronised."""
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[2]
+
+
 def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
     """Host-to-device GB/s from pinned and from pageable memory (median of 5 copies of ``nbytes``)."""
     if device.type != "cuda":
@@ -145,14 +159,7 @@ def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
     for kind, pin in (("pinned_GBps", True), ("pageable_GBps", False)):
         src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         src.fill_(1)
-        times = []
-        for _ in range(6):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=pin)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        out[kind] = nbytes / sorted(times[1:])[2] / 1e9
+        out[kind] = nbytes / _median_seconds(functools.partial(dst.copy_, src, non_blocking=pin), device) / 1e9
         del src
     del dst
     torch.cuda.empty_cache()
@@ -193,16 +200,10 @@ def measure_stage_copy(device: torch.device, mc: ModelConfig, launches: int = 16
     with torch.cuda.graph(graph):
         for plan in plans:
             copy_misses_triton(plan, sizes, max(words), dst)
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    seconds = _median_seconds(graph.replay, device)
     del graph, pool, dst
     torch.cuda.empty_cache()
-    return launches * per_launch * expert * 8 / sorted(times[1:])[2] / 1e9
+    return launches * per_launch * expert * 8 / seconds / 1e9
 
 
 class SkewedTrace:

@@ -104,7 +104,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     )
     from moerun.kernels.topk_select import TopkSelect
     from moerun.kernels.o_proj_router import o_proj_router_triton
-    from moerun.kernels.stage_misses import Admission, stage_misses_triton
+    from moerun.kernels.stage_misses import (Admission, StagePlan, copy_clock, copy_misses_triton,
+                                             stage_misses_triton)
     from moerun.kernels.tile_configs import normalize
 
     bf16 = torch.bfloat16
@@ -346,6 +347,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         "stage missed experts": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table)),
+        "stage missed experts, the copy timed": lambda: copy_misses_triton(
+            StagePlan(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)), words, 64,
+            torch.zeros(R, 128, dtype=torch.int64), copy_clock(torch.device("cpu"))),
         "stage missed experts, pairs counted": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), counts=torch.zeros(E, dtype=torch.int64)),

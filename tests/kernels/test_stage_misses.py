@@ -179,3 +179,53 @@ def test_admission_into_spare_slots(seed, pairs, rows, spares, counted, hold) ->
                 view = staging[index, start_word : start_word + int(sizes[a])]
                 assert int(step[p, e, w]) == view.data_ptr()
             assert torch.equal(view, host[e][a]), f"seed={seed}: expert {e} array {a} not staged"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's clock: CUDA only")
+def test_timed_copy_adds_each_launch_span(seed) -> None:
+    # the timed copy stages the same bytes as the untimed one; each launch adds its span to the clock, more than
+    # nothing and no more than the launch's time on the stream, and leaves the clock ready for the next launch
+    from moerun.kernels.stage_misses import copy_clock, copy_misses_triton, plan_misses_triton
+
+    g = torch.Generator().manual_seed(seed)
+    P, E, W = 2, 6, 1
+    sizes = torch.tensor([3 << 20, 1 << 20])  # words: 24 and 8 MiB, so a launch takes tens of microseconds
+    offsets = torch.tensor([0, int(sizes[0])])
+    host = [[torch.randint(-2**30, 2**30, (int(sizes[a]),), generator=g).to(DEVICE) for a in range(P)]
+            for _ in range(E)]  # fmt: skip
+    table = torch.tensor([[[host[e][p].data_ptr()] for e in range(E)] for p in range(P)], device=DEVICE)
+    is_host = torch.ones(E, dtype=torch.int32, device=DEVICE)
+    ids = torch.randperm(E, generator=g)[:3].to(torch.int32).to(DEVICE)
+    clock = copy_clock(torch.device(DEVICE))
+    spans = []
+    for timed in (False, True, True):
+        staging = torch.zeros(3, int(sizes.sum()), dtype=torch.int64, device=DEVICE)
+        out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
+        plan = plan_misses_triton(table, is_host, ids, sizes.to(DEVICE), offsets.to(DEVICE), staging, out)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before = int(clock[2])
+        begin.record()
+        copy_misses_triton(plan, sizes.to(DEVICE), int(sizes.max()), staging, clock if timed else None)
+        end.record()
+        torch.cuda.synchronize()
+        for row, e in enumerate(ids.tolist()):
+            for a in range(P):
+                assert torch.equal(staging[row, int(offsets[a]) : int(offsets[a] + sizes[a])], host[e][a])
+        assert clock[:2].tolist() == [2**63 - 1, 0]
+        span_ms = (int(clock[2]) - before) / 1e6
+        if timed:
+            assert 0 < span_ms <= begin.elapsed_time(end) * 1.05 + 0.005, f"span {span_ms} ms"
+            spans.append(span_ms)
+        else:
+            assert span_ms == 0
+    assert len(spans) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")
+def test_timed_copy_needs_the_gpu_clock() -> None:
+    from moerun.kernels.stage_misses import StagePlan, copy_clock, copy_misses_triton
+
+    plan = StagePlan(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="interpreter does not have"):
+        copy_misses_triton(plan, torch.ones(1, dtype=torch.int64), 1, torch.zeros(1, 1, dtype=torch.int64),
+                           copy_clock(torch.device("cpu")))

@@ -48,6 +48,12 @@ def check_stats(llm: LLM) -> dict:
     assert s["bytes_admitted"] == s["admissions"] * manager.store.expert_bytes(0) and s["copies"] == s["admissions"]
     assert s["bytes_copied"] == s["bytes_read_host"] + s["bytes_admitted"]
     assert s["copy_stall_s"] == 0 and s["prefetch_accuracy"] is None
+    # the staging copies are timed by the GPU's clock where there is one (CUDA, the Triton backend)
+    assert s["copy_timed"] == manager.copy_timed
+    if manager.copy_timed:
+        assert s["copy_in_step_s"] > 0 and s["copy_in_step_ms_per_token"] > 0
+    else:
+        assert s["copy_in_step_s"] == 0
     assert s["hit_rate"] == pytest.approx(s["hits"] / s["lookups"])
     manager.check()
     return s
@@ -359,6 +365,7 @@ def test_graphed_zero_copy_decode_on_cuda(hf_model, policy):
               offload=OffloadConfig(policy=policy, admit_bytes_per_step=CHURN))
     manager = llm.model.expert_offload
     assert isinstance(manager, ZeroCopyOffload) and manager.store.pinned  # 'auto' on CUDA
+    assert manager.copy_timed == (manager.staging is not None)  # staged on the Triton backend, timed there
     assert llm.engine.runner.graphs  # decode graphs were captured with offloading on
     assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == expected
     s = check_stats(llm)

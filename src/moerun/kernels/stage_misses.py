@@ -34,10 +34,19 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer  # the GPU's nanosecond clock (no interpreter form)
+
+from moerun.kernels.interpreter import interpreting
 
 CHUNK_WORDS = 8192  # words a program copies (64 KiB of int64 words: 50.7 GB/s from host memory on an H200)
 BLOCK_WORDS = 1024  # words per load instruction group
 SCAN_PAIRS = 64  # pairs looked at (a batch of 8 tokens at top-8); the experts of later pairs are not staged
+INT64_MAX = tl.constexpr(2**63 - 1)
+
+
+def copy_clock(device: torch.device) -> torch.Tensor:
+    """A fresh clock for ``copy_misses_triton``: [3] int64 (earliest start, programs arrived, nanoseconds)."""
+    return torch.tensor([2**63 - 1, 0, 0], dtype=torch.int64, device=device)
 
 
 @dataclass
@@ -200,14 +209,19 @@ def _copy_kernel(
     dst_ptr,  # [SCAN, A] int64 addresses, 0: nothing to copy
     sizes_ptr,  # [A] int64 words
     base_ptr,  # any word pointer: addresses are turned into word offsets from it
+    clock_ptr,  # [3] int64 (TIMED): earliest start (ns), programs arrived, nanoseconds copying (cumulative)
     A,
+    PROGRAMS,  # programs in the grid (TIMED)
     WORD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    TIMED: tl.constexpr,  # the launch adds its span (first program's start to last program's end) to clock_ptr[2]
 ):
     pair = tl.program_id(0)
     a = tl.program_id(1)
     c = tl.program_id(2)
+    if TIMED:
+        tl.atomic_min(clock_ptr, globaltimer())
     dst = tl.load(dst_ptr + pair * A + a)
     size = tl.load(sizes_ptr + a)
     if (dst != 0) & (c * CHUNK < size):
@@ -220,6 +234,11 @@ def _copy_kernel(
             ok = o < size
             v = tl.load(base_ptr + src_words + o, mask=ok, cache_modifier=".cg")
             tl.store(base_ptr + dst_words + o, v, mask=ok)
+    if TIMED:  # the last program to arrive closes the span and leaves the clock ready for the next launch
+        if tl.atomic_add(clock_ptr + 1, 1) == PROGRAMS - 1:
+            start = tl.atomic_xchg(clock_ptr, INT64_MAX)
+            tl.atomic_add(clock_ptr + 2, globaltimer() - start)
+            tl.atomic_xchg(clock_ptr + 1, 0)
 
 
 @dataclass
@@ -284,12 +303,19 @@ def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Te
     return StagePlan(src, dst)
 
 
-def copy_misses_triton(plan: StagePlan, sizes: torch.Tensor, max_words: int, staging: torch.Tensor) -> None:
-    """The copy launch of ``stage_misses_triton``: moves the planned arrays' bytes (on the current stream)."""
+def copy_misses_triton(plan: StagePlan, sizes: torch.Tensor, max_words: int, staging: torch.Tensor,
+                       clock: torch.Tensor | None = None) -> None:
+    """The copy launch of ``stage_misses_triton``: moves the planned arrays' bytes (on the current stream). With
+    ``clock`` (``copy_clock``; on the GPU only, the interpreter has no clock), the launch adds the nanoseconds from its
+    first program's start to its last program's end to clock[2]."""
     n, A = plan.src.shape
     chunks = triton.cdiv(max_words, CHUNK_WORDS)
-    _copy_kernel[(n, A, chunks)](plan.src, plan.dst, sizes, staging, A, WORD=staging.element_size(),
-                                 CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4)
+    timed = clock is not None
+    if timed and interpreting():
+        raise ValueError("the copy launch is timed by the GPU's clock, which Triton's interpreter does not have")
+    _copy_kernel[(n, A, chunks)](plan.src, plan.dst, sizes, staging, clock if timed else sizes, A, n * A * chunks,
+                                 WORD=staging.element_size(), CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, TIMED=timed,
+                                 num_warps=4)
 
 
 def stage_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Tensor, sizes: torch.Tensor,

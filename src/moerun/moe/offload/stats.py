@@ -36,7 +36,10 @@ class OffloadStats:
     prefetch_useful: int = 0  # prefetched experts routed to at their layer's next forward
     prefetch_wasted: int = 0  # prefetched experts not routed to there
     chunked_layers: int = 0  # layers whose experts did not fit the cache at once
-    copy_stall_s: float = 0.0  # time the compute stream waited for expert copies
+    copy_stall_s: float = 0.0  # copy mode: time the compute stream waited for expert copies
+    # zero-copy mode: device time of the staging copies inside the steps (by the GPU's clock; CUDA only); the fused
+    # MoE waits for them, except GEMM 1 of the pairs already on the device (overlap), which runs beside them
+    copy_in_step_s: float = 0.0
     routing_wait_s: float = 0.0  # host time waiting for the routing ids of a layer
     cpu_compute_s: float = 0.0
 
@@ -55,6 +58,7 @@ class OffloadStats:
         d["missed_bytes_per_token"] = (self.bytes_copied_miss + self.bytes_read_host) / tokens
         d["bytes_read_host_per_token"] = self.bytes_read_host / tokens
         d["copy_stall_ms_per_token"] = 1e3 * self.copy_stall_s / tokens
+        d["copy_in_step_ms_per_token"] = 1e3 * self.copy_in_step_s / tokens
         d["cpu_compute_ms_per_token"] = 1e3 * self.cpu_compute_s / tokens
         return d
 
@@ -76,6 +80,8 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"  over PCIe {stats['bytes_copied'] / gib:.2f} GiB {moved}: read by the kernels "
             f"{stats['bytes_read_host'] / gib:.2f} GiB, admitted into slots {stats['bytes_admitted'] / gib:.2f} GiB "
             f"({stats['admissions']} experts), staged into slots {stats['admissions_on_device']} experts",
+            *([f"  staging copies {stats['copy_in_step_ms_per_token']:.2f} ms/token (device clock)"]
+              if stats.get("copy_timed") else []),
         ])
     return "\n".join([
         f"{head}, prefetch {stats['prefetch']}, cpu compute {stats['cpu_compute']}",

@@ -12,7 +12,8 @@ pass's first top-k missed experts (``is_host`` [L, E] says which entries point a
 hands the fused MoE a copy of the layer's table pointing at them, since a copy kernel reads PCIe at about twice the
 rate of the fused kernels reading in place. With ``overlap`` (dense experts; on CUDA by default) that copy runs on a
 side stream while GEMM 1 computes the pairs whose experts are already on the device; the pairs the plan flagged wait
-for it (kernels/moe_parts.StagedPairs).
+for it (kernels/moe_parts.StagedPairs). On CUDA each copy launch adds its span on the GPU's clock to its layer's
+``clock`` [L, 3], which comes back with the counts: the statistics' in-step copy time (``copy_in_step_s``).
 
 Admission on the device (``OffloadConfig.admit_on_device``, on by default where staging applies): the staging
 launch puts missed experts into the layer's spare slots, the slots the policy values least (ranked by the host
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 
 from moerun.device import to_device
+from moerun.kernels.interpreter import interpreting
 from moerun.kernels.quant.repack import expert_addresses
 from moerun.moe.offload.config import OffloadConfig
 from moerun.moe.offload.base import OffloadManagerBase
@@ -65,6 +67,9 @@ from moerun.moe.offload.transfer import Copier
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
 from moerun.ops.quant import fused_moe_quantized
+
+# what _take_routing returns: routed, steps, host passes [L, E] each, occupants [L, S], staging-copy nanoseconds
+Routing = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
 if TYPE_CHECKING:  # Triton: an optional dependency
     from moerun.kernels.moe_parts import StagedPairs
@@ -139,11 +144,16 @@ class ZeroCopyOffload(OffloadManagerBase):
         # what each step leaves for the host, one buffer: [3, L, E] cumulative tallies, pairs routed to each expert
         # (``counts``), forward passes that routed any (``steps``), passes that read it from host memory
         # (``host_passes``, counted by the staging launch with admission on the device), then the occupant of
-        # each slot (``occupant`` [L, S], -1 free; kept by that launch, with admission on the device only)
-        self.record = torch.zeros(3 * L * E + L * S, dtype=torch.int64, device=device)
+        # each slot (``occupant`` [L, S], -1 free; kept by that launch, with admission on the device only), then
+        # each layer's staging-copy clock (``clock`` [L, 3]: the copy launch's scratch, then its nanoseconds summed)
+        self.record = torch.zeros(3 * L * E + L * S + 3 * L, dtype=torch.int64, device=device)
         self.tallies = self.record[: 3 * L * E].view(3, L, E)
         self.counts, self.steps, self.host_passes = self.tallies
-        self.occupant = self.record[3 * L * E :].view(L, S)
+        self.occupant = self.record[3 * L * E : 3 * L * E + L * S].view(L, S)
+        self.clock = self.record[3 * L * E + L * S :].view(L, 3)
+        self.clock[:, 0] = 2**63 - 1  # no launch started yet
+        # the staging copies are timed by the GPU's clock (CUDA; Triton's interpreter has none)
+        self.copy_timed = self.staging is not None and device.type == "cuda" and not interpreting()
         self.pass_start = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] counts when this pass began
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []
@@ -151,6 +161,7 @@ class ZeroCopyOffload(OffloadManagerBase):
                             if device.type == "cuda" else None)  # the record after the latest step
         weakref.finalize(self, _unregister_all, self._registry)
         self.seen = np.zeros((3, L, E), dtype=np.int64)  # [3, L, E] tallies already taken into the statistics
+        self.seen_copy_ns = 0  # staging-copy nanoseconds already taken into the statistics
         if self.device_admission:
             # top-k spare slots a pass (the held ones are skipped, so top-k more for each pass held)
             self.hold_passes = self.config.hold_passes(top_k, S)
@@ -262,7 +273,8 @@ class ZeroCopyOffload(OffloadManagerBase):
                                   self.counts[layer], flags, self.stage_buffers if overlap else None)
         if plan is None:
             return self.step_table, None
-        copy = (plan, self.stage_sizes[layer], self.stage_max_words[layer], self.staging)
+        copy = (plan, self.stage_sizes[layer], self.stage_max_words[layer], self.staging,
+                self.clock[layer] if self.copy_timed else None)
         if not overlap or self.device.type != "cuda":
             copy_misses_triton(*copy)  # in order, before the fused MoE
             return self.step_table, StagedPairs(flags, lambda: None) if overlap else None
@@ -369,10 +381,11 @@ class ZeroCopyOffload(OffloadManagerBase):
         if plan is not None and len(plan):
             self._copy(plan)
 
-    def _take_routing(self, wait: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    def _take_routing(self, wait: bool) -> Routing | None:
         """(pairs routed to each expert [L, E], forward passes that routed to it [L, E], passes that read it from
-        host memory [L, E] (admission on the device), slot occupants [L, S]) since the last call (the occupants: as
-        the latest finished step left them), or None when no step finished since then.
+        host memory [L, E] (admission on the device), slot occupants [L, S], nanoseconds of staging copies) since
+        the last call (the occupants: as the latest finished step left them), or None when no step finished since
+        then.
 
         With async scheduling a step is always in flight when this runs; the mark recorded at the previous call
         tells whether the steps queued before it have finished. The pinned tallies are cumulative, so a copy from
@@ -392,13 +405,16 @@ class ZeroCopyOffload(OffloadManagerBase):
         L, E, S = self.num_layers, self.num_experts, self.slots_per_layer
         now = record[: 3 * L * E].reshape(3, L, E)
         taken, self.seen = now - self.seen, now
-        return taken[0], taken[1], taken[2], record[3 * L * E :].reshape(L, S)
+        copy_ns = int(record[3 * L * E + L * S :].reshape(L, 3)[:, 2].sum())
+        copied, self.seen_copy_ns = copy_ns - self.seen_copy_ns, copy_ns
+        return taken[0], taken[1], taken[2], record[3 * L * E : 3 * L * E + L * S].reshape(L, S), copied
 
-    def _absorb(self, taken: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    def _absorb(self, taken: Routing) -> np.ndarray:
         """Statistics and policy from ``_take_routing``'s result (and the slots' new occupants, with admission on
         the device); returns the pairs routed [L, E]."""
-        routed, steps, host_passes, occupant = taken
+        routed, steps, host_passes, occupant, copy_ns = taken
         self._record(routed, steps, host_passes if self.device_admission else None)
+        self.stats.copy_in_step_s += copy_ns / 1e9
         if self.device_admission:
             self._take_occupants(occupant)
         return routed
@@ -528,7 +544,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         d = self.stats.as_dict()
         d.update(self.config_stats(), prefetch=False, prefetch_accuracy=None, cpu_compute="off", overlap=self.overlap,
                  admit_bytes_per_step=self.config.admit_bytes_per_step, admit_on_device=self.device_admission,
-                 admit_hold_passes=self.hold_passes if self.device_admission else 0,
+                 admit_hold_passes=self.hold_passes if self.device_admission else 0, copy_timed=self.copy_timed,
                  copies_in_flight=sum(len(plan) for _, plan in self.pending),
                  staging_rows=0 if self.staging is None else int(self.staging.shape[0]))
         return d

@@ -27,7 +27,8 @@ of host memory run at a rate of their own, which depends on the host (on H100 ho
 against the copy engine's 54-55 on some, 28-33 against 46-52 on another). The run measures that rate too
 (``h2d.stage_kernel_GBps``), so that a zero-copy row's "x floor" can be read against what its copies could do
 there (x floor x kernel rate / pinned rate). Its rows also time those copies inside the steps by the GPU's clock
-(column "copy", ms a token; "stall" is copy mode's wait for its copies), so a row splits into copying and the rest.
+(column "copy", ms a token, and "GB/s", their rate where they move every miss; "stall" is copy mode's wait for its
+copies), so a row splits into copying and the rest.
 
     python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
 """
@@ -332,6 +333,10 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
         s = r.pop("stats")
         # the floor's bytes: every byte that crossed to the GPU for the experts, misses and prefetches useful or not
         floor_bytes = s["missed_bytes_per_token"] + s["bytes_copied_prefetch"] / max(s["tokens"], 1)
+        copy_ms = s["copy_in_step_ms_per_token"] if s.get("copy_timed") else None
+        # the staging copies' rate, where they move every miss (as many staging rows as the batch routes to)
+        all_staged = copy_ms and (s.get("staging_rows") or 0) >= B * model.config.num_experts_per_tok
+        copy_rate = s["bytes_read_host_per_token"] / copy_ms / 1e6 if all_staged else None
         rows.append({**base, "mode": s["mode"], "routing": routing, "policy": config.policy,
                      "prefetch": s["prefetch"], "cpu_compute": config.cpu_compute,
                      "slots_per_layer": slots, "batch": B, **r, "graphs": bool(llm.engine.runner.graphs),
@@ -340,7 +345,7 @@ def run_rows(model, store, slots: int, kv_bytes: int | None, config: OffloadConf
                      "copy_floor_tok_s": bandwidth / floor_bytes if floor_bytes and bandwidth else None,
                      "copy_stall_ms_per_token": s["copy_stall_ms_per_token"],
                      # zero-copy: the staging copies' device time inside the steps (GPU clock)
-                     "copy_in_step_ms_per_token": s["copy_in_step_ms_per_token"] if s.get("copy_timed") else None,
+                     "copy_in_step_ms_per_token": copy_ms, "copy_in_step_GBps": copy_rate,
                      "prefetch_accuracy": s["prefetch_accuracy"] if s["prefetch_issued"] else None,
                      "admitted_bytes_per_token": s["bytes_admitted"] / max(s["tokens"], 1),
                      "admit_on_device": s.get("admit_on_device", False), "overlap": s.get("overlap"),
@@ -412,7 +417,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'ov':>2} {'budget':>6} {'slots':>5} {'routing':<7} {'policy':<10} "
           f"{'pf':>2} {'cpu':<6} {'B':>2} {'tok/s':>8} {'hit%':>6} {'MiB/tok':>8} {'floor':>8} {'stall':>6} "
-          f"{'copy':>6} {'pf acc':>6} {'peak':>6} {'x floor':>7}")
+          f"{'copy':>6} {'GB/s':>5} {'pf acc':>6} {'peak':>6} {'x floor':>7}")
 
 
 def _row_line(r: dict[str, Any]) -> str:
@@ -427,7 +432,7 @@ def _row_line(r: dict[str, Any]) -> str:
             f"{_fmt(100 * r['hit_rate'] if r.get('hit_rate') is not None else None, '6.1f')} "
             f"{_fmt(r['bytes_copied_per_token'] / 2**20 if r.get('bytes_copied_per_token') is not None else None, '8.1f')} "
             f"{_fmt(r.get('copy_floor_tok_s'), '8.1f')} {_fmt(r.get('copy_stall_ms_per_token'), '6.2f')} "
-            f"{_fmt(r.get('copy_in_step_ms_per_token'), '6.2f')} "
+            f"{_fmt(r.get('copy_in_step_ms_per_token'), '6.2f')} {_fmt(r.get('copy_in_step_GBps'), '5.1f')} "
             f"{_fmt(r.get('prefetch_accuracy'), '6.2f')} {_fmt(r.get('peak_gib'), '6.1f')} "
             f"{_fmt(floor / rate if floor and rate else None, '7.2f')}")
 

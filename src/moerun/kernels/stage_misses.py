@@ -215,16 +215,18 @@ def _copy_kernel(
     WORD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    TIMED: tl.constexpr,  # the launch adds its span (first program's start to last program's end) to clock_ptr[2]
+    TIMED: tl.constexpr,  # the launch adds its span (first copying program's start to last end) to clock_ptr[2]
 ):
     pair = tl.program_id(0)
     a = tl.program_id(1)
     c = tl.program_id(2)
     if TIMED:
-        tl.atomic_min(clock_ptr, globaltimer())
+        began = globaltimer()
     dst = tl.load(dst_ptr + pair * A + a)
     size = tl.load(sizes_ptr + a)
     if (dst != 0) & (c * CHUNK < size):
+        if TIMED:  # the span starts with the first program that copies
+            tl.atomic_min(clock_ptr, began)
         base = base_ptr.to(tl.int64)
         src_words = (tl.load(src_ptr + pair * A + a) - base) // WORD
         dst_words = (dst - base) // WORD
@@ -234,10 +236,11 @@ def _copy_kernel(
             ok = o < size
             v = tl.load(base_ptr + src_words + o, mask=ok, cache_modifier=".cg")
             tl.store(base_ptr + dst_words + o, v, mask=ok)
-    if TIMED:  # the last program to arrive closes the span and leaves the clock ready for the next launch
+    if TIMED:  # the last program to arrive closes the span (none: nothing copied) and readies the clock
         if tl.atomic_add(clock_ptr + 1, 1) == PROGRAMS - 1:
             start = tl.atomic_xchg(clock_ptr, INT64_MAX)
-            tl.atomic_add(clock_ptr + 2, globaltimer() - start)
+            if start != INT64_MAX:
+                tl.atomic_add(clock_ptr + 2, globaltimer() - start)
             tl.atomic_xchg(clock_ptr + 1, 0)
 
 
@@ -306,8 +309,9 @@ def plan_misses_triton(table: torch.Tensor, is_host: torch.Tensor, ids: torch.Te
 def copy_misses_triton(plan: StagePlan, sizes: torch.Tensor, max_words: int, staging: torch.Tensor,
                        clock: torch.Tensor | None = None) -> None:
     """The copy launch of ``stage_misses_triton``: moves the planned arrays' bytes (on the current stream). With
-    ``clock`` (``copy_clock``; on the GPU only, the interpreter has no clock), the launch adds the nanoseconds from its
-    first program's start to its last program's end to clock[2]."""
+    ``clock`` (``copy_clock``; on the GPU only, the interpreter has no clock), the launch adds the nanoseconds from the
+    start of its first program that copies to the end of its last program to clock[2] (nothing when it copies
+    nothing)."""
     n, A = plan.src.shape
     chunks = triton.cdiv(max_words, CHUNK_WORDS)
     timed = clock is not None

@@ -198,7 +198,7 @@ def test_timed_copy_adds_each_launch_span(seed) -> None:
     is_host = torch.ones(E, dtype=torch.int32, device=DEVICE)
     ids = torch.randperm(E, generator=g)[:3].to(torch.int32).to(DEVICE)
     clock = copy_clock(torch.device(DEVICE))
-    spans = []
+    idle = clock[:2].tolist()
     for timed, cached in ((False, False), (True, False), (True, True), (True, False)):
         is_host.fill_(0 if cached else 1)
         staging = torch.zeros(3, int(sizes.sum()), dtype=torch.int64, device=DEVICE)
@@ -214,14 +214,12 @@ def test_timed_copy_adds_each_launch_span(seed) -> None:
             for a in range(P):
                 view = staging[row, int(offsets[a]) : int(offsets[a] + sizes[a])]
                 assert torch.equal(view, torch.zeros_like(view) if cached else host[e][a])
-        assert clock[:2].tolist() == [2**63 - 1, 0]
+        assert clock[:2].tolist() == idle
         span_ms = (int(clock[2]) - before) / 1e6
         if timed and not cached:
             assert 0 < span_ms <= begin.elapsed_time(end) * 1.05 + 0.005, f"span {span_ms} ms"
-            spans.append(span_ms)
         else:
             assert span_ms == 0
-    assert len(spans) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs when there is no CUDA")

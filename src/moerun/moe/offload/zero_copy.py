@@ -151,9 +151,12 @@ class ZeroCopyOffload(OffloadManagerBase):
         self.counts, self.steps, self.host_passes = self.tallies
         self.occupant = self.record[3 * L * E : 3 * L * E + L * S].view(L, S)
         self.clock = self.record[3 * L * E + L * S :].view(L, 3)
-        self.clock[:, 0] = 2**63 - 1  # no launch started yet
         # the staging copies are timed by the GPU's clock (CUDA; Triton's interpreter has none)
         self.copy_timed = self.staging is not None and device.type == "cuda" and not interpreting()
+        if self.copy_timed:
+            from moerun.kernels.stage_misses import copy_clock  # Triton: an optional dependency
+
+            self.clock.copy_(copy_clock(device).expand(L, 3))  # no launch started yet
         self.pass_start = torch.zeros(L, E, dtype=torch.int64, device=device)  # [L, E] counts when this pass began
         # page-locked by registration, not by the caching pinned allocator: a step's graph copies into it
         self._registry: list[int] = []

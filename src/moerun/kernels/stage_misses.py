@@ -203,7 +203,7 @@ def _plan_kernel(
             tl.store(hold_ptr + h, tl.where(admitted, HOLD, tl.maximum(held_before - 1, 0)), mask=h < S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PROGRAMS"])  # one compiled variant whatever the grid's size
 def _copy_kernel(
     src_ptr,  # [SCAN, A] int64 addresses
     dst_ptr,  # [SCAN, A] int64 addresses, 0: nothing to copy

@@ -47,7 +47,6 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.(.+)$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.(0|[1-9][0-9]*)\.(gate_proj|up_proj|down_proj)"
                         r"\.weight$")
 _HF_FUSED = re.compile(r"^model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\.gate_up_proj(?:\.weight)?$")
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _known(kind: str) -> str:

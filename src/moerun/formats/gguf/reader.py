@@ -469,10 +469,6 @@ class GGUFFile:
     def paths(self) -> list[Path]:
         return [p.path for p in self._parts]
 
-    @property
-    def file_size(self) -> int:
-        return sum(p.path.stat().st_size for p in self._parts)
-
     # ---- tensor data ----
     def tensor_info(self, name: str) -> TensorInfo:
         try:

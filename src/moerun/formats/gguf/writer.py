@@ -142,15 +142,6 @@ def _looks_special(token: str) -> bool:
             or (token.startswith("<unused") and token.endswith(">")))
 
 
-def hf_vocab(tokenizer_dir: str | os.PathLike[str], vocab_size: int | None = None) -> tuple[list[str], list[int]]:
-    """Tokens and token types the way llama.cpp's converter lists a GPT-2 style BPE vocabulary.
-
-    Added tokens are CONTROL when special (or when they look special, ``<|...|>``), else USER_DEFINED; ids the
-    tokenizer does not use, up to ``vocab_size`` (the model's embedding rows), become ``[PAD<id>]`` UNUSED.
-    """
-    return _vocab(_tokenizer_json(Path(tokenizer_dir)), vocab_size, Path(tokenizer_dir))
-
-
 def _vocab(tj: dict[str, Any], vocab_size: int | None, tokenizer_dir: Path) -> tuple[list[str], list[int]]:
     model = tj.get("model") or {}
     if model.get("type") != "BPE":

@@ -33,7 +33,6 @@ GROUP_TYPES: tuple[QuantType, ...] = (
     QuantType.IQ2_XXS, QuantType.IQ2_XS, QuantType.IQ2_S, QuantType.IQ3_XXS, QuantType.IQ3_S, QuantType.IQ1_S,
     QuantType.IQ1_M,
 )  # fmt: skip
-DELTA_TYPES = (QuantType.IQ1_S, QuantType.IQ1_M)  # codes 8 g + delta
 
 
 @triton.jit

@@ -39,11 +39,6 @@ class PartSpec:
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
 
-    @property
-    def logical(self) -> tuple[int, int]:
-        """(rows, cols) of one expert's slice of the weight."""
-        return (self.shape[0], self.cols) if self.qtype is not None else (self.shape[0], self.shape[1])
-
 
 def layer_parts(experts: object) -> tuple[list[torch.Tensor], list[PartSpec]]:
     """The stacked parts [E, ...] and their specs of an ``Experts`` module (dense or quantized weights)."""

@@ -25,7 +25,7 @@ import torch
 from moerun.engine.memory import available_bytes
 from moerun.formats.quants import QuantType
 from moerun.kernels.quant.repack import PackedWeight, packed_nbytes
-from moerun.moe.offload.store import HostExpertStore, PartSpec, _unregister_all, pinned_empty, weights_from_parts
+from moerun.moe.offload.store import HostExpertStore, PartSpec, pinned_empty, unregister_all, weights_from_parts
 from moerun.ops.quant import fused_kernels_apply, packed_parts
 
 
@@ -55,7 +55,7 @@ class PackedSlotPool:
             self.packed.append((_repeat(zero13, slots_per_layer + 1), _repeat(zero2, slots_per_layer + 1)))
         self.host_packed: list[tuple[list[PackedWeight], list[PackedWeight]]] | None = None
         self._registered: list[int] = []  # host copy memory page-locked in place (cudaHostRegister)
-        self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
+        self._finalizer = weakref.finalize(self, unregister_all, self._registered)
         if store is not None and (host_copy or (store.pinned and device.type == "cuda"
                                                 and host_copy_fits(specs, store.num_experts))):
             pin = self._registered if device.type == "cuda" else None

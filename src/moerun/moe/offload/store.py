@@ -82,7 +82,7 @@ class HostExpertStore:
         self.num_layers = len(parts)
         self.num_experts = int(parts[0][0].shape[0])
         self._registered: list[int] = registered if registered is not None else []  # cudaHostRegister'd
-        self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
+        self._finalizer = weakref.finalize(self, unregister_all, self._registered)
 
     @classmethod
     def from_experts(cls, experts: list[object], pin: bool) -> "HostExpertStore":
@@ -179,7 +179,8 @@ def _register(t: torch.Tensor, registry: list[int]) -> bool:
     return True
 
 
-def _unregister_all(registry: list[int]) -> None:
+def unregister_all(registry: list[int]) -> None:
+    """Unlocks every address a registry holds (from ``pinned_empty`` or in-place pinning) and empties it."""
     if not registry:
         return
     try:

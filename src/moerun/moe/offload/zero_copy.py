@@ -62,7 +62,7 @@ from moerun.moe.offload.pointers import ExpertPointers, address_alignment
 from moerun.moe.offload.pool import SlotPool
 from moerun.moe.offload.residency import Plan, Residency
 from moerun.moe.offload.stats import OffloadStats
-from moerun.moe.offload.store import HostExpertStore, _unregister_all, pinned_empty
+from moerun.moe.offload.store import HostExpertStore, pinned_empty, unregister_all
 from moerun.moe.offload.transfer import Copier
 from moerun.ops.dispatch import pick_backend
 from moerun.ops.moe import fused_moe_indirect
@@ -162,7 +162,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         self._registry: list[int] = []
         self.host_record = (pinned_empty(self.record.numel() * 8, self._registry).view(torch.int64)
                             if device.type == "cuda" else None)  # the record after the latest step
-        weakref.finalize(self, _unregister_all, self._registry)
+        weakref.finalize(self, unregister_all, self._registry)
         self.seen = np.zeros((3, L, E), dtype=np.int64)  # [3, L, E] tallies already taken into the statistics
         self.seen_copy_ns = 0  # staging-copy nanoseconds already taken into the statistics
         if self.device_admission:

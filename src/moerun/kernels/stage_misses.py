@@ -41,12 +41,13 @@ from moerun.kernels.interpreter import interpreting
 CHUNK_WORDS = 8192  # words a program copies (64 KiB of int64 words: 50.7 GB/s from host memory on an H200)
 BLOCK_WORDS = 1024  # words per load instruction group
 SCAN_PAIRS = 64  # pairs looked at (a batch of 8 tokens at top-8); the experts of later pairs are not staged
-INT64_MAX = tl.constexpr(2**63 - 1)
+NO_START = 2**63 - 1  # a clock's earliest start while no program of the launch has copied (int64's largest)
+INT64_MAX = tl.constexpr(NO_START)
 
 
 def copy_clock(device: torch.device) -> torch.Tensor:
     """A fresh clock for ``copy_misses_triton``: [3] int64 (earliest start, programs arrived, nanoseconds)."""
-    return torch.tensor([2**63 - 1, 0, 0], dtype=torch.int64, device=device)
+    return torch.tensor([NO_START, 0, 0], dtype=torch.int64, device=device)
 
 
 @dataclass

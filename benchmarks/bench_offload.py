@@ -25,10 +25,12 @@ copy mode, read by the kernels in zero-copy mode) and the prefetched experts' (u
 host-to-device bandwidth measured in the same run. Zero-copy mode moves its misses with a copy kernel whose reads
 of host memory run at a rate of their own, which depends on the host (on H100 hosts of one pool: 48-51 GB/s
 against the copy engine's 54-55 on some, 28-33 against 46-52 on another). The run measures that rate too
-(``h2d.stage_kernel_GBps``), so that a zero-copy row's "x floor" can be read against what its copies could do
-there (x floor x kernel rate / pinned rate). Its rows also time those copies inside the steps by the GPU's clock
-(column "copy", ms a token, and "GB/s", their rate where they move every miss; "stall" is copy mode's wait for its
-copies), so a row splits into copying and the rest.
+(``h2d.stage_kernel_GBps``, from memory page-locked as the store's is), so that a zero-copy row's "x floor" can be
+read against what its copies could do there (x floor x kernel rate / pinned rate), and the kernel's first pass over
+the same experts (``h2d.stage_kernel_first_pass_GBps``, by its own clock), host pages the GPU has not read before.
+Its rows also time those copies inside the steps by the GPU's clock (column "copy", ms a token, and "GB/s", their
+rate where they move every miss; "stall" is copy mode's wait for its copies), so a row splits into copying and the
+rest.
 
     python benchmarks/bench_offload.py [--quick] [--modes zero_copy,copy] [--vs transformers] [--out bench-offload]
 """
@@ -58,6 +60,7 @@ from moerun.models.presets import preset_config
 from moerun.moe.offload import OffloadConfig
 from moerun.moe.offload.planner import Footprint, GiB, footprint_of_config, plan_placement, workspace_bytes
 from moerun.moe.offload.random_build import expert_specs, random_expert_store, random_offloaded_model
+from moerun.moe.offload.store import pinned_empty, unregister_all
 from moerun.moe.offload.packed_pool import packed_part_bytes
 from moerun.moe.offload.placement import attach_offload
 from moerun.sampling_params import SamplingParams
@@ -169,43 +172,55 @@ def measure_h2d(device: torch.device, nbytes: int = 2**30) -> dict[str, float]:
 
 
 def measure_stage_copy(device: torch.device, mc: ModelConfig, launches: int = 16, per_launch: int = 3,
-                       pool_bytes: int = 2 * 2**30) -> float:
+                       pool_bytes: int = 2 * 2**30) -> tuple[float, float]:
     """GB/s of zero-copy mode's staging copy kernel (kernels/stage_misses.py) from pinned host memory: ``launches``
-    launches of ``per_launch`` bf16 experts of the model's shape each (w13 and w2 arrays, drawn from a pinned pool of
-    ``pool_bytes``) into device memory, replayed from one CUDA graph (median of 5). 0 without CUDA or Triton. The
-    kernel reads host memory with SM loads, whose rate over PCIe differs from the copy engine's, by host."""
+    launches of ``per_launch`` distinct bf16 experts of the model's shape each (w13 and w2 arrays, drawn from a pool
+    of ``pool_bytes`` made as the store makes its arenas, store.pinned_empty) into device memory. Returns (warm, first
+    pass): the median of 5 replays of one CUDA graph of the launches, and the launches' first pass (the first read of
+    those host pages by the GPU), timed by the kernel's own clock. (0, 0) without CUDA or Triton. The kernel reads
+    host memory with SM loads, whose rate over PCIe differs from the copy engine's, by host."""
     if device.type != "cuda":
-        return 0.0
+        return 0.0, 0.0
     try:
-        from moerun.kernels.stage_misses import StagePlan, copy_misses_triton
+        from moerun.kernels.stage_misses import StagePlan, copy_clock, copy_misses_triton
     except ImportError:
-        return 0.0
+        return 0.0, 0.0
     words = [2 * mc.moe_intermediate_size * mc.hidden_size // 4, mc.hidden_size * mc.moe_intermediate_size // 4]
     expert = sum(words)  # int64 words of one bf16 expert: w13 [2I, H] and w2 [H, I]
-    count = max(pool_bytes // (8 * expert), per_launch)
-    pool = torch.ones(count * expert, dtype=torch.int64, pin_memory=True)  # [count experts]
+    count = max(pool_bytes // (8 * expert), launches * per_launch)
+    registry: list[int] = []
+    pool = pinned_empty(count * expert * 8, registry).view(torch.int64)  # [count experts]
+    pool.fill_(1)
     dst = torch.empty(per_launch * expert, dtype=torch.int64, device=device)  # [per_launch experts]
     sizes = torch.tensor(words, dtype=torch.int64, device=device)  # [A = 2]
-    gen = torch.Generator().manual_seed(0)
+    picks = torch.randperm(count, generator=torch.Generator().manual_seed(0))[: launches * per_launch].tolist()
     plans = []
-    for _ in range(launches):
-        picks = torch.randperm(count, generator=gen)[:per_launch].tolist()
-        src = [[pool.data_ptr() + 8 * (e * expert + off) for off in (0, words[0])] for e in picks]
+    for i in range(launches):
+        src = [[pool.data_ptr() + 8 * (e * expert + off) for off in (0, words[0])]
+               for e in picks[i * per_launch : (i + 1) * per_launch]]
         out = [[dst.data_ptr() + 8 * (j * expert + off) for off in (0, words[0])] for j in range(per_launch)]
         plans.append(StagePlan(torch.tensor(src, dtype=torch.int64, device=device),  # [per_launch, 2]
                                torch.tensor(out, dtype=torch.int64, device=device)))
 
-    for plan in plans:  # a warm-up (compiles the kernel)
-        copy_misses_triton(plan, sizes, max(words), dst)
+    nbytes = launches * per_launch * expert * 8
+    clock = copy_clock(device)
+    idle = StagePlan(plans[0].src, torch.zeros_like(plans[0].dst))  # copies nothing: compiles both variants
+    copy_misses_triton(idle, sizes, max(words), dst)
+    copy_misses_triton(idle, sizes, max(words), dst, clock=clock)
+    for plan in plans:  # the first pass, which also warms up the graph's launches
+        copy_misses_triton(plan, sizes, max(words), dst, clock=clock)
     torch.cuda.synchronize(device)
+    first = nbytes / (int(clock[2]) * 1e-9) / 1e9
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for plan in plans:
             copy_misses_triton(plan, sizes, max(words), dst)
     seconds = _median_seconds(graph.replay, device)
-    del graph, pool, dst
+    del graph, dst
+    unregister_all(registry)
+    del pool
     torch.cuda.empty_cache()
-    return launches * per_launch * expert * 8 / seconds / 1e9
+    return nbytes / seconds / 1e9, first
 
 
 class SkewedTrace:
@@ -423,6 +438,7 @@ HEADER = (f"{'variant':<24} {'mode':<9} {'dev':>3} {'ov':>2} {'budget':>6} {'slo
 def _row_line(r: dict[str, Any]) -> str:
     floor, rate = r.get("copy_floor_tok_s"), r.get("tok_s")
     dev = f"y{r.get('admit_hold_passes') or ''}" if r.get('admit_on_device') else "n"  # y<passes held>
+    mib = r["bytes_copied_per_token"] / 2**20 if r.get("bytes_copied_per_token") is not None else None
     return (f"{r['variant']:<24} {r.get('mode', '-'):<9} {dev:>3} "
             f"{('y' if r.get('overlap') else 'n'):>2} "
             f"{_fmt(r.get('budget_gib'), '6.1f')} "
@@ -430,7 +446,7 @@ def _row_line(r: dict[str, Any]) -> str:
             f"{r.get('routing', '-'):<7} {r.get('policy', '-'):<10} {('y' if r.get('prefetch') else 'n'):>2} "
             f"{r.get('cpu_compute', '-'):<6} {r['batch']:>2} {_fmt(r.get('tok_s'), '8.2f')} "
             f"{_fmt(100 * r['hit_rate'] if r.get('hit_rate') is not None else None, '6.1f')} "
-            f"{_fmt(r['bytes_copied_per_token'] / 2**20 if r.get('bytes_copied_per_token') is not None else None, '8.1f')} "
+            f"{_fmt(mib, '8.1f')} "
             f"{_fmt(r.get('copy_floor_tok_s'), '8.1f')} {_fmt(r.get('copy_stall_ms_per_token'), '6.2f')} "
             f"{_fmt(r.get('copy_in_step_ms_per_token'), '6.2f')} {_fmt(r.get('copy_in_step_GBps'), '5.1f')} "
             f"{_fmt(r.get('prefetch_accuracy'), '6.2f')} {_fmt(r.get('peak_gib'), '6.1f')} "
@@ -480,9 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_seqs, chunk = max(batch_sizes), max(batch_sizes) * args.prompt_len
     bw = measure_h2d(device)
-    bw["stage_kernel_GBps"] = measure_stage_copy(device, mc)
+    bw["stage_kernel_GBps"], bw["stage_kernel_first_pass_GBps"] = measure_stage_copy(device, mc)
     print(f"host->device: pinned {bw['pinned_GBps']:.1f} GB/s, pageable {bw['pageable_GBps']:.1f} GB/s, zero-copy "
-          f"staging kernel {bw['stage_kernel_GBps']:.1f} GB/s", flush=True)
+          f"staging kernel {bw['stage_kernel_GBps']:.1f} GB/s (first pass over its experts "
+          f"{bw['stage_kernel_first_pass_GBps']:.1f})", flush=True)
     pinned_bps = bw["pinned_GBps"] * 1e9
 
     from moerun.models.tiny import qwen3_tokenizer_dir

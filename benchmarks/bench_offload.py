@@ -203,18 +203,19 @@ def measure_stage_copy(device: torch.device, mc: ModelConfig, launches: int = 16
                                torch.tensor(out, dtype=torch.int64, device=device)))
 
     nbytes = launches * per_launch * expert * 8
+    aligned = words[0] % 2 == 0 and expert % 2 == 0  # every address a multiple of 16 bytes, as in the engine
     clock = copy_clock(device)
     idle = StagePlan(plans[0].src, torch.zeros_like(plans[0].dst))  # copies nothing: compiles both variants
-    copy_misses_triton(idle, sizes, max(words), dst)
-    copy_misses_triton(idle, sizes, max(words), dst, clock=clock)
+    copy_misses_triton(idle, sizes, max(words), dst, aligned=aligned)
+    copy_misses_triton(idle, sizes, max(words), dst, clock=clock, aligned=aligned)
     for plan in plans:  # the first pass, which also warms up the graph's launches
-        copy_misses_triton(plan, sizes, max(words), dst, clock=clock)
+        copy_misses_triton(plan, sizes, max(words), dst, clock=clock, aligned=aligned)
     torch.cuda.synchronize(device)
     first = nbytes / (int(clock[2]) * 1e-9) / 1e9
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for plan in plans:
-            copy_misses_triton(plan, sizes, max(words), dst)
+            copy_misses_triton(plan, sizes, max(words), dst, aligned=aligned)
     seconds = _median_seconds(graph.replay, device)
     del graph, dst
     unregister_all(registry)

@@ -350,6 +350,12 @@ def _cases() -> dict[str, Callable[[], None]]:
         "stage missed experts, the copy timed": lambda: copy_misses_triton(
             StagePlan(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)), words, 64,
             torch.zeros(R, 128, dtype=torch.int64), copy_clock(torch.device("cpu"))),
+        "stage missed experts, the copy 16-byte aligned and timed": lambda: copy_misses_triton(
+            StagePlan(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)), words, 64,
+            torch.zeros(R, 128, dtype=torch.int64), copy_clock(torch.device("cpu")), aligned=True),
+        "stage missed experts, the copy 16-byte aligned, 4-byte words": lambda: copy_misses_triton(
+            StagePlan(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)), words, 64,
+            torch.zeros(R, 128, dtype=torch.int32), aligned=True),
         "stage missed experts, pairs counted": lambda: stage_misses_triton(
             table, torch.ones(E, dtype=torch.int32), ids1.reshape(-1), words, torch.tensor([0, 64]), 64,
             torch.zeros(R, 128, dtype=torch.int64), torch.empty_like(table), counts=torch.zeros(E, dtype=torch.int64)),

@@ -230,3 +230,34 @@ def test_timed_copy_needs_the_gpu_clock() -> None:
     with pytest.raises(ValueError, match="interpreter does not have"):
         copy_misses_triton(plan, torch.ones(1, dtype=torch.int64), 1, torch.zeros(1, 1, dtype=torch.int64),
                            copy_clock(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("word_dtype", [torch.int64, torch.int32], ids=["8-byte words", "4-byte words"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["16-byte copies", "word copies"])
+def test_whole_and_partial_chunks(seed, word_dtype, aligned) -> None:
+    # arrays of whole chunks (copied unmasked), of whole chunks and a tail, and shorter than a chunk, staged byte
+    # for byte; with ``aligned`` every address is a multiple of 16 bytes, as the engine vouches before asking
+    from moerun.kernels.stage_misses import CHUNK_WORDS
+
+    g = torch.Generator().manual_seed(seed)
+    word = torch.empty((), dtype=word_dtype).element_size()
+    sizes = torch.tensor([CHUNK_WORDS, 2 * CHUNK_WORDS + 4 * int(torch.randint(1, 500, (1,), generator=g)), 12])
+    step = 256 // word  # rows' arrays start 256 bytes apart at least, as zero-copy lays them out
+    padded = (sizes + step - 1) // step * step
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(padded, 0)[:-1]])
+    E, P, W = 3, 3, 1
+    host = [[torch.randint(-2**30, 2**30, (int(sizes[a]),), generator=g).to(word_dtype).to(DEVICE) for a in range(P)]
+            for _ in range(E)]  # fmt: skip
+    table = torch.tensor([[[host[e][p].data_ptr()] for e in range(E)] for p in range(P)], dtype=torch.int64)
+    assert not aligned or all(int(x) % 16 == 0 for x in table.flatten())
+    ids = torch.tensor([2, 0], dtype=torch.int32)
+    staging = torch.zeros(2, int(padded.sum()), dtype=word_dtype, device=DEVICE)
+    out = torch.empty(P, E, W, dtype=torch.int64, device=DEVICE)
+    stage_misses_triton(table.to(DEVICE), torch.ones(E, dtype=torch.int32, device=DEVICE), ids.to(DEVICE),
+                        sizes.to(DEVICE), offsets.to(DEVICE), int(sizes.max()), staging, out, aligned=aligned)
+    for row, e in enumerate(ids.tolist()):
+        for a in range(P):
+            view = staging[row, int(offsets[a]) : int(offsets[a] + sizes[a])]
+            assert torch.equal(view, host[e][a]), f"seed={seed}: expert {e} array {a} not staged"
+            assert int(out[a, e, 0]) == view.data_ptr()
+        assert not staging[row, int(offsets[1] + sizes[1]) : int(offsets[2])].any()  # nothing past an array's end

@@ -200,7 +200,8 @@ class ZeroCopyOffload(OffloadManagerBase):
 
     def _make_staging(self) -> None:
         """The device rows missed experts are staged in (kernels/stage_misses.py), where they apply: the Triton
-        backend, stage_experts > 0 and addresses and sizes that are whole words of 4 or 8 bytes."""
+        backend, stage_experts > 0 and addresses and sizes that are whole words of 4 or 8 bytes; the copies move 16
+        bytes a load where every host and slot address is a multiple of 16 (rows start at multiples of 256)."""
         rows = self.config.stage_rows(self.top_k)
         self.staging: torch.Tensor | None = None
         if rows == 0 or pick_backend(self.backend, self.device, "MoE") != "triton":
@@ -213,6 +214,9 @@ class ZeroCopyOffload(OffloadManagerBase):
         word = 8 if low % 8 == 0 else 4 if low % 4 == 0 else 0
         if word == 0:
             return
+        addresses = np.concatenate([self.host_addr.reshape(-1), self.slot_addr.reshape(-1)])
+        addresses = addresses[addresses != 0]
+        self.stage_aligned = not len(addresses) or int((addresses & -addresses).min()) % 16 == 0  # 16-byte copies
         aligned = (sizes + 255) // 256 * 256  # [L, P * W] each array starts 256-byte aligned in its row
         offsets = np.concatenate([np.zeros((L, 1), dtype=np.int64), np.cumsum(aligned, axis=1)[:, :-1]], axis=1)
         row_words = int(aligned.sum(axis=1).max()) // word
@@ -277,7 +281,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         if plan is None:
             return self.step_table, None
         copy = (plan, self.stage_sizes[layer], self.stage_max_words[layer], self.staging,
-                self.clock[layer] if self.copy_timed else None)
+                self.clock[layer] if self.copy_timed else None, self.stage_aligned)
         if not overlap or self.device.type != "cuda":
             copy_misses_triton(*copy)  # in order, before the fused MoE
             return self.step_table, StagedPairs(flags, lambda: None) if overlap else None

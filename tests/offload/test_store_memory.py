@@ -3,6 +3,8 @@ exactly what is written into them; on CUDA they come back page-locked and unlock
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,3 +32,23 @@ def test_pinned_empty_is_locked_and_released() -> None:
     assert torch.equal(t.to("cuda", non_blocking=True).cpu(), src)
     unregister_all(registry)
     assert registry == []
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` in this process (Linux's /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="no transparent huge pages here")
+def test_huge_page_empty_is_advised() -> None:
+    t = huge_page_empty(4 * HUGE_PAGE)
+    assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE took

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -169,11 +170,14 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> bool:
+    """Linux's madvise (the advice numbers are Linux's); True when it took the advice."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc.madvise(address, nbytes, advice) == 0
-    except (OSError, AttributeError):  # no libc madvise (not Linux)
+    except (OSError, AttributeError):  # a libc without madvise
         return False
 
 

@@ -208,15 +208,12 @@ class ZeroCopyOffload(OffloadManagerBase):
             return
         L, P, E, W = self.table.shape
         sizes = np.array([self._array_bytes(layer) for layer in range(L)], dtype=np.int64)  # [L, P * W]
-        values = np.concatenate([self.host_addr.reshape(-1), self.slot_addr.reshape(-1), sizes.reshape(-1)])
-        values = values[values != 0]
-        low = int((values & -values).min()) if len(values) else 8
+        addr_align = address_alignment(*self.host_addr.reshape(-1).tolist(), *self.slot_addr.reshape(-1).tolist())
+        low = min(addr_align, address_alignment(*sizes.reshape(-1).tolist()))
         word = 8 if low % 8 == 0 else 4 if low % 4 == 0 else 0
         if word == 0:
             return
-        addresses = np.concatenate([self.host_addr.reshape(-1), self.slot_addr.reshape(-1)])
-        addresses = addresses[addresses != 0]
-        self.stage_aligned = not len(addresses) or int((addresses & -addresses).min()) % 16 == 0  # 16-byte copies
+        self.stage_aligned = addr_align == 16  # the copies move 16 bytes a load
         aligned = (sizes + 255) // 256 * 256  # [L, P * W] each array starts 256-byte aligned in its row
         offsets = np.concatenate([np.zeros((L, 1), dtype=np.int64), np.cumsum(aligned, axis=1)[:, :-1]], axis=1)
         row_words = int(aligned.sum(axis=1).max()) // word
@@ -585,3 +582,4 @@ class ZeroCopyOffload(OffloadManagerBase):
         assert (self.is_host.cpu().numpy() == ~ready).all(), "the device residency flags disagree with the slots"
         if self.device_admission:
             assert (self.occupant.cpu().numpy() == self.slots.expert_in).all(), "the device occupants disagree"
+

@@ -15,7 +15,7 @@ from moerun.moe.offload.store import HUGE_PAGE, huge_page_empty, pinned_empty, u
 def test_huge_page_empty_is_aligned_and_exact(nbytes: int) -> None:
     t = huge_page_empty(nbytes)
     assert t.dtype == torch.uint8 and t.numel() == nbytes
-    assert t.data_ptr() % HUGE_PAGE == 0
+    assert t.data_ptr() % HUGE_PAGE == 0 and t.untyped_storage().data_ptr() == t.data_ptr()
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     t.copy_(data)
     assert torch.equal(t, data)
@@ -26,7 +26,7 @@ def test_pinned_empty_is_locked_and_released() -> None:
     registry: list[int] = []
     nbytes = 2 * HUGE_PAGE + 7
     t = pinned_empty(nbytes, registry)
-    assert t.numel() == nbytes and t.is_pinned()
+    assert t.numel() == nbytes and t.is_pinned() and t[HUGE_PAGE:].is_pinned()
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     t.copy_(src)
     assert torch.equal(t.to("cuda", non_blocking=True).cpu(), src)

@@ -162,11 +162,16 @@ _MADV_HUGEPAGE = 14
 def huge_page_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 host tensor of ``nbytes`` starting on a 2 MiB boundary, advised (before any page is
     touched) to be backed by 2 MiB pages where the kernel allows transparent huge pages."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % HUGE_PAGE
-    t = raw[start : start + nbytes]  # keeps raw's storage alive
-    _madvise(t.data_ptr(), nbytes, _MADV_HUGEPAGE)
-    return t
+    start = raw.data_ptr() + (-raw.data_ptr()) % HUGE_PAGE
+    _madvise(start, nbytes, _MADV_HUGEPAGE)
+    # a tensor whose storage starts at the aligned address, not a view into raw: torch judges a tensor pinned by
+    # its storage's first byte, and only the aligned region is page-locked
+    window = (ctypes.c_uint8 * nbytes).from_address(start)
+    window.owner = raw  # the buffer keeps raw's memory alive as long as the tensor holds the buffer
+    return torch.frombuffer(window, dtype=torch.uint8)
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> bool:

@@ -204,6 +204,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         bytes a load where every host and slot address is a multiple of 16 (rows start at multiples of 256)."""
         rows = self.config.stage_rows(self.top_k)
         self.staging: torch.Tensor | None = None
+        self.stage_aligned = False  # the copies move 16 bytes a load (set below where staging applies)
         if rows == 0 or pick_backend(self.backend, self.device, "MoE") != "triton":
             return
         L, P, E, W = self.table.shape
@@ -213,7 +214,7 @@ class ZeroCopyOffload(OffloadManagerBase):
         word = 8 if low % 8 == 0 else 4 if low % 4 == 0 else 0
         if word == 0:
             return
-        self.stage_aligned = addr_align == 16  # the copies move 16 bytes a load
+        self.stage_aligned = addr_align == 16
         aligned = (sizes + 255) // 256 * 256  # [L, P * W] each array starts 256-byte aligned in its row
         offsets = np.concatenate([np.zeros((L, 1), dtype=np.int64), np.cumsum(aligned, axis=1)[:, :-1]], axis=1)
         row_words = int(aligned.sum(axis=1).max()) // word
@@ -582,4 +583,3 @@ class ZeroCopyOffload(OffloadManagerBase):
         assert (self.is_host.cpu().numpy() == ~ready).all(), "the device residency flags disagree with the slots"
         if self.device_admission:
             assert (self.occupant.cpu().numpy() == self.slots.expert_in).all(), "the device occupants disagree"
-
